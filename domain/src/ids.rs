@@ -1,0 +1,257 @@
+//! Identifier newtypes. Each is validated once, at the edge, and is then just a value:
+//! a `TenantId` cannot be passed where an `EnvironmentId` is wanted.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use uuid::Uuid;
+
+/// Why a text identifier was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    /// The identifier was empty.
+    #[error("must not be empty")]
+    Empty,
+    /// The identifier was longer than allowed.
+    #[error("must be at most {max} characters")]
+    TooLong {
+        /// The limit.
+        max: usize,
+    },
+    /// The identifier held a character outside `[A-Za-z0-9._:-]`.
+    #[error("may only contain letters, digits, '.', '_', ':' and '-' (found {found:?})")]
+    BadCharacter {
+        /// The first offending character.
+        found: char,
+    },
+    /// A uuid identifier did not parse.
+    #[error("must be a UUID")]
+    NotUuid,
+}
+
+fn check_slug(value: &str, max: usize) -> Result<(), IdError> {
+    if value.is_empty() {
+        return Err(IdError::Empty);
+    }
+    if value.chars().count() > max {
+        return Err(IdError::TooLong { max });
+    }
+    if let Some(found) = value
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')))
+    {
+        return Err(IdError::BadCharacter { found });
+    }
+    Ok(())
+}
+
+macro_rules! text_id {
+    ($(#[$doc:meta])* $name:ident, $max:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            /// Validates and wraps an identifier.
+            pub fn parse(value: impl Into<String>) -> Result<Self, IdError> {
+                let value = value.into();
+                check_slug(&value, $max)?;
+                Ok(Self(value))
+            }
+            /// The identifier as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+        impl TryFrom<String> for $name {
+            type Error = IdError;
+            fn try_from(value: String) -> Result<Self, IdError> {
+                Self::parse(value)
+            }
+        }
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.0
+            }
+        }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+text_id!(
+    /// The tenant a record belongs to; it comes from the caller's token, never from a body.
+    TenantId,
+    64
+);
+text_id!(
+    /// An environment, as named by the environment service (e.g. `payments-prod`).
+    EnvironmentId,
+    128
+);
+text_id!(
+    /// A project, as named by the project catalogue.
+    ProjectId,
+    128
+);
+
+/// The identity that issued a command: the `sub` of the caller's token, or `system:<worker>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(try_from = "String", into = "String")]
+pub struct Actor(String);
+
+impl Actor {
+    /// Validates an actor name: non-empty, at most 256 characters, no control characters.
+    pub fn parse(value: impl Into<String>) -> Result<Self, IdError> {
+        let value = value.into();
+        if value.trim().is_empty() {
+            return Err(IdError::Empty);
+        }
+        if value.chars().count() > 256 {
+            return Err(IdError::TooLong { max: 256 });
+        }
+        if let Some(found) = value.chars().find(|c| c.is_control()) {
+            return Err(IdError::BadCharacter { found });
+        }
+        Ok(Self(value))
+    }
+    /// The actor as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+impl TryFrom<String> for Actor {
+    type Error = IdError;
+    fn try_from(value: String) -> Result<Self, IdError> {
+        Self::parse(value)
+    }
+}
+impl From<Actor> for String {
+    fn from(value: Actor) -> String {
+        value.0
+    }
+}
+impl fmt::Display for Actor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+macro_rules! uuid_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
+        #[serde(transparent)]
+        pub struct $name(Uuid);
+
+        impl $name {
+            /// Wraps an existing uuid.
+            pub fn from_uuid(id: Uuid) -> Self {
+                Self(id)
+            }
+            /// A fresh random id.
+            pub fn new_random() -> Self {
+                Self(Uuid::new_v4())
+            }
+            /// Parses the textual form.
+            pub fn parse(value: &str) -> Result<Self, IdError> {
+                Uuid::parse_str(value).map(Self).map_err(|_| IdError::NotUuid)
+            }
+            /// The inner uuid.
+            pub fn as_uuid(&self) -> Uuid {
+                self.0
+            }
+        }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+    };
+}
+
+uuid_id!(
+    /// A deployment specification: one per tenant, environment and kind (see [`SpecificationId::for_environment`]).
+    SpecificationId
+);
+uuid_id!(
+    /// One provisioning run.
+    ProvisioningRunId
+);
+uuid_id!(
+    /// A promotion of the promotions context.
+    PromotionId
+);
+uuid_id!(
+    /// An approval decision of the run-control context.
+    ApprovalId
+);
+uuid_id!(
+    /// A release of the releases context.
+    ReleaseId
+);
+
+/// Namespace for the name-based ids Ferry derives (uuid v5).
+const FERRY_NAMESPACE: Uuid = Uuid::from_u128(0x6f1b_5c2e_7d7a_4f0e_9c3b_2a1d_0e5f_4a11);
+
+impl SpecificationId {
+    /// The one specification of `kind` for an environment of a tenant. Name-based, so that
+    /// declaring again appends a version to the same specification on every instance.
+    pub fn for_environment(
+        tenant: &TenantId,
+        environment: &EnvironmentId,
+        kind: crate::values::SpecificationKind,
+    ) -> Self {
+        let name = format!("specification/{tenant}/{environment}/{}", kind.as_str());
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
+}
+
+impl ProvisioningRunId {
+    /// The run created by a request carrying `Idempotency-Key: key`: a retry after a crash
+    /// lands on the same run instead of making a second one.
+    pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
+        let name = format!("run/{tenant}/{key}");
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_ids_are_validated() {
+        assert!(TenantId::parse("acme").is_ok());
+        assert_eq!(TenantId::parse(""), Err(IdError::Empty));
+        assert_eq!(
+            EnvironmentId::parse("prod east"),
+            Err(IdError::BadCharacter { found: ' ' })
+        );
+        assert_eq!(
+            TenantId::parse("x".repeat(65)),
+            Err(IdError::TooLong { max: 64 })
+        );
+        let parsed: Result<TenantId, _> = serde_json::from_str("\"a/b\"");
+        assert!(parsed.is_err());
+    }
+
+    #[test]
+    fn specification_ids_are_stable_and_tenant_scoped() {
+        let env = EnvironmentId::parse("dev").unwrap_or_else(|e| panic!("{e}"));
+        let a = TenantId::parse("a").unwrap_or_else(|e| panic!("{e}"));
+        let b = TenantId::parse("b").unwrap_or_else(|e| panic!("{e}"));
+        let kind = crate::values::SpecificationKind::Environment;
+        assert_eq!(
+            SpecificationId::for_environment(&a, &env, kind),
+            SpecificationId::for_environment(&a, &env, kind)
+        );
+        assert_ne!(
+            SpecificationId::for_environment(&a, &env, kind),
+            SpecificationId::for_environment(&b, &env, kind)
+        );
+    }
+}

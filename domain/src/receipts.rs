@@ -1,0 +1,120 @@
+//! Plan and apply receipts: what a runner reported, kept verbatim and never changed.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What a plan would do to one resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ResourceOp {
+    /// Created.
+    Create,
+    /// Updated in place.
+    Update,
+    /// Deleted.
+    Delete,
+    /// Deleted and created again.
+    Replace,
+    /// Unchanged.
+    Same,
+    /// Read only (data sources).
+    Read,
+}
+
+/// One resource of a plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlannedResource {
+    /// The resource's URN.
+    pub urn: String,
+    /// The resource type token (e.g. `aws:s3/bucket:Bucket`).
+    #[serde(rename = "type")]
+    pub resource_type: String,
+    /// What the plan does to it.
+    pub op: ResourceOp,
+}
+
+/// The outcome of policy on a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyOutcome {
+    /// Policy allows the apply.
+    Allow,
+    /// A person must approve.
+    RequireApproval,
+    /// Never apply this plan.
+    Deny,
+}
+
+/// A policy decision with the reasons kept as evidence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyDecision {
+    /// The decision.
+    pub decision: PolicyOutcome,
+    /// Why, one line each; an allow without evidence does not authorise a production apply.
+    pub evidence: Vec<String>,
+}
+
+/// The plan receipt (seed: adds, changes, deletes, inputs hash, program version).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanReceipt {
+    /// Resources to create.
+    pub adds: u32,
+    /// Resources to update in place.
+    pub changes: u32,
+    /// Resources to delete.
+    pub deletes: u32,
+    /// Resources to replace.
+    pub replaces: u32,
+    /// Every resource the plan touches.
+    pub resources: Vec<PlannedResource>,
+    /// sha256 over program version, resolved configuration and secret reference versions.
+    pub inputs_hash: String,
+    /// The commit that was planned.
+    pub program_version: String,
+    /// Which runner made the plan (`pulumi`, `simulated`, `http`).
+    pub runner: String,
+    /// The runner's version.
+    pub runner_version: String,
+    /// The policy decision on this plan, if policy was evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyDecision>,
+    /// Warnings, e.g. configuration served from the last known good values.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+impl PlanReceipt {
+    /// True when the plan removes anything (deletes or replaces).
+    pub fn is_destructive(&self) -> bool {
+        self.deletes > 0 || self.replaces > 0
+    }
+}
+
+/// How an apply ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum ApplyResult {
+    /// Every resource reached its desired state.
+    Succeeded,
+    /// The runner failed; the infrastructure may be partly changed.
+    Failed,
+}
+
+/// The apply receipt (seed: outputs, duration, result, runner version).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplyReceipt {
+    /// The program's outputs after the apply.
+    pub outputs: BTreeMap<String, serde_json::Value>,
+    /// Wall-clock duration of the apply, in seconds.
+    pub duration_seconds: f64,
+    /// How it ended.
+    pub result: ApplyResult,
+    /// The runner's version.
+    pub runner_version: String,
+    /// The resource that failed, where the runner names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failing_resource: Option<String>,
+}

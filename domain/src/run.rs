@@ -1,0 +1,720 @@
+//! The ProvisioningRun aggregate: one plan-and-apply of one specification version.
+//!
+//! ```text
+//! Requested ─plan─▶ Planned ─start apply─▶ Applying ─▶ Applied | Failed
+//!     │                │  └─require approval─▶ AwaitingApproval ─grant─▶ Applying
+//!     │                │                             └─reject─▶ Rejected
+//!     └─fail planning─▶ Failed     cancel (before apply) ─▶ Cancelled
+//!                                  supersede (stale plan) ─▶ Superseded
+//! ```
+//!
+//! Rules kept here: a plan is recorded before any apply; receipts are written once; a
+//! production apply needs the promotion's approval, a person's approval, or (baseline and
+//! reconciliation only) a policy allow with evidence; the approver is not the requester.
+
+use crate::ids::{
+    Actor, ApprovalId, EnvironmentId, ProjectId, PromotionId, ProvisioningRunId, SpecificationId,
+    TenantId,
+};
+use crate::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
+use crate::values::{is_production, EnvironmentClass, ProvisioningKind, ProvisioningState};
+use crate::TenantOwned;
+use chrono::{DateTime, Utc};
+use cqrs_es::event_sink::EventSink;
+use cqrs_es::{Aggregate, DomainEvent};
+use serde::{Deserialize, Serialize};
+
+/// What a run was asked to do: the payload of `ProvisioningRequested`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunRequest {
+    /// The run.
+    pub provisioning_run_id: ProvisioningRunId,
+    /// The owning tenant.
+    pub tenant_id: TenantId,
+    /// The project of the specification.
+    pub project_id: ProjectId,
+    /// The environment the run changes.
+    pub environment_id: EnvironmentId,
+    /// The environment's class when the run was requested; `None` = unknown = production.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment_class: Option<EnvironmentClass>,
+    /// The specification planned.
+    pub specification_id: SpecificationId,
+    /// Its version.
+    pub specification_version: u32,
+    /// Why the run exists.
+    pub kind: ProvisioningKind,
+    /// The promotion that asked for it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promotion_id: Option<PromotionId>,
+    /// The promotion's approval, reused for a production apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_id: Option<ApprovalId>,
+    /// Who asked.
+    pub requested_by: Actor,
+    /// When.
+    pub requested_at: DateTime<Utc>,
+}
+
+/// A person's decision on a run awaiting approval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Decision {
+    /// Let the run apply.
+    Approve,
+    /// Refuse it.
+    Reject,
+}
+
+/// A recorded approval decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalRecord {
+    /// The decision.
+    pub decision: Decision,
+    /// The approval's id in run control, when the decision came from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_id: Option<ApprovalId>,
+    /// Who decided.
+    pub decided_by: Actor,
+    /// Why, as they said it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When.
+    pub decided_at: DateTime<Utc>,
+}
+
+/// What allowed a run to apply; kept on the run as evidence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum ApplyAuthorization {
+    /// Outside production, and policy did not ask for approval.
+    NotRequired,
+    /// The promotion's production-class approval, carried by the run.
+    #[serde(rename_all = "camelCase")]
+    PromotionApproval {
+        /// The promotion.
+        promotion_id: PromotionId,
+        /// Its approval.
+        approval_id: ApprovalId,
+    },
+    /// Policy allowed a baseline or reconciliation apply, with this evidence.
+    #[serde(rename_all = "camelCase")]
+    PolicyAllow {
+        /// The reasons policy gave.
+        evidence: Vec<String>,
+    },
+    /// A person (not the requester) approved.
+    #[serde(rename_all = "camelCase")]
+    Approval {
+        /// Who approved.
+        approved_by: Actor,
+        /// The approval's id, if it came from run control.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        approval_id: Option<ApprovalId>,
+    },
+}
+
+/// Which step failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureStage {
+    /// Planning failed (e.g. the program version does not exist).
+    Plan,
+    /// The apply failed.
+    Apply,
+}
+
+/// Commands of the run aggregate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunCommand {
+    /// PlanProvisioning: record the run in `Requested`.
+    Request(Box<RunRequest>),
+    /// The planner's receipt.
+    RecordPlan {
+        /// The receipt.
+        receipt: Box<PlanReceipt>,
+        /// Where the plan log is kept.
+        logs_ref: Option<String>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// Planning failed; the reason names the reference that could not be used.
+    FailPlanning {
+        /// Why.
+        reason: String,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// A production apply without approval must wait for one.
+    RequireApproval {
+        /// Why approval is needed.
+        reason: String,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// Approve or reject a run awaiting approval.
+    DecideApproval {
+        /// The decision.
+        decision: Decision,
+        /// Who decides.
+        decided_by: Actor,
+        /// Why.
+        reason: Option<String>,
+        /// The run-control approval, when the decision came from there.
+        approval_id: Option<ApprovalId>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// Begin applying a planned run that is approved or allowed.
+    StartApply {
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// The runner succeeded.
+    RecordApplySucceeded {
+        /// Its receipt (result `Succeeded`).
+        receipt: Box<ApplyReceipt>,
+        /// Where the apply log is kept.
+        logs_ref: Option<String>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// The runner failed.
+    RecordApplyFailed {
+        /// Its receipt (result `Failed`), naming the failing resource where it can.
+        receipt: Box<ApplyReceipt>,
+        /// Why.
+        reason: String,
+        /// Where the apply log is kept.
+        logs_ref: Option<String>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// Cancel before apply.
+    Cancel {
+        /// Who cancels.
+        cancelled_by: Actor,
+        /// Why.
+        reason: Option<String>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// The plan went stale (the environment changed after it was made).
+    Supersede {
+        /// What changed.
+        reason: String,
+        /// When.
+        at: DateTime<Utc>,
+    },
+}
+
+impl RunCommand {
+    /// The command's name, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Request(_) => "Request",
+            Self::RecordPlan { .. } => "RecordPlan",
+            Self::FailPlanning { .. } => "FailPlanning",
+            Self::RequireApproval { .. } => "RequireApproval",
+            Self::DecideApproval { .. } => "DecideApproval",
+            Self::StartApply { .. } => "StartApply",
+            Self::RecordApplySucceeded { .. } => "RecordApplySucceeded",
+            Self::RecordApplyFailed { .. } => "RecordApplyFailed",
+            Self::Cancel { .. } => "Cancel",
+            Self::Supersede { .. } => "Supersede",
+        }
+    }
+}
+
+/// Events of the run aggregate. Type strings are the variant names; all are version 1.0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum RunEvent {
+    /// The run exists, in `Requested`.
+    ProvisioningRequested(Box<RunRequest>),
+    /// The plan receipt is recorded; the run is `Planned`.
+    #[serde(rename_all = "camelCase")]
+    ProvisioningPlanned {
+        /// The receipt.
+        plan_receipt: Box<PlanReceipt>,
+        /// The plan log.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logs_ref: Option<String>,
+        /// When.
+        planned_at: DateTime<Utc>,
+    },
+    /// The run waits for a person's decision.
+    #[serde(rename_all = "camelCase")]
+    ApprovalRequired {
+        /// Why.
+        reason: String,
+        /// When.
+        required_at: DateTime<Utc>,
+    },
+    /// Approved: the run moves to `Applying`.
+    ApprovalGranted(ApprovalRecord),
+    /// Rejected: the run is `Rejected`.
+    ApprovalRejected(ApprovalRecord),
+    /// Authorised and handed to the runner: `Applying`.
+    #[serde(rename_all = "camelCase")]
+    ApplyStarted {
+        /// What authorised it.
+        authorization: ApplyAuthorization,
+        /// When.
+        started_at: DateTime<Utc>,
+    },
+    /// The apply succeeded: `Applied`.
+    #[serde(rename_all = "camelCase")]
+    ProvisioningApplied {
+        /// The receipt.
+        apply_receipt: Box<ApplyReceipt>,
+        /// The apply log.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logs_ref: Option<String>,
+        /// When.
+        applied_at: DateTime<Utc>,
+    },
+    /// Planning or apply failed: `Failed`.
+    #[serde(rename_all = "camelCase")]
+    ProvisioningFailed {
+        /// Which step.
+        stage: FailureStage,
+        /// Why.
+        reason: String,
+        /// The apply receipt, for an apply failure.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        apply_receipt: Option<Box<ApplyReceipt>>,
+        /// The log.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logs_ref: Option<String>,
+        /// When.
+        failed_at: DateTime<Utc>,
+    },
+    /// Cancelled before apply.
+    #[serde(rename_all = "camelCase")]
+    ProvisioningCancelled {
+        /// Who.
+        cancelled_by: Actor,
+        /// Why.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        /// When.
+        cancelled_at: DateTime<Utc>,
+    },
+    /// The plan went stale and will never be applied.
+    #[serde(rename_all = "camelCase")]
+    ProvisioningSuperseded {
+        /// What changed.
+        reason: String,
+        /// When.
+        superseded_at: DateTime<Utc>,
+    },
+}
+
+impl DomainEvent for RunEvent {
+    fn event_type(&self) -> String {
+        match self {
+            Self::ProvisioningRequested(_) => "ProvisioningRequested",
+            Self::ProvisioningPlanned { .. } => "ProvisioningPlanned",
+            Self::ApprovalRequired { .. } => "ApprovalRequired",
+            Self::ApprovalGranted(_) => "ApprovalGranted",
+            Self::ApprovalRejected(_) => "ApprovalRejected",
+            Self::ApplyStarted { .. } => "ApplyStarted",
+            Self::ProvisioningApplied { .. } => "ProvisioningApplied",
+            Self::ProvisioningFailed { .. } => "ProvisioningFailed",
+            Self::ProvisioningCancelled { .. } => "ProvisioningCancelled",
+            Self::ProvisioningSuperseded { .. } => "ProvisioningSuperseded",
+        }
+        .to_string()
+    }
+    fn event_version(&self) -> String {
+        "1.0".to_string()
+    }
+}
+
+/// Rules a run command can break. Each maps to one HTTP status in the API.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// `Request` on a run that exists.
+    #[error("provisioning run already exists")]
+    AlreadyRequested,
+    /// Any other command on a run that does not exist.
+    #[error("provisioning run does not exist")]
+    NotRequested,
+    /// The command is not allowed in the run's state.
+    #[error("{command} is not allowed when the run is {state}")]
+    InvalidTransition {
+        /// The command.
+        command: &'static str,
+        /// The run's state.
+        state: ProvisioningState,
+    },
+    /// Receipts are immutable: a plan receipt exists.
+    #[error("the plan receipt is already recorded and cannot be replaced")]
+    PlanReceiptAlreadyRecorded,
+    /// Receipts are immutable: an apply receipt exists.
+    #[error("the apply receipt is already recorded and cannot be replaced")]
+    ApplyReceiptAlreadyRecorded,
+    /// A production apply without an approval or a policy allow.
+    #[error("this apply needs an approval: {0}")]
+    ApprovalRequired(String),
+    /// Policy denied the plan; it is never applied.
+    #[error("policy denied this plan: {0}")]
+    PolicyDenied(String),
+    /// The approver is the requester.
+    #[error("{0} requested this run and cannot approve it")]
+    ApproverIsRequester(Actor),
+    /// A receipt whose result contradicts the command (a failed receipt recorded as success).
+    #[error("the apply receipt's result is {found:?}, expected {expected:?}")]
+    ReceiptResultMismatch {
+        /// What the command needed.
+        expected: ApplyResult,
+        /// What the receipt said.
+        found: ApplyResult,
+    },
+    /// A reason was required and was empty.
+    #[error("a reason is required")]
+    ReasonRequired,
+}
+
+/// The run's state, rebuilt from its events.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProvisioningRun {
+    request: Option<RunRequest>,
+    state: Option<ProvisioningState>,
+    plan_receipt: Option<PlanReceipt>,
+    approval: Option<ApprovalRecord>,
+    authorization: Option<ApplyAuthorization>,
+    apply_receipt: Option<ApplyReceipt>,
+}
+
+impl ProvisioningRun {
+    /// What was requested, if the run exists.
+    pub fn request(&self) -> Option<&RunRequest> {
+        self.request.as_ref()
+    }
+    /// The current state, if the run exists.
+    pub fn state(&self) -> Option<ProvisioningState> {
+        self.state
+    }
+    /// The plan receipt, once recorded.
+    pub fn plan_receipt(&self) -> Option<&PlanReceipt> {
+        self.plan_receipt.as_ref()
+    }
+    /// The approval decision, if any.
+    pub fn approval(&self) -> Option<&ApprovalRecord> {
+        self.approval.as_ref()
+    }
+    /// What authorised the apply, once applying.
+    pub fn authorization(&self) -> Option<&ApplyAuthorization> {
+        self.authorization.as_ref()
+    }
+    /// The apply receipt, once recorded.
+    pub fn apply_receipt(&self) -> Option<&ApplyReceipt> {
+        self.apply_receipt.as_ref()
+    }
+
+    fn expect_state(
+        &self,
+        command: &RunCommand,
+        allowed: &[ProvisioningState],
+    ) -> Result<(&RunRequest, ProvisioningState), RunError> {
+        let (Some(request), Some(state)) = (self.request.as_ref(), self.state) else {
+            return Err(RunError::NotRequested);
+        };
+        if allowed.contains(&state) {
+            Ok((request, state))
+        } else {
+            Err(RunError::InvalidTransition {
+                command: command.name(),
+                state,
+            })
+        }
+    }
+
+    /// Decides whether a planned run may apply without a person's approval, and on what
+    /// grounds. `Err(ApprovalRequired)` means it must wait in `AwaitingApproval`.
+    pub fn authorize_apply(&self) -> Result<ApplyAuthorization, RunError> {
+        let request = self.request.as_ref().ok_or(RunError::NotRequested)?;
+        let plan = self
+            .plan_receipt
+            .as_ref()
+            .ok_or(RunError::InvalidTransition {
+                command: "StartApply",
+                state: self.state.unwrap_or(ProvisioningState::Requested),
+            })?;
+        let policy = plan.policy.as_ref();
+        if let Some(p) = policy.filter(|p| p.decision == PolicyOutcome::Deny) {
+            return Err(RunError::PolicyDenied(p.evidence.join("; ")));
+        }
+        let policy_wants_approval =
+            policy.is_some_and(|p| p.decision == PolicyOutcome::RequireApproval);
+        if let (Some(promotion_id), Some(approval_id)) = (request.promotion_id, request.approval_id)
+        {
+            if request.kind == ProvisioningKind::Release {
+                return Ok(ApplyAuthorization::PromotionApproval {
+                    promotion_id,
+                    approval_id,
+                });
+            }
+        }
+        if policy_wants_approval {
+            return Err(RunError::ApprovalRequired(
+                "policy requires approval for this plan".to_string(),
+            ));
+        }
+        if !is_production(request.environment_class) {
+            return Ok(ApplyAuthorization::NotRequired);
+        }
+        match request.kind {
+            ProvisioningKind::Baseline | ProvisioningKind::Reconciliation => match policy {
+                Some(p) if p.decision == PolicyOutcome::Allow && !p.evidence.is_empty() => {
+                    if plan.is_destructive() {
+                        Err(RunError::ApprovalRequired(
+                            "a production plan that deletes or replaces resources is never applied automatically"
+                                .to_string(),
+                        ))
+                    } else {
+                        Ok(ApplyAuthorization::PolicyAllow {
+                            evidence: p.evidence.clone(),
+                        })
+                    }
+                }
+                _ => Err(RunError::ApprovalRequired(format!(
+                    "a production {} apply needs a policy allow with evidence",
+                    request.kind.as_str()
+                ))),
+            },
+            ProvisioningKind::Release => Err(RunError::ApprovalRequired(
+                "a production release apply needs the promotion's approval".to_string(),
+            )),
+            ProvisioningKind::Decommission => Err(RunError::ApprovalRequired(
+                "a production decommission needs a person's approval".to_string(),
+            )),
+        }
+    }
+}
+
+impl TenantOwned for ProvisioningRun {
+    fn tenant(&self) -> Option<&TenantId> {
+        self.request.as_ref().map(|r| &r.tenant_id)
+    }
+}
+
+use ProvisioningState as S;
+
+fn non_empty(reason: &str) -> Result<(), RunError> {
+    if reason.trim().is_empty() {
+        Err(RunError::ReasonRequired)
+    } else {
+        Ok(())
+    }
+}
+
+impl Aggregate for ProvisioningRun {
+    const TYPE: &'static str = "ProvisioningRun";
+    type Command = RunCommand;
+    type Event = RunEvent;
+    type Error = RunError;
+    type Services = ();
+
+    async fn handle(
+        &mut self,
+        command: Self::Command,
+        _services: &(),
+        sink: &EventSink<Self>,
+    ) -> Result<(), Self::Error> {
+        let event = match &command {
+            RunCommand::Request(request) => {
+                if self.request.is_some() {
+                    return Err(RunError::AlreadyRequested);
+                }
+                RunEvent::ProvisioningRequested(request.clone())
+            }
+            RunCommand::RecordPlan {
+                receipt,
+                logs_ref,
+                at,
+            } => {
+                if self.request.is_some() && self.plan_receipt.is_some() {
+                    return Err(RunError::PlanReceiptAlreadyRecorded);
+                }
+                self.expect_state(&command, &[S::Requested])?;
+                RunEvent::ProvisioningPlanned {
+                    plan_receipt: receipt.clone(),
+                    logs_ref: logs_ref.clone(),
+                    planned_at: *at,
+                }
+            }
+            RunCommand::FailPlanning { reason, at } => {
+                self.expect_state(&command, &[S::Requested])?;
+                non_empty(reason)?;
+                RunEvent::ProvisioningFailed {
+                    stage: FailureStage::Plan,
+                    reason: reason.clone(),
+                    apply_receipt: None,
+                    logs_ref: None,
+                    failed_at: *at,
+                }
+            }
+            RunCommand::RequireApproval { reason, at } => {
+                self.expect_state(&command, &[S::Planned])?;
+                non_empty(reason)?;
+                RunEvent::ApprovalRequired {
+                    reason: reason.clone(),
+                    required_at: *at,
+                }
+            }
+            RunCommand::DecideApproval {
+                decision,
+                decided_by,
+                reason,
+                approval_id,
+                at,
+            } => {
+                let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
+                if *decision == Decision::Approve && request.requested_by == *decided_by {
+                    return Err(RunError::ApproverIsRequester(decided_by.clone()));
+                }
+                if let Some(p) = self
+                    .plan_receipt
+                    .as_ref()
+                    .and_then(|p| p.policy.as_ref())
+                    .filter(|p| p.decision == PolicyOutcome::Deny && *decision == Decision::Approve)
+                {
+                    return Err(RunError::PolicyDenied(p.evidence.join("; ")));
+                }
+                let record = ApprovalRecord {
+                    decision: *decision,
+                    approval_id: *approval_id,
+                    decided_by: decided_by.clone(),
+                    reason: reason.clone(),
+                    decided_at: *at,
+                };
+                match decision {
+                    Decision::Approve => RunEvent::ApprovalGranted(record),
+                    Decision::Reject => RunEvent::ApprovalRejected(record),
+                }
+            }
+            RunCommand::StartApply { at } => {
+                self.expect_state(&command, &[S::Planned])?;
+                RunEvent::ApplyStarted {
+                    authorization: self.authorize_apply()?,
+                    started_at: *at,
+                }
+            }
+            RunCommand::RecordApplySucceeded {
+                receipt,
+                logs_ref,
+                at,
+            } => {
+                if self.apply_receipt.is_some() {
+                    return Err(RunError::ApplyReceiptAlreadyRecorded);
+                }
+                self.expect_state(&command, &[S::Applying])?;
+                if receipt.result != ApplyResult::Succeeded {
+                    return Err(RunError::ReceiptResultMismatch {
+                        expected: ApplyResult::Succeeded,
+                        found: receipt.result,
+                    });
+                }
+                RunEvent::ProvisioningApplied {
+                    apply_receipt: receipt.clone(),
+                    logs_ref: logs_ref.clone(),
+                    applied_at: *at,
+                }
+            }
+            RunCommand::RecordApplyFailed {
+                receipt,
+                reason,
+                logs_ref,
+                at,
+            } => {
+                if self.apply_receipt.is_some() {
+                    return Err(RunError::ApplyReceiptAlreadyRecorded);
+                }
+                self.expect_state(&command, &[S::Applying])?;
+                non_empty(reason)?;
+                if receipt.result != ApplyResult::Failed {
+                    return Err(RunError::ReceiptResultMismatch {
+                        expected: ApplyResult::Failed,
+                        found: receipt.result,
+                    });
+                }
+                RunEvent::ProvisioningFailed {
+                    stage: FailureStage::Apply,
+                    reason: reason.clone(),
+                    apply_receipt: Some(receipt.clone()),
+                    logs_ref: logs_ref.clone(),
+                    failed_at: *at,
+                }
+            }
+            RunCommand::Cancel {
+                cancelled_by,
+                reason,
+                at,
+            } => {
+                self.expect_state(&command, &[S::Requested, S::Planned, S::AwaitingApproval])?;
+                RunEvent::ProvisioningCancelled {
+                    cancelled_by: cancelled_by.clone(),
+                    reason: reason.clone(),
+                    cancelled_at: *at,
+                }
+            }
+            RunCommand::Supersede { reason, at } => {
+                self.expect_state(&command, &[S::Planned, S::AwaitingApproval])?;
+                non_empty(reason)?;
+                RunEvent::ProvisioningSuperseded {
+                    reason: reason.clone(),
+                    superseded_at: *at,
+                }
+            }
+        };
+        sink.write(event, self).await;
+        Ok(())
+    }
+
+    fn apply(&mut self, event: Self::Event) {
+        match event {
+            RunEvent::ProvisioningRequested(request) => {
+                self.request = Some(*request);
+                self.state = Some(S::Requested);
+            }
+            RunEvent::ProvisioningPlanned { plan_receipt, .. } => {
+                self.plan_receipt = Some(*plan_receipt);
+                self.state = Some(S::Planned);
+            }
+            RunEvent::ApprovalRequired { .. } => self.state = Some(S::AwaitingApproval),
+            RunEvent::ApprovalGranted(record) => {
+                self.authorization = Some(ApplyAuthorization::Approval {
+                    approved_by: record.decided_by.clone(),
+                    approval_id: record.approval_id,
+                });
+                self.approval = Some(record);
+                self.state = Some(S::Applying);
+            }
+            RunEvent::ApprovalRejected(record) => {
+                self.approval = Some(record);
+                self.state = Some(S::Rejected);
+            }
+            RunEvent::ApplyStarted { authorization, .. } => {
+                self.authorization = Some(authorization);
+                self.state = Some(S::Applying);
+            }
+            RunEvent::ProvisioningApplied { apply_receipt, .. } => {
+                self.apply_receipt = Some(*apply_receipt);
+                self.state = Some(S::Applied);
+            }
+            RunEvent::ProvisioningFailed { apply_receipt, .. } => {
+                self.apply_receipt = apply_receipt.map(|r| *r);
+                self.state = Some(S::Failed);
+            }
+            RunEvent::ProvisioningCancelled { .. } => self.state = Some(S::Cancelled),
+            RunEvent::ProvisioningSuperseded { .. } => self.state = Some(S::Superseded),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

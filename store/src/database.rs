@@ -1,0 +1,240 @@
+//! Connecting to the store, running migrations, and the small amount of SQL dialect
+//! difference between Postgres and SQLite.
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use std::borrow::Cow;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Which engine holds the events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// PostgreSQL (`DATABASE_URL`).
+    Postgres,
+    /// SQLite (the embedded default).
+    Sqlite,
+}
+
+/// Failures to open or migrate the store.
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    /// The database URL or file could not be opened.
+    #[error("cannot connect to {target}: {source}")]
+    Connect {
+        /// What we tried to open (password removed).
+        target: String,
+        /// Why it failed.
+        source: sqlx::Error,
+    },
+    /// A migration failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The data directory could not be created.
+    #[error("cannot create data directory {path}: {source}")]
+    DataDir {
+        /// The directory.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Any other database error.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// A pool on one of the two engines, plus the in-process wake-up signal for subscribers.
+#[derive(Clone, Debug)]
+pub enum Pool {
+    /// Postgres.
+    Postgres(PgPool),
+    /// SQLite.
+    Sqlite(SqlitePool),
+}
+
+/// The store: a pool and a signal raised whenever this process commits events.
+#[derive(Clone, Debug)]
+pub struct Database {
+    pool: Pool,
+    committed: Arc<watch::Sender<u64>>,
+}
+
+/// Removes the password from a URL before it is shown.
+pub fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((userinfo, host)) => {
+                let user = userinfo.split(':').next().unwrap_or_default();
+                format!("{scheme}://{user}:***@{host}")
+            }
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+impl Database {
+    /// Connects to Postgres at `url`.
+    pub async fn connect_postgres(url: &str) -> Result<Self, DatabaseError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await
+            .map_err(|source| DatabaseError::Connect {
+                target: redact_url(url),
+                source,
+            })?;
+        Ok(Self::from_pool(Pool::Postgres(pool)))
+    }
+
+    /// Opens (creating if needed) `ferry.db` in `data_dir`, in WAL mode.
+    pub async fn open_sqlite(data_dir: &Path) -> Result<Self, DatabaseError> {
+        std::fs::create_dir_all(data_dir).map_err(|source| DatabaseError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+        Self::open_sqlite_file(&data_dir.join("ferry.db")).await
+    }
+
+    /// Opens (creating if needed) an SQLite database file.
+    pub async fn open_sqlite_file(path: &Path) -> Result<Self, DatabaseError> {
+        let target = path.display().to_string();
+        let options = SqliteConnectOptions::from_str(&format!("sqlite://{target}"))
+            .map_err(|source| DatabaseError::Connect {
+                target: target.clone(),
+                source,
+            })?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(15))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .map_err(|source| DatabaseError::Connect { target, source })?;
+        Ok(Self::from_pool(Pool::Sqlite(pool)))
+    }
+
+    /// Wraps an existing pool.
+    pub fn from_pool(pool: Pool) -> Self {
+        Self {
+            pool,
+            committed: Arc::new(watch::channel(0).0),
+        }
+    }
+
+    /// Applies the migrations of `migrations/postgres` or `migrations/sqlite`.
+    pub async fn migrate(&self) -> Result<(), DatabaseError> {
+        match &self.pool {
+            Pool::Postgres(pool) => sqlx::migrate!("../migrations/postgres").run(pool).await?,
+            Pool::Sqlite(pool) => sqlx::migrate!("../migrations/sqlite").run(pool).await?,
+        }
+        Ok(())
+    }
+
+    /// The engine.
+    pub fn backend(&self) -> Backend {
+        match self.pool {
+            Pool::Postgres(_) => Backend::Postgres,
+            Pool::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Changes after this process commits events. Subscribers also poll and (on Postgres)
+    /// listen for NOTIFY from other instances, so a missed signal only delays them.
+    pub fn subscribe_commits(&self) -> watch::Receiver<u64> {
+        self.committed.subscribe()
+    }
+
+    /// Tells this process's subscribers that events were committed.
+    pub fn signal_commit(&self) {
+        self.committed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Rewrites `$1`-style placeholders for SQLite (`?1`), so that one SQL text serves both.
+    pub fn sql<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        sql_for(self.backend(), text)
+    }
+
+    /// True when the store answers a trivial query.
+    pub async fn ping(&self) -> bool {
+        match &self.pool {
+            Pool::Postgres(p) => sqlx::query("SELECT 1").execute(p).await.is_ok(),
+            Pool::Sqlite(p) => sqlx::query("SELECT 1").execute(p).await.is_ok(),
+        }
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        match &self.pool {
+            Pool::Postgres(p) => p.close().await,
+            Pool::Sqlite(p) => p.close().await,
+        }
+    }
+}
+
+/// See [`Database::sql`].
+pub fn sql_for(backend: Backend, text: &str) -> Cow<'_, str> {
+    if backend == Backend::Postgres || !text.contains('$') {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) {
+            out.push('?');
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Runs the same block against whichever pool the database has. The block sees `$pool` as a
+/// concrete `PgPool` or `SqlitePool`, so sqlx types check for each engine.
+#[macro_export]
+macro_rules! on_pool {
+    ($db:expr, $pool:ident => $body:expr) => {
+        match $db.pool() {
+            $crate::database::Pool::Postgres($pool) => $body,
+            $crate::database::Pool::Sqlite($pool) => $body,
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_rewritten_for_sqlite_only() {
+        let q = "SELECT a FROM t WHERE x = $1 AND y = $12 AND z = '$'";
+        assert_eq!(sql_for(Backend::Postgres, q), q);
+        assert_eq!(
+            sql_for(Backend::Sqlite, q),
+            "SELECT a FROM t WHERE x = ?1 AND y = ?12 AND z = '$'"
+        );
+    }
+
+    #[test]
+    fn passwords_are_not_shown() {
+        assert_eq!(
+            redact_url("postgres://ferry:secret@db:5432/ferry"),
+            "postgres://ferry:***@db:5432/ferry"
+        );
+        assert_eq!(redact_url("postgres://db/ferry"), "postgres://db/ferry");
+    }
+}

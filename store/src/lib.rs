@@ -1,0 +1,26 @@
+//! Ferry's event store and the global stream over it.
+//!
+//! * [`Database`]: a Postgres pool (production) or an SQLite file (the embedded default),
+//!   with the migrations of `migrations/`.
+//! * [`Repository`]: loads an aggregate for a tenant, runs a command through cqrs-es's plain
+//!   event store (never its snapshot or aggregate stores, see DESIGN §2), commits with the
+//!   event metadata, and returns the new state.
+//! * [`stream`]: the durable, globally ordered stream of stored events that projections and
+//!   other subscriptions read with their own checkpoints (DESIGN §4).
+#![forbid(unsafe_code)]
+
+pub mod database;
+pub mod idempotency;
+pub mod metadata;
+pub mod repository;
+pub mod stream;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+pub use database::{Backend, Database, DatabaseError};
+pub use metadata::EventMetadata;
+pub use repository::{CommandError, Executed, Repository};
+pub use stream::{Handler, HandlerError, Param, Position, StoredEvent, Tx};
+
+#[cfg(test)]
+mod tests;

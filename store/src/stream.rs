@@ -1,0 +1,522 @@
+//! The global stream: every stored event, in an order that never skips a late commit, read
+//! by subscriptions that keep their own checkpoints (DESIGN §4).
+//!
+//! On Postgres a reader only takes events whose inserting transaction is older than the
+//! oldest transaction still running (`transaction_id < pg_snapshot_xmin(...)`) and orders
+//! by `(transaction_id, global_position)`: a transaction that took an earlier position but
+//! commits later is read when it commits, never jumped over. On SQLite there is one writer
+//! at a time, so the position order is the commit order.
+//!
+//! A subscription handles a batch and moves its checkpoint in the same transaction, so each
+//! event takes effect exactly once.
+
+use crate::database::{Backend, Database, DatabaseError, Pool};
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::postgres::PgRow;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Postgres, Row, Sqlite, Transaction};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use uuid::Uuid;
+
+/// A position in the global stream. On SQLite `transaction_id` is always 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Position {
+    /// The inserting transaction (Postgres `xid8`).
+    pub transaction_id: i64,
+    /// The event's global position.
+    pub global_position: i64,
+}
+
+/// One event as stored, with its place in the global stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredEvent {
+    /// Where it is in the stream.
+    pub position: Position,
+    /// Unique per event; the CloudEvent id and `Nats-Msg-Id` downstream.
+    pub event_id: Uuid,
+    /// `ProvisioningRun`, `DeploymentSpecification`, …
+    pub aggregate_type: String,
+    /// The aggregate's id.
+    pub aggregate_id: String,
+    /// The aggregate's sequence number of this event.
+    pub sequence: i64,
+    /// Stable event type string.
+    pub event_type: String,
+    /// Event schema version.
+    pub event_version: String,
+    /// The serialized domain event.
+    pub payload: Value,
+    /// The metadata map (tenantId, actor, correlationId, causationId, requestId).
+    pub metadata: Value,
+    /// When the store recorded it.
+    pub recorded_at: DateTime<Utc>,
+}
+
+impl StoredEvent {
+    /// The tenant from the metadata.
+    pub fn tenant_id(&self) -> Option<&str> {
+        self.metadata.get("tenantId").and_then(Value::as_str)
+    }
+}
+
+/// A value bound to a statement; lets one piece of SQL run on either engine.
+#[derive(Debug, Clone)]
+pub enum Param {
+    /// Text (or NULL).
+    Text(Option<String>),
+    /// 64-bit integer (or NULL).
+    Int(Option<i64>),
+    /// JSON document (jsonb on Postgres, text on SQLite) (or NULL).
+    Json(Option<Value>),
+    /// Timestamp (or NULL).
+    Time(Option<DateTime<Utc>>),
+}
+
+/// A transaction on either engine.
+pub enum Tx {
+    /// Postgres.
+    Postgres(Transaction<'static, Postgres>),
+    /// SQLite.
+    Sqlite(Transaction<'static, Sqlite>),
+}
+
+macro_rules! bind_all {
+    ($query:expr, $params:expr) => {{
+        let mut q = $query;
+        for p in $params {
+            q = match p {
+                Param::Text(v) => q.bind(v.clone()),
+                Param::Int(v) => q.bind(*v),
+                Param::Json(v) => q.bind(v.clone().map(sqlx::types::Json)),
+                Param::Time(v) => q.bind(*v),
+            };
+        }
+        q
+    }};
+}
+
+const PG_BATCH: &str = "
+SELECT global_position, transaction_id::text::bigint AS transaction_id, event_id::text AS event_id,
+       aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE (transaction_id, global_position) > ($1::text::xid8, $2)
+   AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+ ORDER BY transaction_id, global_position
+ LIMIT $3";
+
+const SQLITE_BATCH: &str = "
+SELECT global_position, 0 AS transaction_id, event_id, aggregate_type, aggregate_id, sequence,
+       event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE global_position > ?1
+ ORDER BY global_position
+ LIMIT ?2";
+
+fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
+    let event_id: String = row.try_get("event_id")?;
+    Ok(StoredEvent {
+        position: Position {
+            transaction_id: row.try_get("transaction_id")?,
+            global_position: row.try_get("global_position")?,
+        },
+        event_id: Uuid::parse_str(&event_id).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        sequence: row.try_get("sequence")?,
+        event_type: row.try_get("event_type")?,
+        event_version: row.try_get("event_version")?,
+        payload: row.try_get("payload")?,
+        metadata: row.try_get("metadata")?,
+        recorded_at: row.try_get("recorded_at")?,
+    })
+}
+
+fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
+    let event_id: String = row.try_get("event_id")?;
+    let recorded_at: String = row.try_get("recorded_at")?;
+    let payload: String = row.try_get("payload")?;
+    let metadata: String = row.try_get("metadata")?;
+    let decode = |e: serde_json::Error| sqlx::Error::Decode(Box::new(e));
+    Ok(StoredEvent {
+        position: Position {
+            transaction_id: 0,
+            global_position: row.try_get("global_position")?,
+        },
+        event_id: Uuid::parse_str(&event_id).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        sequence: row.try_get("sequence")?,
+        event_type: row.try_get("event_type")?,
+        event_version: row.try_get("event_version")?,
+        payload: serde_json::from_str(&payload).map_err(decode)?,
+        metadata: serde_json::from_str(&metadata).map_err(decode)?,
+        recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))?
+            .with_timezone(&Utc),
+    })
+}
+
+impl Tx {
+    /// Begins a transaction.
+    pub async fn begin(db: &Database) -> Result<Self, sqlx::Error> {
+        Ok(match db.pool() {
+            Pool::Postgres(p) => Tx::Postgres(p.begin().await?),
+            Pool::Sqlite(p) => Tx::Sqlite(p.begin().await?),
+        })
+    }
+
+    /// The engine.
+    pub fn backend(&self) -> Backend {
+        match self {
+            Tx::Postgres(_) => Backend::Postgres,
+            Tx::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
+    /// Commits.
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(t) => t.commit().await,
+            Tx::Sqlite(t) => t.commit().await,
+        }
+    }
+
+    /// Runs one statement written with `$n` placeholders; returns the rows affected.
+    pub async fn execute(&mut self, sql: &str, params: &[Param]) -> Result<u64, sqlx::Error> {
+        let sql = crate::database::sql_for(self.backend(), sql);
+        Ok(match self {
+            Tx::Postgres(t) => bind_all!(sqlx::query(&sql), params)
+                .execute(&mut **t)
+                .await?
+                .rows_affected(),
+            Tx::Sqlite(t) => bind_all!(sqlx::query(&sql), params)
+                .execute(&mut **t)
+                .await?
+                .rows_affected(),
+        })
+    }
+
+    /// Reads one JSON column of the first row of a query (e.g. a stored document).
+    pub async fn fetch_json(
+        &mut self,
+        sql: &str,
+        params: &[Param],
+    ) -> Result<Option<Value>, sqlx::Error> {
+        let sql = crate::database::sql_for(self.backend(), sql);
+        match self {
+            Tx::Postgres(t) => {
+                let row = bind_all!(sqlx::query(&sql), params)
+                    .fetch_optional(&mut **t)
+                    .await?;
+                row.map(|r| r.try_get::<Value, _>(0)).transpose()
+            }
+            Tx::Sqlite(t) => {
+                let row = bind_all!(sqlx::query(&sql), params)
+                    .fetch_optional(&mut **t)
+                    .await?;
+                match row {
+                    None => Ok(None),
+                    Some(r) => {
+                        let text: String = r.try_get(0)?;
+                        serde_json::from_str(&text)
+                            .map(Some)
+                            .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes the subscription's checkpoint and holds it until commit: the row is locked on
+    /// Postgres, and on SQLite this first write takes the database's write lock, so two
+    /// runners of one subscription never handle the same batch.
+    pub async fn claim_checkpoint(&mut self, name: &str) -> Result<Position, sqlx::Error> {
+        self.execute(
+            "INSERT INTO subscription_checkpoints (name) VALUES ($1) ON CONFLICT (name) DO NOTHING",
+            &[Param::Text(Some(name.to_string()))],
+        )
+        .await?;
+        let sql = "UPDATE subscription_checkpoints SET updated_at = updated_at WHERE name = $1
+                   RETURNING transaction_id, global_position";
+        let sql = crate::database::sql_for(self.backend(), sql);
+        let (transaction_id, global_position): (i64, i64) = match self {
+            Tx::Postgres(t) => sqlx::query_as(&sql).bind(name).fetch_one(&mut **t).await?,
+            Tx::Sqlite(t) => sqlx::query_as(&sql).bind(name).fetch_one(&mut **t).await?,
+        };
+        Ok(Position {
+            transaction_id,
+            global_position,
+        })
+    }
+
+    /// Moves the subscription's checkpoint (call after [`Tx::claim_checkpoint`]).
+    pub async fn save_checkpoint(&mut self, name: &str, to: Position) -> Result<(), sqlx::Error> {
+        let now = match self.backend() {
+            Backend::Postgres => "now()",
+            Backend::Sqlite => "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')",
+        };
+        let sql = format!(
+            "UPDATE subscription_checkpoints SET transaction_id = $2, global_position = $3, updated_at = {now} WHERE name = $1"
+        );
+        self.execute(
+            &sql,
+            &[
+                Param::Text(Some(name.to_string())),
+                Param::Int(Some(to.transaction_id)),
+                Param::Int(Some(to.global_position)),
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Up to `limit` events after `after`, in stream order.
+    pub async fn read_batch(
+        &mut self,
+        after: Position,
+        limit: i64,
+    ) -> Result<Vec<StoredEvent>, sqlx::Error> {
+        match self {
+            Tx::Postgres(t) => sqlx::query(PG_BATCH)
+                .bind(after.transaction_id.to_string())
+                .bind(after.global_position)
+                .bind(limit)
+                .fetch_all(&mut **t)
+                .await?
+                .iter()
+                .map(pg_event)
+                .collect(),
+            Tx::Sqlite(t) => sqlx::query(SQLITE_BATCH)
+                .bind(after.global_position)
+                .bind(limit)
+                .fetch_all(&mut **t)
+                .await?
+                .iter()
+                .map(sqlite_event)
+                .collect(),
+        }
+    }
+}
+
+/// Reads up to `limit` events after `after` outside any subscription.
+pub async fn read_after(
+    db: &Database,
+    after: Position,
+    limit: i64,
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
+    let mut tx = Tx::begin(db).await?;
+    let events = tx.read_batch(after, limit).await?;
+    tx.commit().await?;
+    Ok(events)
+}
+
+/// A subscription's progress, for `ferry projections status` and `/readyz`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubscriptionStatus {
+    /// The subscription.
+    pub name: String,
+    /// Its checkpoint.
+    pub position: Position,
+    /// Events stored after the checkpoint.
+    pub lag: i64,
+    /// The newest position in the store.
+    pub head: i64,
+}
+
+/// The checkpoint and lag of every subscription with a checkpoint row.
+pub async fn subscription_status(db: &Database) -> Result<Vec<SubscriptionStatus>, sqlx::Error> {
+    let rows: Vec<(String, i64, i64)> = crate::on_pool!(db, pool => sqlx::query_as(
+        "SELECT name, transaction_id, global_position FROM subscription_checkpoints ORDER BY name"
+    ).fetch_all(pool).await?);
+    let head: i64 = crate::on_pool!(db, pool => sqlx::query_scalar(
+        "SELECT COALESCE(MAX(global_position), 0) FROM events"
+    ).fetch_one(pool).await?);
+    let mut out = Vec::with_capacity(rows.len());
+    for (name, transaction_id, global_position) in rows {
+        let lag: i64 = match db.pool() {
+            Pool::Postgres(p) => {
+                sqlx::query_scalar(
+                    "SELECT count(*) FROM events WHERE (transaction_id, global_position) > ($1::text::xid8, $2)",
+                )
+                .bind(transaction_id.to_string())
+                .bind(global_position)
+                .fetch_one(p)
+                .await?
+            }
+            Pool::Sqlite(p) => {
+                sqlx::query_scalar("SELECT count(*) FROM events WHERE global_position > ?1")
+                    .bind(global_position)
+                    .fetch_one(p)
+                    .await?
+            }
+        };
+        out.push(SubscriptionStatus {
+            name,
+            position: Position {
+                transaction_id,
+                global_position,
+            },
+            lag,
+            head,
+        });
+    }
+    Ok(out)
+}
+
+/// What a subscription does with each event, inside the batch's transaction.
+#[async_trait::async_trait]
+pub trait Handler: Send + Sync {
+    /// The subscription's checkpoint name.
+    fn name(&self) -> &str;
+    /// Applies one event. An error rolls the whole batch back; it is retried later.
+    async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError>;
+}
+
+/// A handler's failure.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// A database error.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    /// A stored payload that does not deserialize into its event type.
+    #[error("event {event_type} at position {position} does not decode: {reason}")]
+    Decode {
+        /// Event type.
+        event_type: String,
+        /// Its global position.
+        position: i64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// How many events one transaction handles at most.
+pub const BATCH_SIZE: i64 = 256;
+
+/// Handles one batch; returns how many events it took.
+pub async fn run_batch(db: &Database, handler: &dyn Handler) -> Result<usize, HandlerError> {
+    let mut tx = Tx::begin(db).await?;
+    let from = tx.claim_checkpoint(handler.name()).await?;
+    let events = tx.read_batch(from, BATCH_SIZE).await?;
+    let Some(last) = events.last().map(|e| e.position) else {
+        tx.commit().await?;
+        return Ok(0);
+    };
+    for event in &events {
+        handler.handle(&mut tx, event).await?;
+    }
+    tx.save_checkpoint(handler.name(), last).await?;
+    tx.commit().await?;
+    Ok(events.len())
+}
+
+/// Handles batches until the subscription has nothing left to read; returns the count.
+pub async fn catch_up(db: &Database, handler: &dyn Handler) -> Result<usize, HandlerError> {
+    let mut total = 0;
+    loop {
+        let n = run_batch(db, handler).await?;
+        total += n;
+        if n < BATCH_SIZE as usize {
+            return Ok(total);
+        }
+    }
+}
+
+/// Runs a subscription until `shutdown` turns true: catch up, then wait for a commit signal
+/// (in-process or Postgres NOTIFY) or the poll interval. Errors are logged and retried with
+/// a growing pause, so one bad moment of the database does not stop the subscription.
+pub async fn run_subscription(
+    db: Database,
+    handler: Arc<dyn Handler>,
+    poll: Duration,
+    mut shutdown: watch::Receiver<bool>,
+    progress: Option<watch::Sender<u64>>,
+) {
+    let mut commits = db.subscribe_commits();
+    let mut backoff = Duration::from_millis(100);
+    let span = tracing::info_span!("subscription", name = handler.name());
+    let _guard = span.enter();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        match catch_up(&db, handler.as_ref()).await {
+            Ok(n) => {
+                backoff = Duration::from_millis(100);
+                if n > 0 {
+                    tracing::debug!(events = n, "handled");
+                    if let Some(p) = &progress {
+                        p.send_modify(|v| *v = v.wrapping_add(1));
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, retry_in_ms = backoff.as_millis() as u64, "subscription batch failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.changed() => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+                continue;
+            }
+        }
+        tokio::select! {
+            _ = commits.changed() => {}
+            _ = tokio::time::sleep(poll) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// On Postgres, forwards `NOTIFY ferry_events` (from any instance) to this process's commit
+/// signal. Reconnects on failure; subscribers poll meanwhile.
+pub fn spawn_notify_listener(db: &Database, mut shutdown: watch::Receiver<bool>) {
+    let Pool::Postgres(pool) = db.pool().clone() else {
+        return;
+    };
+    let db = db.clone();
+    tokio::spawn(async move {
+        loop {
+            let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+                Ok(l) => l,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot LISTEN for events; polling only");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    continue;
+                }
+            };
+            if let Err(error) = listener.listen("ferry_events").await {
+                tracing::warn!(%error, "LISTEN ferry_events failed; polling only");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                continue;
+            }
+            loop {
+                tokio::select! {
+                    n = listener.recv() => match n {
+                        Ok(_) => db.signal_commit(),
+                        Err(error) => {
+                            tracing::warn!(%error, "event notifications interrupted");
+                            break;
+                        }
+                    },
+                    _ = shutdown.changed() => return,
+                }
+            }
+        }
+    });
+}
+
+/// Converts a store error into the error type used at start-up.
+impl From<HandlerError> for DatabaseError {
+    fn from(e: HandlerError) -> Self {
+        match e {
+            HandlerError::Sql(e) => DatabaseError::Sql(e),
+            other => DatabaseError::Sql(sqlx::Error::Protocol(other.to_string())),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Test helpers: a fresh, migrated database per test on either engine.
+//!
+//! Postgres tests need `DATABASE_URL` (an account that may create databases); each test gets
+//! its own database, dropped when the guard goes out of scope.
+
+use crate::database::{Backend, Database};
+
+/// A database that exists for one test.
+pub struct TestDatabase {
+    /// The migrated store.
+    pub db: Database,
+    /// The URL (Postgres) or file path (SQLite) of the store.
+    pub location: String,
+    admin_url: Option<String>,
+    name: String,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// The server URL tests use for Postgres.
+pub fn postgres_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string())
+}
+
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let base = match base.rfind('/') {
+        Some(i) if base[..i].contains("://") && i > base.find("://").unwrap_or(0) + 2 => &base[..i],
+        _ => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{name}?{q}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+impl TestDatabase {
+    /// A fresh migrated database on `backend`.
+    pub async fn new(backend: Backend) -> Self {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let db = Database::open_sqlite(dir.path())
+                    .await
+                    .expect("open sqlite");
+                db.migrate().await.expect("migrate sqlite");
+                Self {
+                    db,
+                    location: dir.path().join("ferry.db").display().to_string(),
+                    admin_url: None,
+                    name: String::new(),
+                    _dir: Some(dir),
+                }
+            }
+            Backend::Postgres => {
+                let admin_url = postgres_url();
+                let name = format!("ferry_test_{}", uuid::Uuid::new_v4().simple());
+                let admin = Database::connect_postgres(&admin_url)
+                    .await
+                    .expect("connect postgres");
+                crate::on_pool!(admin, pool => sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(pool).await.expect("create test database").rows_affected());
+                admin.close().await;
+                let url = with_database(&admin_url, &name);
+                let db = Database::connect_postgres(&url)
+                    .await
+                    .expect("connect test database");
+                db.migrate().await.expect("migrate postgres");
+                Self {
+                    db,
+                    location: url,
+                    admin_url: Some(admin_url),
+                    name,
+                    _dir: None,
+                }
+            }
+        }
+    }
+
+    /// Closes the pool and drops the Postgres database.
+    pub async fn cleanup(self) {
+        self.db.close().await;
+        if let Some(admin_url) = &self.admin_url {
+            if let Ok(admin) = Database::connect_postgres(admin_url).await {
+                let _ = crate::on_pool!(admin, pool => sqlx::query(&format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name
+                )).execute(pool).await.map(|r| r.rows_affected()));
+                admin.close().await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn database_name_is_replaced() {
+        assert_eq!(
+            super::with_database("postgres://u@h:5432/postgres", "x"),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(
+            super::with_database("postgres://u@h/postgres?sslmode=disable", "x"),
+            "postgres://u@h/x?sslmode=disable"
+        );
+    }
+}
+
+/// Polls `check` until it returns `Some`, for at most ten seconds. The global stream on
+/// Postgres holds an event back while any older transaction on the server still runs
+/// (other tests included), so readers in tests wait for a condition, not a fixed time.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,328 @@
+//! Store tests on both engines: commands, tenants, conflicts, the global stream and
+//! idempotency keys. Postgres tests use `DATABASE_URL` (or the local default).
+
+use crate::database::{Backend, Pool};
+use crate::idempotency::{self, KeyState};
+use crate::metadata::EventMetadata;
+use crate::repository::{CommandError, Repository};
+use crate::stream::{self, Handler, HandlerError, Position, StoredEvent, Tx};
+use crate::testing::{eventually, TestDatabase};
+use chrono::Utc;
+use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunRequest};
+use ferry_domain::*;
+use std::sync::Mutex;
+use uuid::Uuid;
+
+const BOTH: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];
+
+fn tenant(name: &str) -> TenantId {
+    TenantId::parse(name).unwrap()
+}
+
+fn meta(t: &str) -> EventMetadata {
+    EventMetadata::for_request(tenant(t), Actor::parse("alice").unwrap(), Uuid::new_v4())
+}
+
+fn request(t: &str, id: ProvisioningRunId) -> RunCommand {
+    RunCommand::Request(Box::new(RunRequest {
+        provisioning_run_id: id,
+        tenant_id: tenant(t),
+        project_id: ProjectId::parse("payments").unwrap(),
+        environment_id: EnvironmentId::parse("dev").unwrap(),
+        environment_class: None,
+        specification_id: SpecificationId::new_random(),
+        specification_version: 1,
+        kind: ProvisioningKind::Release,
+        promotion_id: None,
+        approval_id: None,
+        requested_by: Actor::parse("alice").unwrap(),
+        requested_at: Utc::now(),
+    }))
+}
+
+fn cancel() -> RunCommand {
+    RunCommand::Cancel {
+        cancelled_by: Actor::parse("bob").unwrap(),
+        reason: None,
+        at: Utc::now(),
+    }
+}
+
+#[tokio::test]
+async fn commands_are_stored_and_scoped_to_their_tenant() {
+    for backend in BOTH {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let id = ProvisioningRunId::new_random();
+        let key = id.to_string();
+        let done = runs
+            .execute(&tenant("a"), &key, request("a", id), &meta("a"), true)
+            .await
+            .unwrap();
+        assert_eq!(done.sequence, 1);
+        assert_eq!(done.aggregate.state(), Some(ProvisioningState::Requested));
+
+        // Tenant b sees nothing and changes nothing.
+        assert!(runs.load(&tenant("b"), &key).await.unwrap().is_none());
+        let err = runs
+            .execute(&tenant("b"), &key, cancel(), &meta("b"), false)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, CommandError::NotFound),
+            "{backend:?}: {err:?}"
+        );
+
+        // A command on a missing run is NotFound, not a new aggregate.
+        let err = runs
+            .execute(&tenant("a"), "nope", cancel(), &meta("a"), false)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::NotFound));
+
+        let done = runs
+            .execute(&tenant("a"), &key, cancel(), &meta("a"), false)
+            .await
+            .unwrap();
+        assert_eq!(done.sequence, 2);
+        let err = runs
+            .execute(&tenant("a"), &key, cancel(), &meta("a"), false)
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            CommandError::Domain(RunError::InvalidTransition { .. })
+        ));
+        let (run, seq) = runs.load(&tenant("a"), &key).await.unwrap().unwrap();
+        assert_eq!((run.state(), seq), (Some(ProvisioningState::Cancelled), 2));
+
+        // Metadata and the stream columns are stored with each event.
+        let events = eventually("two events", || async {
+            let e = stream::read_after(&t.db, Position::default(), 10)
+                .await
+                .unwrap();
+            (e.len() == 2).then_some(e)
+        })
+        .await;
+        assert_eq!(events[0].tenant_id(), Some("a"));
+        assert_eq!(events[0].metadata["actor"], "alice");
+        assert_ne!(events[0].event_id, events[1].event_id);
+        assert_eq!(events[1].event_type, "ProvisioningCancelled");
+        t.cleanup().await;
+    }
+}
+
+#[tokio::test]
+async fn a_concurrent_write_is_a_conflict() {
+    for backend in BOTH {
+        let t = TestDatabase::new(backend).await;
+        let id = Uuid::new_v4().to_string();
+        // Two events claiming the same aggregate sequence: the second is refused.
+        let insert = t.db.sql(
+            "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+             VALUES ('ProvisioningRun', $1, 1, 'X', '1.0', $2, $2)",
+        );
+        let json = sqlx::types::Json(serde_json::json!({}));
+        crate::on_pool!(t.db, pool => sqlx::query(&insert).bind(&id).bind(&json).execute(pool).await.unwrap().rows_affected());
+        let err = crate::on_pool!(t.db, pool => sqlx::query(&insert).bind(&id).bind(&json).execute(pool).await.map(|r| r.rows_affected())).unwrap_err();
+        let mapped: CommandError<RunError> =
+            cqrs_es::AggregateError::<RunError>::UnexpectedError(Box::new(err)).into();
+        assert!(matches!(mapped, CommandError::Conflict), "{backend:?}");
+
+        // Through the repository: two requests racing on one run id end with one event.
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let run_id = ProvisioningRunId::new_random();
+        let key = run_id.to_string();
+        let (ta, ma1, ma2) = (tenant("a"), meta("a"), meta("a"));
+        let (a, b) = tokio::join!(
+            runs.execute(&ta, &key, request("a", run_id), &ma1, true),
+            runs.execute(&ta, &key, request("a", run_id), &ma2, true),
+        );
+        let ok = [a.is_ok(), b.is_ok()].iter().filter(|x| **x).count();
+        assert_eq!(ok, 1, "{backend:?}: exactly one request wins");
+        for r in [a, b] {
+            if let Err(e) = r {
+                assert!(
+                    matches!(
+                        e,
+                        CommandError::Conflict | CommandError::Domain(RunError::AlreadyRequested)
+                    ),
+                    "{e:?}"
+                );
+            }
+        }
+        t.cleanup().await;
+    }
+}
+
+struct Recorder {
+    name: String,
+    seen: Mutex<Vec<StoredEvent>>,
+}
+
+#[async_trait::async_trait]
+impl Handler for Recorder {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    async fn handle(&self, _tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
+        self.seen.lock().unwrap().push(event.clone());
+        Ok(())
+    }
+}
+
+/// The transaction that inserted first commits last: a reader that ran in between must
+/// still see its event afterwards. Two connections, real Postgres.
+#[tokio::test]
+async fn a_slow_earlier_transaction_is_not_skipped() {
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let Pool::Postgres(pool) = t.db.pool().clone() else {
+        unreachable!()
+    };
+    let insert = "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+                  VALUES ('T', $1, 1, 'E', '1.0', '{}', '{}') RETURNING global_position";
+    let mut slow = pool.begin().await.unwrap();
+    let slow_pos: i64 = sqlx::query_scalar(insert)
+        .bind("slow")
+        .fetch_one(&mut *slow)
+        .await
+        .unwrap();
+    let mut fast = pool.begin().await.unwrap();
+    let fast_pos: i64 = sqlx::query_scalar(insert)
+        .bind("fast")
+        .fetch_one(&mut *fast)
+        .await
+        .unwrap();
+    assert!(slow_pos < fast_pos);
+    fast.commit().await.unwrap();
+
+    let recorder = Recorder {
+        name: "test".to_string(),
+        seen: Mutex::new(vec![]),
+    };
+    // While the slow transaction runs, the fast event (a later position) is held back.
+    assert_eq!(stream::catch_up(&t.db, &recorder).await.unwrap(), 0);
+    slow.commit().await.unwrap();
+    assert_eq!(stream::catch_up(&t.db, &recorder).await.unwrap(), 2);
+    let ids: Vec<String> = recorder
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.aggregate_id.clone())
+        .collect();
+    assert_eq!(ids, ["slow", "fast"]);
+    assert_eq!(stream::catch_up(&t.db, &recorder).await.unwrap(), 0);
+    let status = stream::subscription_status(&t.db).await.unwrap();
+    assert_eq!(status[0].lag, 0);
+    assert_eq!(status[0].head, fast_pos);
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_subscription_resumes_from_its_checkpoint() {
+    for backend in BOTH {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        for _ in 0..3 {
+            let id = ProvisioningRunId::new_random();
+            runs.execute(
+                &tenant("a"),
+                &id.to_string(),
+                request("a", id),
+                &meta("a"),
+                true,
+            )
+            .await
+            .unwrap();
+        }
+        let first = Recorder {
+            name: "s".to_string(),
+            seen: Mutex::new(vec![]),
+        };
+        eventually("three events", || async {
+            stream::catch_up(&t.db, &first).await.unwrap();
+            (first.seen.lock().unwrap().len() == 3).then_some(())
+        })
+        .await;
+        assert_eq!(first.seen.lock().unwrap().len(), 3);
+        let id = ProvisioningRunId::new_random();
+        runs.execute(
+            &tenant("a"),
+            &id.to_string(),
+            request("a", id),
+            &meta("a"),
+            true,
+        )
+        .await
+        .unwrap();
+        // A new runner of the same subscription only gets what is new.
+        let second = Recorder {
+            name: "s".to_string(),
+            seen: Mutex::new(vec![]),
+        };
+        eventually("the new event", || async {
+            stream::catch_up(&t.db, &second).await.unwrap();
+            (!second.seen.lock().unwrap().is_empty()).then_some(())
+        })
+        .await;
+        assert_eq!(second.seen.lock().unwrap().len(), 1, "{backend:?}");
+        assert_eq!(second.seen.lock().unwrap()[0].aggregate_id, id.to_string());
+        let status = stream::subscription_status(&t.db).await.unwrap();
+        assert_eq!(
+            (status[0].lag, status[0].head),
+            (0, status[0].position.global_position)
+        );
+        t.cleanup().await;
+    }
+}
+
+#[tokio::test]
+async fn idempotency_keys_replay_or_refuse() {
+    for backend in BOTH {
+        let t = TestDatabase::new(backend).await;
+        let db = &t.db;
+        assert_eq!(
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+                .await
+                .unwrap(),
+            KeyState::Fresh
+        );
+        assert_eq!(
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+                .await
+                .unwrap(),
+            KeyState::Replay {
+                resource_id: "r1".to_string(),
+                response: None
+            }
+        );
+        let body = serde_json::json!({"state": "Requested"});
+        idempotency::record_response(db, "a", "k1", 201, &body)
+            .await
+            .unwrap();
+        assert_eq!(
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+                .await
+                .unwrap(),
+            KeyState::Replay {
+                resource_id: "r1".to_string(),
+                response: Some((201, body))
+            }
+        );
+        assert_eq!(
+            idempotency::reserve(db, "a", "k1", "op", "h2", "r1")
+                .await
+                .unwrap(),
+            KeyState::Mismatch
+        );
+        // Keys are per tenant.
+        assert_eq!(
+            idempotency::reserve(db, "b", "k1", "op", "h2", "r2")
+                .await
+                .unwrap(),
+            KeyState::Fresh
+        );
+        t.cleanup().await;
+    }
+}
