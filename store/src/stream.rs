@@ -84,15 +84,17 @@ pub enum Tx {
     Sqlite(Transaction<'static, Sqlite>),
 }
 
-macro_rules! bind_all {
+/// Binds a slice of [`Param`]s to a sqlx query on either engine.
+#[macro_export]
+macro_rules! bind_params {
     ($query:expr, $params:expr) => {{
         let mut q = $query;
         for p in $params {
             q = match p {
-                Param::Text(v) => q.bind(v.clone()),
-                Param::Int(v) => q.bind(*v),
-                Param::Json(v) => q.bind(v.clone().map(sqlx::types::Json)),
-                Param::Time(v) => q.bind(*v),
+                $crate::stream::Param::Text(v) => q.bind(v.clone()),
+                $crate::stream::Param::Int(v) => q.bind(*v),
+                $crate::stream::Param::Json(v) => q.bind(v.clone().map(sqlx::types::Json)),
+                $crate::stream::Param::Time(v) => q.bind(*v),
             };
         }
         q
@@ -189,11 +191,11 @@ impl Tx {
     pub async fn execute(&mut self, sql: &str, params: &[Param]) -> Result<u64, sqlx::Error> {
         let sql = crate::database::sql_for(self.backend(), sql);
         Ok(match self {
-            Tx::Postgres(t) => bind_all!(sqlx::query(&sql), params)
+            Tx::Postgres(t) => crate::bind_params!(sqlx::query(&sql), params)
                 .execute(&mut **t)
                 .await?
                 .rows_affected(),
-            Tx::Sqlite(t) => bind_all!(sqlx::query(&sql), params)
+            Tx::Sqlite(t) => crate::bind_params!(sqlx::query(&sql), params)
                 .execute(&mut **t)
                 .await?
                 .rows_affected(),
@@ -209,13 +211,13 @@ impl Tx {
         let sql = crate::database::sql_for(self.backend(), sql);
         match self {
             Tx::Postgres(t) => {
-                let row = bind_all!(sqlx::query(&sql), params)
+                let row = crate::bind_params!(sqlx::query(&sql), params)
                     .fetch_optional(&mut **t)
                     .await?;
                 row.map(|r| r.try_get::<Value, _>(0)).transpose()
             }
             Tx::Sqlite(t) => {
-                let row = bind_all!(sqlx::query(&sql), params)
+                let row = crate::bind_params!(sqlx::query(&sql), params)
                     .fetch_optional(&mut **t)
                     .await?;
                 match row {

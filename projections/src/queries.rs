@@ -1,0 +1,322 @@
+//! Reads of the read models: filters, cursor paging, and the bounded wait that gives a
+//! client read-your-writes after a command.
+
+use crate::views::{CurrentSpecificationView, EnvironmentSpecificationView, RunView};
+use base64::Engine;
+use ferry_domain::specification::SpecificationVersion;
+use ferry_domain::*;
+use ferry_store::stream::Param;
+use ferry_store::{bind_params, on_pool, Database};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sqlx::types::Json;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// A page of results and the cursor of the next one.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Page<T> {
+    /// The items, newest first.
+    pub items: Vec<T>,
+    /// Pass as `cursor` to get the next page; absent on the last page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// A cursor that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cursor is not one this server issued")]
+pub struct BadCursor;
+
+/// Opaque cursor: the stream position of the last item on the page.
+pub fn encode_cursor(position: i64) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("p:{position}"))
+}
+
+/// Reads a cursor made by [`encode_cursor`].
+pub fn decode_cursor(cursor: &str) -> Result<i64, BadCursor> {
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(cursor)
+        .map_err(|_| BadCursor)?;
+    let text = String::from_utf8(bytes).map_err(|_| BadCursor)?;
+    text.strip_prefix("p:")
+        .and_then(|p| p.parse().ok())
+        .filter(|p: &i64| *p > 0)
+        .ok_or(BadCursor)
+}
+
+/// Filters of `GET /factory/provisioning/specifications`.
+#[derive(Debug, Clone, Default)]
+pub struct SpecificationFilter {
+    /// Only this environment.
+    pub environment_id: Option<EnvironmentId>,
+    /// Only this project.
+    pub project_id: Option<ProjectId>,
+    /// Only this kind.
+    pub kind: Option<SpecificationKind>,
+    /// Only this specification's versions.
+    pub specification_id: Option<SpecificationId>,
+}
+
+/// Filters of `GET /factory/provisioning/runs`.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    /// Only this environment.
+    pub environment_id: Option<EnvironmentId>,
+    /// Only this kind.
+    pub kind: Option<ProvisioningKind>,
+    /// Only this state.
+    pub state: Option<ProvisioningState>,
+}
+
+/// A failure to read.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// The database failed.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    /// A stored document no longer matches its type (rebuild the projection).
+    #[error("stored document does not decode: {0}")]
+    Document(#[from] serde_json::Error),
+}
+
+/// The read side.
+#[derive(Clone)]
+pub struct ReadModels {
+    db: Database,
+    progress: Option<watch::Receiver<u64>>,
+}
+
+fn doc<T: DeserializeOwned>(v: Value) -> Result<T, QueryError> {
+    Ok(serde_json::from_value(v)?)
+}
+
+impl ReadModels {
+    /// Reads from `db`; `progress` (from the projector) wakes read-your-writes waits.
+    pub fn new(db: Database, progress: Option<watch::Receiver<u64>>) -> Self {
+        Self { db, progress }
+    }
+
+    async fn page(
+        &self,
+        table: &str,
+        mut clauses: Vec<String>,
+        mut params: Vec<Param>,
+        limit: u32,
+        cursor: Option<i64>,
+    ) -> Result<(Vec<Value>, Option<String>), QueryError> {
+        if let Some(c) = cursor {
+            params.push(Param::Int(Some(c)));
+            clauses.push(format!("position < ${}", params.len()));
+        }
+        params.push(Param::Int(Some(i64::from(limit) + 1)));
+        let sql = format!(
+            "SELECT position, document FROM {table} WHERE {} ORDER BY position DESC LIMIT ${}",
+            clauses.join(" AND "),
+            params.len()
+        );
+        let sql = self.db.sql(&sql);
+        let mut rows: Vec<(i64, Json<Value>)> = on_pool!(self.db, pool =>
+            bind_params!(sqlx::query_as(&sql), &params).fetch_all(pool).await?);
+        let next = if rows.len() > limit as usize {
+            rows.truncate(limit as usize);
+            rows.last().map(|(p, _)| encode_cursor(*p))
+        } else {
+            None
+        };
+        Ok((rows.into_iter().map(|(_, d)| d.0).collect(), next))
+    }
+
+    /// Every declared version matching `filter`, newest first.
+    pub async fn list_specifications(
+        &self,
+        tenant: &TenantId,
+        filter: &SpecificationFilter,
+        limit: u32,
+        cursor: Option<i64>,
+    ) -> Result<Page<SpecificationVersion>, QueryError> {
+        let mut clauses = vec!["tenant_id = $1".to_string()];
+        let mut params = vec![Param::Text(Some(tenant.to_string()))];
+        let mut add = |column: &str, value: Option<String>| {
+            if let Some(v) = value {
+                params.push(Param::Text(Some(v)));
+                clauses.push(format!("{column} = ${}", params.len()));
+            }
+        };
+        add(
+            "environment_id",
+            filter.environment_id.as_ref().map(ToString::to_string),
+        );
+        add(
+            "project_id",
+            filter.project_id.as_ref().map(ToString::to_string),
+        );
+        add("kind", filter.kind.map(|k| k.as_str().to_string()));
+        add(
+            "specification_id",
+            filter.specification_id.map(|s| s.to_string()),
+        );
+        let (docs, next_cursor) = self
+            .page("rm_specification_versions", clauses, params, limit, cursor)
+            .await?;
+        Ok(Page {
+            items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
+            next_cursor,
+        })
+    }
+
+    /// Runs matching `filter`, newest first.
+    pub async fn list_runs(
+        &self,
+        tenant: &TenantId,
+        filter: &RunFilter,
+        limit: u32,
+        cursor: Option<i64>,
+    ) -> Result<Page<RunView>, QueryError> {
+        let mut clauses = vec!["tenant_id = $1".to_string()];
+        let mut params = vec![Param::Text(Some(tenant.to_string()))];
+        let mut add = |column: &str, value: Option<String>| {
+            if let Some(v) = value {
+                params.push(Param::Text(Some(v)));
+                clauses.push(format!("{column} = ${}", params.len()));
+            }
+        };
+        add(
+            "environment_id",
+            filter.environment_id.as_ref().map(ToString::to_string),
+        );
+        add("kind", filter.kind.map(|k| k.as_str().to_string()));
+        add("state", filter.state.map(|s| s.as_str().to_string()));
+        let (docs, next_cursor) = self.page("rm_runs", clauses, params, limit, cursor).await?;
+        Ok(Page {
+            items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
+            next_cursor,
+        })
+    }
+
+    /// One run of the tenant.
+    pub async fn get_run(
+        &self,
+        tenant: &TenantId,
+        id: ProvisioningRunId,
+    ) -> Result<Option<RunView>, QueryError> {
+        let sql = self
+            .db
+            .sql("SELECT document FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
+        let row: Option<(Json<Value>,)> = on_pool!(self.db, pool => sqlx::query_as(&sql)
+            .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
+        row.map(|(d,)| doc(d.0)).transpose()
+    }
+
+    /// The newest and last applied specification of each kind for an environment.
+    pub async fn current_specification(
+        &self,
+        tenant: &TenantId,
+        environment: &EnvironmentId,
+    ) -> Result<Option<CurrentSpecificationView>, QueryError> {
+        let sql = self.db.sql(
+            "SELECT latest, applied FROM rm_environment_specifications
+              WHERE tenant_id = $1 AND environment_id = $2 ORDER BY kind",
+        );
+        let rows: Vec<(Json<Value>, Option<Json<Value>>)> = on_pool!(self.db, pool =>
+            sqlx::query_as(&sql).bind(tenant.as_str()).bind(environment.as_str()).fetch_all(pool).await?);
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let specifications = rows
+            .into_iter()
+            .map(|(latest, applied)| {
+                let latest: SpecificationVersion = doc(latest.0)?;
+                Ok(EnvironmentSpecificationView {
+                    kind: latest.kind,
+                    specification_id: latest.specification_id,
+                    applied: applied.map(|a| doc(a.0)).transpose()?,
+                    latest,
+                })
+            })
+            .collect::<Result<_, QueryError>>()?;
+        Ok(Some(CurrentSpecificationView {
+            environment_id: environment.clone(),
+            specifications,
+        }))
+    }
+
+    /// Waits (at most `timeout`) until the run's view has reached `version`.
+    pub async fn wait_for_run(
+        &self,
+        tenant: &TenantId,
+        id: ProvisioningRunId,
+        version: u64,
+        timeout: Duration,
+    ) -> Result<bool, QueryError> {
+        let sql = self
+            .db
+            .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
+        self.wait_until(timeout, || async {
+            let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
+                .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
+            Ok(v.is_some_and(|v| v as u64 >= version))
+        })
+        .await
+    }
+
+    /// Waits (at most `timeout`) until a specification version is visible in the lists
+    /// and in the environment's current specification.
+    pub async fn wait_for_specification(
+        &self,
+        tenant: &TenantId,
+        id: SpecificationId,
+        version: u32,
+        timeout: Duration,
+    ) -> Result<bool, QueryError> {
+        let sql = self.db.sql(
+            "SELECT (SELECT count(*) FROM rm_specification_versions WHERE tenant_id = $1 AND specification_id = $2 AND version = $3)
+                  + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
+        );
+        self.wait_until(timeout, || async {
+            let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
+                .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
+            Ok(n == 2)
+        })
+        .await
+    }
+
+    async fn wait_until<F, Fut>(&self, timeout: Duration, mut check: F) -> Result<bool, QueryError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, QueryError>>,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut progress = self.progress.clone();
+        loop {
+            if check().await? {
+                return Ok(true);
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            // Wake on projector progress; poll as well, since another instance may project.
+            let pause = (deadline - now).min(Duration::from_millis(50));
+            match progress.as_mut() {
+                Some(p) => {
+                    let _ = tokio::time::timeout(pause, p.changed()).await;
+                }
+                None => tokio::time::sleep(pause).await,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod cursor_tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_reject_garbage() {
+        assert_eq!(decode_cursor(&encode_cursor(42)), Ok(42));
+        assert_eq!(decode_cursor("not-a-cursor"), Err(BadCursor));
+        assert_eq!(decode_cursor(&encode_cursor(-1)), Err(BadCursor));
+    }
+}

@@ -1,0 +1,460 @@
+//! Projection and query tests on real Postgres and SQLite.
+
+use crate::projection::{all_projections, ProjectionRunner};
+use crate::queries::{RunFilter, SpecificationFilter};
+use crate::rebuild::rebuild_named;
+use crate::ReadModels;
+use chrono::Utc;
+use ferry_domain::receipts::{ApplyReceipt, ApplyResult, PlanReceipt};
+use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
+use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
+use ferry_domain::*;
+use ferry_store::database::Backend;
+use ferry_store::stream::catch_up;
+use ferry_store::testing::{eventually, TestDatabase};
+use ferry_store::{on_pool, Database, EventMetadata, Repository};
+use std::collections::BTreeMap;
+use uuid::Uuid;
+
+const BOTH: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];
+
+fn t(name: &str) -> TenantId {
+    TenantId::parse(name).unwrap()
+}
+
+fn meta(tenant: &str) -> EventMetadata {
+    EventMetadata::for_request(t(tenant), Actor::parse("alice").unwrap(), Uuid::new_v4())
+}
+
+struct World {
+    specs: Repository<DeploymentSpecification>,
+    runs: Repository<ProvisioningRun>,
+}
+
+impl World {
+    fn new(db: &Database) -> Self {
+        Self {
+            specs: Repository::new(db.clone(), ()),
+            runs: Repository::new(db.clone(), ()),
+        }
+    }
+
+    async fn declare(&self, tenant: &str, env: &str, commit: &str) -> (SpecificationId, u32) {
+        let environment = EnvironmentId::parse(env).unwrap();
+        let id = SpecificationId::for_environment(
+            &t(tenant),
+            &environment,
+            SpecificationKind::Environment,
+        );
+        let d = Declaration {
+            specification_id: id,
+            tenant_id: t(tenant),
+            project_id: ProjectId::parse("payments").unwrap(),
+            environment_id: environment,
+            kind: SpecificationKind::Environment,
+            program_ref: ProgramRef::parse("/srv/infra#env").unwrap(),
+            program_version: ProgramVersion::parse(commit).unwrap(),
+            release_id: None,
+            strategy: None,
+            config_refs: BTreeMap::new(),
+            secret_refs: BTreeMap::new(),
+            declared_by: Actor::parse("alice").unwrap(),
+            declared_at: Utc::now(),
+        };
+        let done = self
+            .specs
+            .execute(
+                &t(tenant),
+                &id.to_string(),
+                SpecificationCommand::Declare(Box::new(d)),
+                &meta(tenant),
+                true,
+            )
+            .await
+            .unwrap();
+        (id, done.aggregate.latest().unwrap().version)
+    }
+
+    async fn request(
+        &self,
+        tenant: &str,
+        env: &str,
+        spec: (SpecificationId, u32),
+    ) -> ProvisioningRunId {
+        let id = ProvisioningRunId::new_random();
+        let r = RunRequest {
+            provisioning_run_id: id,
+            tenant_id: t(tenant),
+            project_id: ProjectId::parse("payments").unwrap(),
+            environment_id: EnvironmentId::parse(env).unwrap(),
+            environment_class: Some(EnvironmentClass::Development),
+            specification_id: spec.0,
+            specification_version: spec.1,
+            kind: ProvisioningKind::Release,
+            promotion_id: None,
+            approval_id: None,
+            requested_by: Actor::parse("alice").unwrap(),
+            requested_at: Utc::now(),
+        };
+        self.run(tenant, id, RunCommand::Request(Box::new(r))).await;
+        id
+    }
+
+    async fn run(&self, tenant: &str, id: ProvisioningRunId, command: RunCommand) {
+        self.runs
+            .execute(&t(tenant), &id.to_string(), command, &meta(tenant), true)
+            .await
+            .unwrap();
+    }
+
+    async fn apply_fully(&self, tenant: &str, id: ProvisioningRunId) {
+        let plan = PlanReceipt {
+            adds: 1,
+            changes: 0,
+            deletes: 0,
+            replaces: 0,
+            resources: vec![],
+            inputs_hash: "00".repeat(32),
+            program_version: "aaaaaaa".to_string(),
+            runner: "simulated".to_string(),
+            runner_version: "test".to_string(),
+            policy: None,
+            warnings: vec![],
+        };
+        self.run(
+            tenant,
+            id,
+            RunCommand::RecordPlan {
+                receipt: Box::new(plan),
+                logs_ref: None,
+                at: Utc::now(),
+            },
+        )
+        .await;
+        self.run(tenant, id, RunCommand::StartApply { at: Utc::now() })
+            .await;
+        let receipt = ApplyReceipt {
+            outputs: BTreeMap::from([("url".to_string(), serde_json::json!("https://dev"))]),
+            duration_seconds: 0.5,
+            result: ApplyResult::Succeeded,
+            runner_version: "test".to_string(),
+            failing_resource: None,
+        };
+        self.run(
+            tenant,
+            id,
+            RunCommand::RecordApplySucceeded {
+                receipt: Box::new(receipt),
+                logs_ref: None,
+                at: Utc::now(),
+            },
+        )
+        .await;
+    }
+}
+
+async fn project_all(db: &Database) {
+    for p in all_projections() {
+        let runner = ProjectionRunner::live(p);
+        runner.ensure_tables(db).await.unwrap();
+        catch_up(db, &runner).await.unwrap();
+    }
+}
+
+/// Catches every projection up until `done` holds (the Postgres stream can hold events
+/// back while other tests' transactions run).
+async fn project_until<F, Fut>(db: &Database, what: &str, done: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    eventually(what, || async {
+        project_all(db).await;
+        done().await.then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn read_models_follow_the_stream() {
+    for backend in BOTH {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        let w = World::new(db);
+        let reads = ReadModels::new(db.clone(), None);
+        let v1 = w.declare("a", "dev", "aaaaaaa").await;
+        let v2 = w.declare("a", "dev", "bbbbbbb").await;
+        let other = w.declare("a", "prod", "ccccccc").await;
+        w.declare("b", "dev", "ddddddd").await;
+        assert_eq!((v1.1, v2.1), (1, 2));
+        let r1 = w.request("a", "dev", v1).await;
+        let r2 = w.request("a", "dev", v2).await;
+        let r3 = w.request("a", "prod", other).await;
+        w.run(
+            "a",
+            r3,
+            RunCommand::Cancel {
+                cancelled_by: Actor::parse("bob").unwrap(),
+                reason: Some("no".into()),
+                at: Utc::now(),
+            },
+        )
+        .await;
+        w.apply_fully("a", r2).await;
+
+        project_until(db, "all runs projected", || async {
+            reads
+                .get_run(&t("a"), r2)
+                .await
+                .unwrap()
+                .is_some_and(|r| r.state == ProvisioningState::Applied)
+                && reads
+                    .get_run(&t("a"), r3)
+                    .await
+                    .unwrap()
+                    .is_some_and(|r| r.state == ProvisioningState::Cancelled)
+        })
+        .await;
+
+        // Every version is kept, newest first; filters narrow.
+        let all = reads
+            .list_specifications(&t("a"), &SpecificationFilter::default(), 50, None)
+            .await
+            .unwrap();
+        assert_eq!(all.items.len(), 3, "{backend:?}");
+        let dev = SpecificationFilter {
+            environment_id: Some(EnvironmentId::parse("dev").unwrap()),
+            ..Default::default()
+        };
+        let dev_specs = reads
+            .list_specifications(&t("a"), &dev, 50, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            dev_specs
+                .items
+                .iter()
+                .map(|v| v.version)
+                .collect::<Vec<_>>(),
+            [2, 1]
+        );
+        let workloads = SpecificationFilter {
+            kind: Some(SpecificationKind::Workload),
+            ..Default::default()
+        };
+        assert!(reads
+            .list_specifications(&t("a"), &workloads, 50, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty());
+
+        // Cursor paging walks every run once.
+        let first = reads
+            .list_runs(&t("a"), &RunFilter::default(), 2, None)
+            .await
+            .unwrap();
+        assert_eq!(first.items.len(), 2);
+        let cursor = crate::queries::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
+        let second = reads
+            .list_runs(&t("a"), &RunFilter::default(), 2, Some(cursor))
+            .await
+            .unwrap();
+        assert_eq!(second.items.len(), 1);
+        assert!(second.next_cursor.is_none());
+        let mut ids: Vec<_> = first
+            .items
+            .iter()
+            .chain(&second.items)
+            .map(|r| r.provisioning_run_id)
+            .collect();
+        ids.sort();
+        let mut expected = vec![r1, r2, r3];
+        expected.sort();
+        assert_eq!(ids, expected);
+
+        let cancelled = RunFilter {
+            state: Some(ProvisioningState::Cancelled),
+            ..Default::default()
+        };
+        let page = reads
+            .list_runs(&t("a"), &cancelled, 50, None)
+            .await
+            .unwrap();
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(
+            page.items[0]
+                .cancellation
+                .as_ref()
+                .unwrap()
+                .cancelled_by
+                .as_str(),
+            "bob"
+        );
+        assert!(page.items[0].completed_at.is_some());
+
+        // The applied run carries both receipts; the environment shows what was applied.
+        let applied = reads.get_run(&t("a"), r2).await.unwrap().unwrap();
+        assert!(applied.plan_receipt.is_some() && applied.apply_receipt.is_some());
+        assert_eq!(applied.version, 4);
+        let current = reads
+            .current_specification(&t("a"), &EnvironmentId::parse("dev").unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(current.specifications.len(), 1);
+        assert_eq!(current.specifications[0].latest.version, 2);
+        let applied_spec = current.specifications[0].applied.as_ref().unwrap();
+        assert_eq!(
+            (applied_spec.version, applied_spec.provisioning_run_id),
+            (2, r2)
+        );
+        let prod = reads
+            .current_specification(&t("a"), &EnvironmentId::parse("prod").unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(prod.specifications[0].applied.is_none());
+
+        // Tenant b sees only its own.
+        assert!(reads.get_run(&t("b"), r1).await.unwrap().is_none());
+        assert!(reads
+            .list_runs(&t("b"), &RunFilter::default(), 50, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty());
+        assert_eq!(
+            reads
+                .list_specifications(&t("b"), &SpecificationFilter::default(), 50, None)
+                .await
+                .unwrap()
+                .items
+                .len(),
+            1
+        );
+        assert!(reads
+            .current_specification(&t("b"), &EnvironmentId::parse("prod").unwrap())
+            .await
+            .unwrap()
+            .is_none());
+        tdb.cleanup().await;
+    }
+}
+
+async fn snapshot(db: &Database) -> Vec<String> {
+    let mut out = Vec::new();
+    for (table, order) in [
+        (
+            "rm_specification_versions",
+            "tenant_id, specification_id, version",
+        ),
+        ("rm_runs", "provisioning_run_id"),
+        (
+            "rm_environment_specifications",
+            "tenant_id, environment_id, kind",
+        ),
+        ("rm_environment_run_targets", "provisioning_run_id"),
+    ] {
+        let sql = format!("SELECT * FROM {table} ORDER BY {order}");
+        let rows: Vec<String> = on_pool!(db, pool => {
+            use sqlx::{Column, Row};
+            sqlx::query(&sql).fetch_all(pool).await.unwrap().iter().map(|row| {
+                row.columns().iter().map(|c| {
+                    let i = c.ordinal();
+                    row.try_get::<String, _>(i).ok()
+                        .or_else(|| row.try_get::<i64, _>(i).ok().map(|v| v.to_string()))
+                        .or_else(|| row.try_get::<serde_json::Value, _>(i).ok().map(|v| v.to_string()))
+                        .or_else(|| row.try_get::<chrono::DateTime<Utc>, _>(i).ok().map(|v| v.to_rfc3339()))
+                        .unwrap_or_else(|| "NULL".to_string())
+                }).collect::<Vec<_>>().join("|")
+            }).collect()
+        });
+        out.push(format!("{table}: {}", rows.len()));
+        out.extend(rows);
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_rebuild_equals_the_live_model_and_reads_continue() {
+    for backend in BOTH {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        let w = World::new(db);
+        let reads = ReadModels::new(db.clone(), None);
+        let mut last = None;
+        for i in 0..5 {
+            let spec = w.declare("a", &format!("env{i}"), "aaaaaaa").await;
+            let run = w.request("a", &format!("env{i}"), spec).await;
+            if i % 2 == 0 {
+                w.apply_fully("a", run).await;
+            }
+            last = Some(run);
+        }
+        let last = last.unwrap();
+        project_until(db, "live model", || async {
+            reads.get_run(&t("a"), last).await.unwrap().is_some()
+                && reads
+                    .list_runs(
+                        &t("a"),
+                        &RunFilter {
+                            state: Some(ProvisioningState::Applied),
+                            ..Default::default()
+                        },
+                        50,
+                        None,
+                    )
+                    .await
+                    .unwrap()
+                    .items
+                    .len()
+                    == 3
+        })
+        .await;
+        let before = snapshot(db).await;
+        assert!(before.len() > 15, "{before:?}");
+
+        // Readers keep getting full answers while the rebuild runs and swaps.
+        let reader = {
+            let reads = reads.clone();
+            tokio::spawn(async move {
+                let mut answered = 0;
+                for _ in 0..200 {
+                    let page = reads
+                        .list_runs(&t("a"), &RunFilter::default(), 50, None)
+                        .await
+                        .unwrap();
+                    assert_eq!(page.items.len(), 5);
+                    answered += 1;
+                    tokio::task::yield_now().await;
+                }
+                answered
+            })
+        };
+        let reports = rebuild_named(db, None).await.unwrap();
+        assert_eq!(reports.len(), 3);
+        assert!(reports.iter().all(|r| r.events > 0));
+        assert_eq!(reader.await.unwrap(), 200);
+        assert_eq!(snapshot(db).await, before, "{backend:?}");
+
+        // The live projection carries on from the swapped checkpoint, and a second rebuild works.
+        w.declare("a", "env9", "bbbbbbb").await;
+        project_until(db, "new declaration", || async {
+            reads
+                .list_specifications(&t("a"), &SpecificationFilter::default(), 50, None)
+                .await
+                .unwrap()
+                .items
+                .len()
+                == 6
+        })
+        .await;
+        rebuild_named(db, Some("runs")).await.unwrap();
+        assert!(matches!(
+            rebuild_named(db, Some("nope")).await,
+            Err(crate::rebuild::RebuildError::Unknown(_))
+        ));
+        tdb.cleanup().await;
+    }
+}
