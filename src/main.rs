@@ -1,1 +1,206 @@
-fn main() {}
+//! The `ferry` command: serve the API, run migrations, inspect and rebuild projections,
+//! print tokens for the embedded key, and write the published schemas.
+#![forbid(unsafe_code)]
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use ferry_api::app::{init_tracing, open_database};
+use ferry_api::{Config, Server};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Delivery and provisioning control plane"
+)]
+struct Cli {
+    /// TOML configuration file (also FERRY_CONFIG); FERRY_* variables override it.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP API and the projections (migrates first).
+    Serve,
+    /// Apply the database migrations and create the read-model tables.
+    Migrate,
+    /// Inspect or rebuild the read models.
+    Projections {
+        #[command(subcommand)]
+        command: ProjectionsCommand,
+    },
+    /// Print a bearer token signed with the configured (or embedded) HS256 key.
+    Token {
+        /// The tenant the token acts for.
+        #[arg(long)]
+        tenant: String,
+        /// The subject (who the caller is).
+        #[arg(long)]
+        sub: String,
+        /// Space-separated scopes, e.g. "factory.provisioning.read factory.provisioning.apply".
+        #[arg(long, default_value = "")]
+        scopes: String,
+        /// Space-separated roles: Operator, PlatformAdmin, Observer.
+        #[arg(long, default_value = "")]
+        roles: String,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl: u64,
+    },
+    /// Write the OpenAPI document (and other published schemas) to a folder.
+    Schemas {
+        /// Where to write.
+        #[arg(long, default_value = "schemas")]
+        out: PathBuf,
+        /// Only check that the files are up to date; fail if not.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProjectionsCommand {
+    /// Each subscription's position and lag.
+    Status,
+    /// Replay the stream into fresh tables and swap them in (all, or the named one:
+    /// specifications, runs, environments). Safe while `ferry serve` runs.
+    Rebuild {
+        /// The projection; all when absent.
+        name: Option<String>,
+    },
+}
+
+fn out(text: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(text.as_bytes())?;
+    stdout.write_all(b"\n")?;
+    Ok(())
+}
+
+/// The files `ferry schemas` writes, relative to its folder.
+fn published_schemas() -> Vec<(&'static str, String)> {
+    vec![("openapi.json", ferry_api::openapi::document_text())]
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let config = match Config::load(cli.config.as_deref(), &env) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "ferry: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    init_tracing(&config);
+    match run(cli.command, config).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "ferry: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+    match command {
+        Command::Serve => {
+            let server = Server::start(&config).await?;
+            server.run_until_signal().await;
+        }
+        Command::Migrate => {
+            let db = open_database(&config).await?;
+            db.close().await;
+            out("migrations applied")?;
+        }
+        Command::Projections { command } => {
+            let db = open_database(&config).await?;
+            match command {
+                ProjectionsCommand::Status => {
+                    let status = ferry_store::stream::subscription_status(&db).await?;
+                    out(&format!(
+                        "{:<24} {:>14} {:>16} {:>10}",
+                        "SUBSCRIPTION", "POSITION", "TRANSACTION", "LAG"
+                    ))?;
+                    for s in status {
+                        out(&format!(
+                            "{:<24} {:>14} {:>16} {:>10}",
+                            s.name, s.position.global_position, s.position.transaction_id, s.lag
+                        ))?;
+                    }
+                }
+                ProjectionsCommand::Rebuild { name } => {
+                    let reports =
+                        ferry_projections::rebuild::rebuild_named(&db, name.as_deref()).await?;
+                    for r in reports {
+                        out(&format!(
+                            "rebuilt {}: {} events replayed, now at position {}",
+                            r.projection, r.events, r.position.global_position
+                        ))?;
+                    }
+                }
+            }
+            db.close().await;
+        }
+        Command::Token {
+            tenant,
+            sub,
+            scopes,
+            roles,
+            ttl,
+        } => {
+            if config.jwt_jwks_url.is_some() {
+                bail!("FERRY_JWT_JWKS_URL is set: tokens come from your identity provider, not from ferry token");
+            }
+            let key = match &config.jwt_hs256_key {
+                Some(k) => k.as_bytes().to_vec(),
+                None => ferry_api::auth::load_or_create_key(&config.data_dir)?,
+            };
+            ferry_domain::TenantId::parse(tenant.clone()).context("--tenant")?;
+            ferry_domain::Actor::parse(sub.clone()).context("--sub")?;
+            let scopes: Vec<&str> = scopes.split_whitespace().collect();
+            let roles: Vec<&str> = roles.split_whitespace().collect();
+            for role in &roles {
+                if !matches!(*role, "Operator" | "PlatformAdmin" | "Observer") {
+                    bail!("--roles: {role:?} is not Operator, PlatformAdmin or Observer");
+                }
+            }
+            let token = ferry_api::auth::issue_hs256(
+                &key,
+                &tenant,
+                &sub,
+                &scopes,
+                &roles,
+                Duration::from_secs(ttl),
+            )?;
+            out(&token)?;
+        }
+        Command::Schemas { out: dir, check } => {
+            let mut stale = Vec::new();
+            for (name, text) in published_schemas() {
+                let path = dir.join(name);
+                if check {
+                    if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                        stale.push(path.display().to_string());
+                    }
+                } else {
+                    std::fs::create_dir_all(&dir)?;
+                    std::fs::write(&path, text)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    out(&format!("wrote {}", path.display()))?;
+                }
+            }
+            if !stale.is_empty() {
+                bail!("stale: {} (run `ferry schemas`)", stale.join(", "));
+            }
+        }
+    }
+    Ok(())
+}

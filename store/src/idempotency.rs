@@ -81,3 +81,12 @@ pub async fn record_response(
         .execute(pool).await?.rows_affected());
     Ok(())
 }
+
+/// Frees `key` after its first request failed, so that a retry runs again.
+pub async fn release(db: &Database, tenant: &str, key: &str) -> Result<(), sqlx::Error> {
+    let delete = db.sql(
+        "DELETE FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2 AND response_status IS NULL",
+    );
+    crate::on_pool!(db, pool => sqlx::query(&delete).bind(tenant).bind(key).execute(pool).await?.rows_affected());
+    Ok(())
+}

@@ -7,7 +7,7 @@
 use crate::database::{Database, Pool};
 use crate::metadata::EventMetadata;
 use cqrs_es::event_sink::EventSink;
-use cqrs_es::persist::PersistedEventStore;
+use cqrs_es::persist::{EventStoreAggregateContext, PersistedEventStore};
 use cqrs_es::{Aggregate, AggregateError, EventStore};
 use ferry_domain::{TenantId, TenantOwned};
 use postgres_es::PostgresEventRepository;
@@ -66,6 +66,8 @@ pub struct Executed<A: Aggregate> {
     pub sequence: usize,
     /// The events the command produced (possibly none).
     pub events: Vec<A::Event>,
+    /// Every event of the aggregate, the new ones included, oldest first.
+    pub history: Vec<A::Event>,
 }
 
 enum Store<A: Aggregate + Send + Sync> {
@@ -176,31 +178,49 @@ where
         metadata: &EventMetadata,
         may_create: bool,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
-        let mut context = store.load_aggregate(id).await?;
-        match context.aggregate.tenant() {
+        // Load the events ourselves (not `load_aggregate`) so the caller also gets the
+        // history, e.g. to fold the view it returns.
+        let mut history: Vec<A::Event> = store
+            .load_events(id)
+            .await?
+            .into_iter()
+            .map(|e| e.payload)
+            .collect();
+        let mut aggregate = A::default();
+        for event in &history {
+            aggregate.apply(event.clone());
+        }
+        match aggregate.tenant() {
             Some(owner) if owner != tenant => return Err(CommandError::NotFound),
             None if !may_create => return Err(CommandError::NotFound),
             _ => {}
         }
+        let current_sequence = history.len();
         let sink = EventSink::default();
-        context
-            .aggregate
+        aggregate
             .handle(command, &self.services, &sink)
             .await
             .map_err(CommandError::Domain)?;
         let events = sink.collect().await;
-        let aggregate = context.aggregate.clone();
-        let sequence = context.current_sequence + events.len();
+        let sequence = current_sequence + events.len();
         if !events.is_empty() {
+            let context = EventStoreAggregateContext {
+                aggregate_id: id.to_string(),
+                aggregate: aggregate.clone(),
+                current_sequence,
+                current_snapshot: None,
+            };
             store
                 .commit(events.clone(), context, metadata.to_map())
                 .await?;
             self.db.signal_commit();
+            history.extend(events.iter().cloned());
         }
         Ok(Executed {
             aggregate,
             sequence,
             events,
+            history,
         })
     }
 }

@@ -1,0 +1,249 @@
+//! Process wiring: opening the store, starting the projections, building the router, and
+//! serving until a shutdown signal.
+
+use crate::auth::{load_or_create_key, Verifier};
+use crate::config::{Config, LogFormat};
+use crate::extract::{RequestIds, MAX_BODY};
+use crate::problem::ApiError;
+use crate::routes;
+use crate::state::AppState;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ferry_projections::{Projector, ReadModels};
+use ferry_store::{stream, Database, DatabaseError};
+use std::net::SocketAddr;
+use tokio::sync::watch;
+use tower_http::trace::TraceLayer;
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The store.
+    #[error(transparent)]
+    Database(#[from] DatabaseError),
+    /// The signing key.
+    #[error(transparent)]
+    Key(#[from] crate::auth::KeyError),
+    /// The listen address.
+    #[error("cannot listen on FERRY_HTTP_ADDR={addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Creating read-model tables.
+    #[error("cannot create read models: {0}")]
+    Projections(sqlx::Error),
+}
+
+/// Sets up logging from the configuration.
+pub fn init_tracing(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log_filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match config.log_format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Pretty => builder.try_init(),
+    };
+}
+
+/// Opens the configured store (Postgres with `DATABASE_URL`, else SQLite in the data dir)
+/// and runs the migrations and the read-model DDL.
+pub async fn open_database(config: &Config) -> Result<Database, StartError> {
+    let db = match &config.database_url {
+        Some(url) => Database::connect_postgres(url).await?,
+        None => Database::open_sqlite(&config.data_dir).await?,
+    };
+    db.migrate().await?;
+    ferry_projections::projection::ensure_all_tables(&db)
+        .await
+        .map_err(StartError::Projections)?;
+    Ok(db)
+}
+
+/// The token verifier the configuration asks for.
+pub fn verifier(config: &Config) -> Result<Verifier, StartError> {
+    let (iss, aud) = (config.jwt_issuer.as_deref(), config.jwt_audience.as_deref());
+    Ok(match (&config.jwt_jwks_url, &config.jwt_hs256_key) {
+        (Some(url), _) => Verifier::jwks(url, iss, aud),
+        (None, Some(key)) => Verifier::hs256(key.as_bytes(), iss, aud),
+        (None, None) => Verifier::hs256(&load_or_create_key(&config.data_dir)?, iss, aud),
+    })
+}
+
+async fn request_ids(mut request: Request, next: Next) -> Response {
+    let ids = RequestIds::from_headers(request.headers());
+    request.extensions_mut().insert(ids);
+    let span = tracing::info_span!("request", request_id = %ids.request_id, method = %request.method(), path = %request.uri().path());
+    let mut response = tracing::Instrument::instrument(next.run(request), span).await;
+    if let Ok(v) = HeaderValue::from_str(&ids.request_id.to_string()) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+async fn healthz() -> impl IntoResponse {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    if !state.db().ping().await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                serde_json::json!({"status": "unavailable", "reason": "the store does not answer"}),
+            ),
+        )
+            .into_response();
+    }
+    match stream::subscription_status(state.db()).await {
+        Ok(subscriptions) => {
+            Json(serde_json::json!({"status": "ready", "subscriptions": subscriptions}))
+                .into_response()
+        }
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+async fn openapi() -> Response {
+    let mut response = crate::openapi::document_text().into_response();
+    response
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/json"));
+    response
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint".to_string())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// The HTTP API.
+pub fn router(state: AppState) -> Router {
+    let run = "/factory/provisioning/runs/{provisioningRunId}";
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/openapi.json", get(openapi))
+        .route(
+            "/factory/provisioning/specifications",
+            get(routes::list_specifications).post(routes::declare_specification),
+        )
+        .route(
+            "/factory/provisioning/runs",
+            get(routes::list_runs).post(routes::plan_provisioning),
+        )
+        .route(run, get(routes::get_run))
+        .route(&format!("{run}/cancel"), post(routes::cancel_run))
+        .route(&format!("{run}/approval"), post(routes::decide_approval))
+        .route(
+            "/factory/provisioning/environments/{environmentId}/current-specification",
+            get(routes::current_specification),
+        )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(request_ids))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// A running server.
+pub struct Server {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    handle: tokio::task::JoinHandle<Result<(), std::io::Error>>,
+    db: Database,
+}
+
+impl Server {
+    /// Opens the store, starts the projections and listens.
+    pub async fn start(config: &Config) -> Result<Self, StartError> {
+        let db = open_database(config).await?;
+        Self::start_with(config, db).await
+    }
+
+    /// As [`Server::start`], on an already opened and migrated store.
+    pub async fn start_with(config: &Config, db: Database) -> Result<Self, StartError> {
+        let verifier = verifier(config)?;
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        stream::spawn_notify_listener(&db, shutdown_rx.clone());
+        let projector = Projector::start(&db, config.poll_interval, shutdown_rx.clone())
+            .await
+            .map_err(StartError::Projections)?;
+        let reads = ReadModels::new(db.clone(), Some(projector.subscribe()));
+        let state = AppState::new(db.clone(), reads, verifier, config.read_your_writes);
+        let listener = tokio::net::TcpListener::bind(config.http_addr)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: config.http_addr,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: config.http_addr,
+            source,
+        })?;
+        let mut stop = shutdown_rx;
+        let app = router(state);
+        let handle = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        });
+        tracing::info!(%addr, backend = ?db.backend(), "ferry is serving");
+        Ok(Self {
+            addr,
+            shutdown,
+            handle,
+            db,
+        })
+    }
+
+    /// Stops serving and the background subscriptions, and waits for in-flight requests.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.handle.await;
+        self.db.close().await;
+    }
+
+    /// Serves until Ctrl-C or SIGTERM.
+    pub async fn run_until_signal(self) {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        self.stop().await;
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+}

@@ -1,0 +1,336 @@
+//! Bearer-token authentication and authorisation.
+//!
+//! Tokens are JWTs: HS256 with a configured key (the embedded default generates one and
+//! keeps it in the data dir), or RS256 verified against a JWKS URL. Claims Ferry reads:
+//! `sub` (the actor), `tenant` (every read and write is filtered by it), `scope`
+//! (space-separated, OAuth2 style), `roles` (Operator, PlatformAdmin, Observer), `exp`.
+
+use crate::problem::ApiError;
+use ferry_domain::{Actor, TenantId};
+use jsonwebtoken::jwk::JwkSet;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tokio::sync::RwLock;
+
+/// Read specifications and runs.
+pub const SCOPE_READ: &str = "factory.provisioning.read";
+/// Plan, apply, cancel and decide approvals.
+pub const SCOPE_APPLY: &str = "factory.provisioning.apply";
+
+/// Roles of the seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    /// Runs and approves changes.
+    Operator,
+    /// Administers the platform.
+    PlatformAdmin,
+    /// Reads only.
+    Observer,
+}
+
+impl Role {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "Operator" => Some(Self::Operator),
+            "PlatformAdmin" => Some(Self::PlatformAdmin),
+            "Observer" => Some(Self::Observer),
+            _ => None,
+        }
+    }
+}
+
+/// The claims Ferry issues and reads.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Claims {
+    /// The caller.
+    pub sub: String,
+    /// The caller's tenant.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Space-separated scopes.
+    #[serde(default)]
+    pub scope: Option<String>,
+    /// Roles.
+    #[serde(default)]
+    pub roles: Vec<String>,
+    /// Expiry (seconds since the epoch).
+    pub exp: u64,
+    /// Issued at.
+    #[serde(default)]
+    pub iat: Option<u64>,
+    /// Issuer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iss: Option<String>,
+    /// Audience.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aud: Option<String>,
+}
+
+/// The authenticated caller of a request.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The tenant every read and write is limited to.
+    pub tenant: TenantId,
+    /// The token's subject.
+    pub actor: Actor,
+    scopes: BTreeSet<String>,
+    roles: BTreeSet<Role>,
+}
+
+impl Caller {
+    /// 403 unless the token carries `scope`.
+    pub fn require_scope(&self, scope: &str) -> Result<(), ApiError> {
+        if self.scopes.contains(scope) {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(format!(
+                "the token lacks the scope {scope}"
+            )))
+        }
+    }
+
+    /// Reads need the read scope.
+    pub fn require_read(&self) -> Result<(), ApiError> {
+        self.require_scope(SCOPE_READ)
+    }
+
+    /// Changes need the apply scope and the Operator or PlatformAdmin role.
+    pub fn require_apply(&self) -> Result<(), ApiError> {
+        self.require_scope(SCOPE_APPLY)?;
+        if self.roles.contains(&Role::Operator) || self.roles.contains(&Role::PlatformAdmin) {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(
+                "this needs the Operator or PlatformAdmin role".to_string(),
+            ))
+        }
+    }
+}
+
+/// How tokens are checked.
+pub enum Verifier {
+    /// Shared HS256 key.
+    Hs256 {
+        /// The key.
+        key: DecodingKey,
+        /// Required claims.
+        validation: Validation,
+    },
+    /// RS256 keys from a JWKS URL, cached by `kid` and refetched for an unknown one.
+    Jwks {
+        /// The JWKS document's URL.
+        url: String,
+        /// Keys by kid.
+        keys: RwLock<(HashMap<String, DecodingKey>, Option<Instant>)>,
+        /// HTTP client.
+        client: reqwest::Client,
+        /// Required claims.
+        validation: Validation,
+    },
+}
+
+fn validation(alg: Algorithm, issuer: Option<&str>, audience: Option<&str>) -> Validation {
+    let mut v = Validation::new(alg);
+    v.leeway = 30;
+    v.set_required_spec_claims(&["exp", "sub"]);
+    if let Some(iss) = issuer {
+        v.set_issuer(&[iss]);
+    }
+    match audience {
+        Some(aud) => v.set_audience(&[aud]),
+        None => v.validate_aud = false,
+    }
+    v
+}
+
+impl Verifier {
+    /// HS256 with `key`.
+    pub fn hs256(key: &[u8], issuer: Option<&str>, audience: Option<&str>) -> Self {
+        Self::Hs256 {
+            key: DecodingKey::from_secret(key),
+            validation: validation(Algorithm::HS256, issuer, audience),
+        }
+    }
+
+    /// RS256 against the JWKS at `url` (fetched on first use).
+    pub fn jwks(url: &str, issuer: Option<&str>, audience: Option<&str>) -> Self {
+        Self::Jwks {
+            url: url.to_string(),
+            keys: RwLock::new((HashMap::new(), None)),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()
+                .unwrap_or_default(),
+            validation: validation(Algorithm::RS256, issuer, audience),
+        }
+    }
+
+    /// Verifies a token and returns the caller.
+    pub async fn verify(&self, token: &str) -> Result<Caller, ApiError> {
+        let bad = |e: jsonwebtoken::errors::Error| {
+            ApiError::Unauthorized(format!("the bearer token is not valid: {e}"))
+        };
+        let claims = match self {
+            Self::Hs256 { key, validation } => {
+                jsonwebtoken::decode::<Claims>(token, key, validation)
+                    .map_err(bad)?
+                    .claims
+            }
+            Self::Jwks { validation, .. } => {
+                let header = jsonwebtoken::decode_header(token).map_err(bad)?;
+                let kid = header.kid.ok_or_else(|| {
+                    ApiError::Unauthorized("the bearer token has no kid".to_string())
+                })?;
+                let key = self.jwks_key(&kid).await?;
+                jsonwebtoken::decode::<Claims>(token, &key, validation)
+                    .map_err(bad)?
+                    .claims
+            }
+        };
+        let tenant = claims
+            .tenant
+            .as_deref()
+            .ok_or_else(|| {
+                ApiError::Unauthorized("the bearer token has no tenant claim".to_string())
+            })
+            .and_then(|t| {
+                TenantId::parse(t).map_err(|e| {
+                    ApiError::Unauthorized(format!("the token's tenant claim is not valid: {e}"))
+                })
+            })?;
+        let actor = Actor::parse(claims.sub.clone())
+            .map_err(|e| ApiError::Unauthorized(format!("the token's sub is not valid: {e}")))?;
+        Ok(Caller {
+            tenant,
+            actor,
+            scopes: claims
+                .scope
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_string)
+                .collect(),
+            roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
+        })
+    }
+
+    async fn jwks_key(&self, kid: &str) -> Result<DecodingKey, ApiError> {
+        let Self::Jwks {
+            url, keys, client, ..
+        } = self
+        else {
+            return Err(ApiError::internal("not a JWKS verifier"));
+        };
+        if let Some(key) = keys.read().await.0.get(kid) {
+            return Ok(key.clone());
+        }
+        let mut guard = keys.write().await;
+        // Refetch at most every 30 s, so unknown kids cannot hammer the key server.
+        let recently = guard
+            .1
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(30));
+        if !recently || guard.0.is_empty() {
+            let fetched = async {
+                let set: JwkSet = client
+                    .get(url)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .json()
+                    .await?;
+                Ok::<_, reqwest::Error>(set)
+            }
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("cannot fetch JWKS from {url}: {e}")))?;
+            guard.0 = fetched
+                .keys
+                .iter()
+                .filter_map(|jwk| {
+                    let kid = jwk.common.key_id.clone()?;
+                    DecodingKey::from_jwk(jwk).ok().map(|k| (kid, k))
+                })
+                .collect();
+            guard.1 = Some(Instant::now());
+        }
+        guard
+            .0
+            .get(kid)
+            .cloned()
+            .ok_or_else(|| ApiError::Unauthorized(format!("no key {kid:?} in the JWKS")))
+    }
+}
+
+/// Why a key could not be loaded or made.
+#[derive(Debug, thiserror::Error)]
+#[error("signing key {path}: {source}")]
+pub struct KeyError {
+    path: String,
+    source: std::io::Error,
+}
+
+/// The file the embedded default keeps its HS256 key in.
+pub const KEY_FILE: &str = "jwt-hs256.key";
+
+/// Reads the embedded HS256 key from the data dir, creating it (mode 0600) on first use.
+pub fn load_or_create_key(data_dir: &Path) -> Result<Vec<u8>, KeyError> {
+    use base64::Engine;
+    let path = data_dir.join(KEY_FILE);
+    let err = |source| KeyError {
+        path: path.display().to_string(),
+        source,
+    };
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        return base64::engine::general_purpose::STANDARD
+            .decode(text.trim())
+            .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)));
+    }
+    std::fs::create_dir_all(data_dir).map_err(err)?;
+    let key: [u8; 32] = rand::random();
+    let text = base64::engine::general_purpose::STANDARD.encode(key);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    match options.open(&path) {
+        Ok(mut f) => {
+            use std::io::Write;
+            f.write_all(text.as_bytes()).map_err(err)?;
+            Ok(key.to_vec())
+        }
+        // Another process created it first: use theirs.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => load_or_create_key(data_dir),
+        Err(e) => Err(err(e)),
+    }
+}
+
+/// Signs an HS256 token (for `ferry token` and tests).
+pub fn issue_hs256(
+    key: &[u8],
+    tenant: &str,
+    sub: &str,
+    scopes: &[&str],
+    roles: &[&str],
+    ttl: Duration,
+) -> Result<String, jsonwebtoken::errors::Error> {
+    let now = chrono::Utc::now().timestamp().max(0) as u64;
+    let claims = Claims {
+        sub: sub.to_string(),
+        tenant: Some(tenant.to_string()),
+        scope: Some(scopes.join(" ")),
+        roles: roles.iter().map(|r| r.to_string()).collect(),
+        exp: now + ttl.as_secs(),
+        iat: Some(now),
+        iss: None,
+        aud: None,
+    };
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(key),
+    )
+}

@@ -1,0 +1,464 @@
+//! Configuration, in layers: built-in defaults, then an optional TOML file (`--config` or
+//! `FERRY_CONFIG`), then `FERRY_*` environment variables and `DATABASE_URL`. Every value is
+//! checked at start; a bad one stops the process with a message naming the setting.
+
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A setting that could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration {setting} ({source_name}): {reason}")]
+pub struct ConfigError {
+    /// The setting, as the user wrote it (e.g. `FERRY_HTTP_ADDR` or `http_addr`).
+    pub setting: String,
+    /// Where it came from (`environment`, the file path, …).
+    pub source_name: String,
+    /// Why it was refused.
+    pub reason: String,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// Human-readable lines.
+    Pretty,
+}
+
+/// Ferry's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Where the HTTP API listens (`FERRY_HTTP_ADDR`).
+    pub http_addr: SocketAddr,
+    /// Where the embedded store, keys and artifacts live (`FERRY_DATA_DIR`).
+    pub data_dir: PathBuf,
+    /// Postgres URL; SQLite in the data dir when absent (`DATABASE_URL`).
+    pub database_url: Option<String>,
+    /// HS256 signing key (`FERRY_JWT_HS256_KEY`); generated and kept in the data dir when
+    /// neither it nor a JWKS URL is set.
+    pub jwt_hs256_key: Option<String>,
+    /// JWKS URL for RS256 tokens (`FERRY_JWT_JWKS_URL`).
+    pub jwt_jwks_url: Option<String>,
+    /// Required `iss` claim, if set (`FERRY_JWT_ISSUER`).
+    pub jwt_issuer: Option<String>,
+    /// Required `aud` claim, if set (`FERRY_JWT_AUDIENCE`).
+    pub jwt_audience: Option<String>,
+    /// How often subscriptions poll when no wake-up arrives (`FERRY_POLL_INTERVAL_MS`).
+    pub poll_interval: Duration,
+    /// How long a command response waits for the read model (`FERRY_READ_YOUR_WRITES_MS`).
+    pub read_your_writes: Duration,
+    /// `json` or `pretty` (`FERRY_LOG_FORMAT`).
+    pub log_format: LogFormat,
+    /// Filter directives, e.g. `info,ferry=debug` (`FERRY_LOG`).
+    pub log_filter: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            data_dir: PathBuf::from(".ferry"),
+            database_url: None,
+            jwt_hs256_key: None,
+            jwt_jwks_url: None,
+            jwt_issuer: None,
+            jwt_audience: None,
+            poll_interval: Duration::from_millis(500),
+            read_your_writes: Duration::from_secs(2),
+            log_format: LogFormat::Json,
+            log_filter: "info".to_string(),
+        }
+    }
+}
+
+/// The file layer: every key optional, unknown keys refused.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileLayer {
+    http_addr: Option<String>,
+    data_dir: Option<String>,
+    database_url: Option<String>,
+    jwt_hs256_key: Option<String>,
+    jwt_jwks_url: Option<String>,
+    jwt_issuer: Option<String>,
+    jwt_audience: Option<String>,
+    poll_interval_ms: Option<u64>,
+    read_your_writes_ms: Option<u64>,
+    log_format: Option<String>,
+    log: Option<String>,
+}
+
+/// The documented settings: (file key, environment variable, default, meaning). The README
+/// table is written from this list.
+pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
+    (
+        "http_addr",
+        "FERRY_HTTP_ADDR",
+        "127.0.0.1:8080",
+        "Address the HTTP API listens on.",
+    ),
+    (
+        "data_dir",
+        "FERRY_DATA_DIR",
+        "./.ferry",
+        "Embedded store (`ferry.db`), generated signing key.",
+    ),
+    (
+        "database_url",
+        "DATABASE_URL",
+        "(unset: SQLite)",
+        "Postgres URL; when set, events and read models live there.",
+    ),
+    (
+        "jwt_hs256_key",
+        "FERRY_JWT_HS256_KEY",
+        "(generated)",
+        "HS256 key for bearer tokens; at least 32 bytes.",
+    ),
+    (
+        "jwt_jwks_url",
+        "FERRY_JWT_JWKS_URL",
+        "(unset)",
+        "JWKS URL; when set, RS256 tokens are verified against it.",
+    ),
+    (
+        "jwt_issuer",
+        "FERRY_JWT_ISSUER",
+        "(unset)",
+        "Required `iss` claim.",
+    ),
+    (
+        "jwt_audience",
+        "FERRY_JWT_AUDIENCE",
+        "(unset)",
+        "Required `aud` claim.",
+    ),
+    (
+        "poll_interval_ms",
+        "FERRY_POLL_INTERVAL_MS",
+        "500",
+        "Projection polling fallback, 10 to 60000 ms.",
+    ),
+    (
+        "read_your_writes_ms",
+        "FERRY_READ_YOUR_WRITES_MS",
+        "2000",
+        "How long a command waits for its read model, 0 to 30000 ms.",
+    ),
+    (
+        "log_format",
+        "FERRY_LOG_FORMAT",
+        "json",
+        "`json` or `pretty`.",
+    ),
+    (
+        "log",
+        "FERRY_LOG",
+        "info",
+        "Log filter, e.g. `info,ferry_api=debug`.",
+    ),
+];
+
+struct Layer<'a> {
+    source: &'a str,
+    by_env_name: bool,
+}
+
+impl Layer<'_> {
+    fn err(&self, key: &str, env: &str, reason: impl Into<String>) -> ConfigError {
+        ConfigError {
+            setting: if self.by_env_name { env } else { key }.to_string(),
+            source_name: self.source.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+fn non_empty(value: String, layer: &Layer, key: &str, env: &str) -> Result<String, ConfigError> {
+    if value.trim().is_empty() {
+        Err(layer.err(key, env, "must not be empty"))
+    } else {
+        Ok(value)
+    }
+}
+
+fn ms_in(
+    value: u64,
+    min: u64,
+    max: u64,
+    layer: &Layer,
+    key: &str,
+    env: &str,
+) -> Result<Duration, ConfigError> {
+    if (min..=max).contains(&value) {
+        Ok(Duration::from_millis(value))
+    } else {
+        Err(layer.err(
+            key,
+            env,
+            format!("must be between {min} and {max} milliseconds"),
+        ))
+    }
+}
+
+impl Config {
+    /// Defaults, then the file (if any), then the environment.
+    pub fn load(
+        file: Option<&std::path::Path>,
+        env: &HashMap<String, String>,
+    ) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        let file = file
+            .map(std::path::Path::to_path_buf)
+            .or_else(|| env.get("FERRY_CONFIG").map(PathBuf::from));
+        if let Some(path) = file {
+            let source = path.display().to_string();
+            let text = std::fs::read_to_string(&path).map_err(|e| ConfigError {
+                setting: "FERRY_CONFIG".to_string(),
+                source_name: source.clone(),
+                reason: format!("cannot read the file: {e}"),
+            })?;
+            let layer: FileLayer = toml::from_str(&text).map_err(|e| ConfigError {
+                setting: "file".to_string(),
+                source_name: source.clone(),
+                reason: e.message().to_string(),
+            })?;
+            config.apply_file(layer, &source)?;
+        }
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn set(
+        &mut self,
+        key: &str,
+        env_name: &str,
+        raw: RawValue,
+        layer: &Layer,
+    ) -> Result<(), ConfigError> {
+        let text = |raw: RawValue| match raw {
+            RawValue::Text(t) => Ok(t),
+            RawValue::Int(i) => Ok(i.to_string()),
+        };
+        let int = |raw: RawValue| match raw {
+            RawValue::Int(i) => Ok(i),
+            RawValue::Text(t) => t
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| layer.err(key, env_name, format!("{t:?} is not a whole number"))),
+        };
+        match key {
+            "http_addr" => {
+                let t = text(raw)?;
+                self.http_addr = t.parse().map_err(|_| {
+                    layer.err(
+                        key,
+                        env_name,
+                        format!("{t:?} is not a socket address like 127.0.0.1:8080"),
+                    )
+                })?;
+            }
+            "data_dir" => {
+                self.data_dir = PathBuf::from(non_empty(text(raw)?, layer, key, env_name)?)
+            }
+            "database_url" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                if !(t.starts_with("postgres://") || t.starts_with("postgresql://")) {
+                    return Err(layer.err(
+                        key,
+                        env_name,
+                        "must be a postgres:// or postgresql:// URL",
+                    ));
+                }
+                self.database_url = Some(t);
+            }
+            "jwt_hs256_key" => {
+                let t = text(raw)?;
+                if t.len() < 32 {
+                    return Err(layer.err(key, env_name, "must be at least 32 bytes"));
+                }
+                self.jwt_hs256_key = Some(t);
+            }
+            "jwt_jwks_url" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                if !(t.starts_with("https://") || t.starts_with("http://")) {
+                    return Err(layer.err(key, env_name, "must be an http(s) URL"));
+                }
+                self.jwt_jwks_url = Some(t);
+            }
+            "jwt_issuer" => self.jwt_issuer = Some(non_empty(text(raw)?, layer, key, env_name)?),
+            "jwt_audience" => {
+                self.jwt_audience = Some(non_empty(text(raw)?, layer, key, env_name)?)
+            }
+            "poll_interval_ms" => {
+                self.poll_interval = ms_in(int(raw)?, 10, 60_000, layer, key, env_name)?
+            }
+            "read_your_writes_ms" => {
+                self.read_your_writes = ms_in(int(raw)?, 0, 30_000, layer, key, env_name)?;
+            }
+            "log_format" => {
+                self.log_format = match text(raw)?.as_str() {
+                    "json" => LogFormat::Json,
+                    "pretty" => LogFormat::Pretty,
+                    other => {
+                        return Err(layer.err(
+                            key,
+                            env_name,
+                            format!("{other:?} is not json or pretty"),
+                        ))
+                    }
+                }
+            }
+            "log" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                tracing_subscriber::EnvFilter::try_new(&t)
+                    .map_err(|e| layer.err(key, env_name, format!("not a log filter: {e}")))?;
+                self.log_filter = t;
+            }
+            _ => return Err(layer.err(key, env_name, "unknown setting")),
+        }
+        Ok(())
+    }
+
+    fn apply_file(&mut self, f: FileLayer, source: &str) -> Result<(), ConfigError> {
+        let layer = Layer {
+            source,
+            by_env_name: false,
+        };
+        let entries: [(&str, Option<RawValue>); 11] = [
+            ("http_addr", f.http_addr.map(RawValue::Text)),
+            ("data_dir", f.data_dir.map(RawValue::Text)),
+            ("database_url", f.database_url.map(RawValue::Text)),
+            ("jwt_hs256_key", f.jwt_hs256_key.map(RawValue::Text)),
+            ("jwt_jwks_url", f.jwt_jwks_url.map(RawValue::Text)),
+            ("jwt_issuer", f.jwt_issuer.map(RawValue::Text)),
+            ("jwt_audience", f.jwt_audience.map(RawValue::Text)),
+            ("poll_interval_ms", f.poll_interval_ms.map(RawValue::Int)),
+            (
+                "read_your_writes_ms",
+                f.read_your_writes_ms.map(RawValue::Int),
+            ),
+            ("log_format", f.log_format.map(RawValue::Text)),
+            ("log", f.log.map(RawValue::Text)),
+        ];
+        for (key, value) in entries {
+            if let Some(value) = value {
+                let env_name = env_name_of(key);
+                self.set(key, env_name, value, &layer)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_env(&mut self, env: &HashMap<String, String>) -> Result<(), ConfigError> {
+        let layer = Layer {
+            source: "environment",
+            by_env_name: true,
+        };
+        for (key, env_name, _, _) in SETTINGS {
+            if let Some(value) = env.get(*env_name) {
+                self.set(key, env_name, RawValue::Text(value.clone()), &layer)?;
+            }
+        }
+        // A misspelt FERRY_ variable would otherwise be ignored in silence.
+        for name in env.keys().filter(|k| k.starts_with("FERRY_")) {
+            let known = SETTINGS.iter().any(|(_, e, _, _)| e == name)
+                || matches!(name.as_str(), "FERRY_CONFIG");
+            if !known {
+                return Err(ConfigError {
+                    setting: name.clone(),
+                    source_name: "environment".to_string(),
+                    reason: "unknown setting".to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.jwt_hs256_key.is_some() && self.jwt_jwks_url.is_some() {
+            return Err(ConfigError {
+                setting: "FERRY_JWT_JWKS_URL".to_string(),
+                source_name: "configuration".to_string(),
+                reason: "set either FERRY_JWT_HS256_KEY or FERRY_JWT_JWKS_URL, not both"
+                    .to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+enum RawValue {
+    Text(String),
+    Int(u64),
+}
+
+fn env_name_of(key: &str) -> &'static str {
+    SETTINGS
+        .iter()
+        .find(|(k, _, _, _)| *k == key)
+        .map_or("", |(_, e, _, _)| e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_then_file_then_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(
+            &file,
+            "http_addr = \"0.0.0.0:9000\"\npoll_interval_ms = 250\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&file), &env(&[])).unwrap();
+        assert_eq!(c.http_addr.to_string(), "0.0.0.0:9000");
+        assert_eq!(c.poll_interval, Duration::from_millis(250));
+        assert_eq!(c.data_dir, PathBuf::from(".ferry"));
+        let c = Config::load(Some(&file), &env(&[("FERRY_HTTP_ADDR", "127.0.0.1:7000")])).unwrap();
+        assert_eq!(c.http_addr.to_string(), "127.0.0.1:7000");
+        assert_eq!(c.poll_interval, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn bad_values_name_the_setting() {
+        let e = Config::load(None, &env(&[("FERRY_HTTP_ADDR", "nowhere")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_HTTP_ADDR");
+        assert!(e.to_string().contains("FERRY_HTTP_ADDR"), "{e}");
+        let e = Config::load(None, &env(&[("DATABASE_URL", "mysql://x")])).unwrap_err();
+        assert_eq!(e.setting, "DATABASE_URL");
+        let e = Config::load(None, &env(&[("FERRY_POLL_INTERVAL_MS", "fast")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_POLL_INTERVAL_MS");
+        let e = Config::load(None, &env(&[("FERRY_HTTP_ADRR", "x")])).unwrap_err();
+        assert_eq!(
+            (e.setting.as_str(), e.reason.as_str()),
+            ("FERRY_HTTP_ADRR", "unknown setting")
+        );
+        let e = Config::load(None, &env(&[("FERRY_JWT_HS256_KEY", "short")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_JWT_HS256_KEY");
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(&file, "read_your_writes_ms = 999999\n").unwrap();
+        let e = Config::load(Some(&file), &env(&[])).unwrap_err();
+        assert_eq!(e.setting, "read_your_writes_ms");
+        assert_eq!(e.source_name, file.display().to_string());
+        std::fs::write(&file, "htp_addr = \"x\"\n").unwrap();
+        let e = Config::load(Some(&file), &env(&[])).unwrap_err();
+        assert!(e.reason.contains("htp_addr"), "{e}");
+    }
+}

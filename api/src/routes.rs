@@ -1,0 +1,611 @@
+//! The provisioning endpoints of the seed, plus what a standalone user needs (declare a
+//! specification, decide an approval, the current specification of an environment).
+
+use crate::auth::Caller;
+use crate::extract::{OptionalJson, RequestIds, ValidJson};
+use crate::problem::ApiError;
+use crate::state::AppState;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use chrono::Utc;
+use ferry_domain::run::{Decision, RunCommand, RunRequest};
+use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
+use ferry_domain::*;
+use ferry_projections::queries::{decode_cursor, RunFilter, SpecificationFilter};
+use ferry_projections::RunView;
+use ferry_store::idempotency::{self, KeyState};
+use ferry_store::EventMetadata;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+
+/// Body of `POST /factory/provisioning/specifications`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeclareSpecificationRequest {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The project.
+    pub project_id: ProjectId,
+    /// `Environment` or `Workload`.
+    pub kind: SpecificationKind,
+    /// `<repository>#<folder>`.
+    pub program_ref: ProgramRef,
+    /// The program's Git commit.
+    pub program_version: ProgramVersion,
+    /// The release it deploys.
+    #[serde(default)]
+    pub release_id: Option<ReleaseId>,
+    /// Roll-out strategy.
+    #[serde(default)]
+    pub strategy: Option<Strategy>,
+    /// Configuration references by name (`file:///…`, `https://…`).
+    #[serde(default)]
+    pub config_refs: BTreeMap<String, ConfigRef>,
+    /// Secret references by name (`env://NAME`, `file:///path`, `vault://mount/path#key`).
+    #[serde(default)]
+    pub secret_refs: BTreeMap<String, SecretRef>,
+}
+
+/// Body of `POST /factory/provisioning/runs` (PlanProvisioning).
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PlanProvisioningRequest {
+    /// The specification to plan.
+    pub specification_id: SpecificationId,
+    /// Its version.
+    pub specification_version: u32,
+    /// The environment (must be the specification's).
+    pub environment_id: EnvironmentId,
+    /// Baseline, Release, Reconciliation or Decommission.
+    pub kind: ProvisioningKind,
+    /// The promotion asking for it.
+    #[serde(default)]
+    pub promotion_id: Option<PromotionId>,
+    /// The promotion's approval, reused for a production apply.
+    #[serde(default)]
+    pub approval_id: Option<ApprovalId>,
+}
+
+/// Body of `POST /factory/provisioning/runs/{id}/cancel` (optional).
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CancelRequest {
+    /// Why.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Body of `POST /factory/provisioning/runs/{id}/approval`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApprovalRequest {
+    /// `approve` or `reject`.
+    pub decision: Decision,
+    /// Why.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+const MAX_REASON: usize = 2000;
+const DEFAULT_LIMIT: u32 = 50;
+const MAX_LIMIT: u32 = 200;
+
+fn check_reason(reason: &Option<String>) -> Result<Option<String>, ApiError> {
+    match reason.as_deref().map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(r) if r.chars().count() > MAX_REASON => Err(ApiError::invalid_field(
+            "reason",
+            format!("must be at most {MAX_REASON} characters"),
+        )),
+        Some(r) => Ok(Some(r.to_string())),
+    }
+}
+
+fn check_ref_keys<T>(field: &str, refs: &BTreeMap<String, T>) -> Result<(), ApiError> {
+    for key in refs.keys() {
+        if key.is_empty()
+            || key.len() > 256
+            || key.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(ApiError::invalid_field(
+                &format!("{field}.{key}"),
+                "names must be 1 to 256 characters without whitespace",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Query parameters, refusing unknown ones so a typo is not silently ignored.
+struct QueryParams(HashMap<String, String>);
+
+impl QueryParams {
+    fn new(raw: HashMap<String, String>, allowed: &[&str]) -> Result<Self, ApiError> {
+        if let Some(unknown) = raw.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return Err(ApiError::bad_field(
+                unknown,
+                format!("unknown query parameter (allowed: {})", allowed.join(", ")),
+            ));
+        }
+        Ok(Self(raw))
+    }
+
+    fn parse<T>(
+        &self,
+        name: &str,
+        parse: impl Fn(&str) -> Option<T>,
+        expected: &str,
+    ) -> Result<Option<T>, ApiError> {
+        match self.0.get(name) {
+            None => Ok(None),
+            Some(v) => parse(v)
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_field(name, format!("{v:?} is not {expected}"))),
+        }
+    }
+
+    fn page(&self) -> Result<(u32, Option<i64>), ApiError> {
+        let limit = self
+            .parse(
+                "limit",
+                |v| {
+                    v.parse::<u32>()
+                        .ok()
+                        .filter(|n| (1..=MAX_LIMIT).contains(n))
+                },
+                "a number from 1 to 200",
+            )?
+            .unwrap_or(DEFAULT_LIMIT);
+        let cursor = match self.0.get("cursor") {
+            None => None,
+            Some(c) => Some(decode_cursor(c).map_err(|e| ApiError::bad_field("cursor", e))?),
+        };
+        Ok((limit, cursor))
+    }
+}
+
+fn enum_from_str<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(v.to_string())).ok()
+}
+
+fn metadata(caller: &Caller, ids: RequestIds) -> EventMetadata {
+    EventMetadata {
+        tenant_id: caller.tenant.clone(),
+        actor: caller.actor.clone(),
+        correlation_id: ids.correlation_id,
+        causation_id: ids.request_id,
+        request_id: ids.request_id,
+    }
+}
+
+/// `GET /factory/provisioning/specifications`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_specifications(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(raw): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let q = QueryParams::new(
+        raw,
+        &[
+            "environmentId",
+            "projectId",
+            "kind",
+            "specificationId",
+            "limit",
+            "cursor",
+        ],
+    )?;
+    let filter = SpecificationFilter {
+        environment_id: q.parse(
+            "environmentId",
+            |v| EnvironmentId::parse(v).ok(),
+            "an environment id",
+        )?,
+        project_id: q.parse("projectId", |v| ProjectId::parse(v).ok(), "a project id")?,
+        kind: q.parse("kind", enum_from_str, "Environment or Workload")?,
+        specification_id: q.parse(
+            "specificationId",
+            |v| SpecificationId::parse(v).ok(),
+            "a UUID",
+        )?,
+    };
+    let (limit, cursor) = q.page()?;
+    let page = state
+        .reads()
+        .list_specifications(&caller.tenant, &filter, limit, cursor)
+        .await?;
+    Ok(Json(page).into_response())
+}
+
+/// `POST /factory/provisioning/specifications`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn declare_specification(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    ValidJson { value: body, .. }: ValidJson<DeclareSpecificationRequest>,
+) -> Result<Response, ApiError> {
+    caller.require_apply()?;
+    check_ref_keys("configRefs", &body.config_refs)?;
+    check_ref_keys("secretRefs", &body.secret_refs)?;
+    let id = SpecificationId::for_environment(&caller.tenant, &body.environment_id, body.kind);
+    let declaration = Declaration {
+        specification_id: id,
+        tenant_id: caller.tenant.clone(),
+        project_id: body.project_id,
+        environment_id: body.environment_id,
+        kind: body.kind,
+        program_ref: body.program_ref,
+        program_version: body.program_version,
+        release_id: body.release_id,
+        strategy: body.strategy,
+        config_refs: body.config_refs,
+        secret_refs: body.secret_refs,
+        declared_by: caller.actor.clone(),
+        declared_at: Utc::now(),
+    };
+    let done = state
+        .specifications()
+        .execute(
+            &caller.tenant,
+            &id.to_string(),
+            SpecificationCommand::Declare(Box::new(declaration)),
+            &metadata(&caller, ids),
+            true,
+        )
+        .await?;
+    let version: SpecificationVersion = done
+        .aggregate
+        .latest()
+        .cloned()
+        .ok_or_else(|| ApiError::internal("declared specification has no version"))?;
+    state
+        .reads()
+        .wait_for_specification(
+            &caller.tenant,
+            id,
+            version.version,
+            state.read_your_writes(),
+        )
+        .await?;
+    tracing::info!(specification_id = %id, version = version.version, "specification declared");
+    let location = format!("/factory/provisioning/specifications?specificationId={id}");
+    Ok(created(&location, &version))
+}
+
+fn created<T: serde::Serialize>(location: &str, body: &T) -> Response {
+    let mut response = (StatusCode::CREATED, Json(body)).into_response();
+    if let Ok(v) = HeaderValue::from_str(location) {
+        response.headers_mut().insert(header::LOCATION, v);
+    }
+    response
+}
+
+/// `GET /factory/provisioning/runs`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_runs(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(raw): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let q = QueryParams::new(raw, &["environmentId", "kind", "state", "limit", "cursor"])?;
+    let filter = RunFilter {
+        environment_id: q.parse("environmentId", |v| EnvironmentId::parse(v).ok(), "an environment id")?,
+        kind: q.parse("kind", enum_from_str, "Baseline, Release, Reconciliation or Decommission")?,
+        state: q.parse(
+            "state",
+            enum_from_str,
+            "one of Requested, Planned, AwaitingApproval, Applying, Applied, Failed, Rejected, Cancelled, Superseded",
+        )?,
+    };
+    let (limit, cursor) = q.page()?;
+    let page = state
+        .reads()
+        .list_runs(&caller.tenant, &filter, limit, cursor)
+        .await?;
+    Ok(Json(page).into_response())
+}
+
+fn run_id(raw: &str) -> Result<ProvisioningRunId, ApiError> {
+    ProvisioningRunId::parse(raw)
+        .map_err(|_| ApiError::NotFound(format!("no provisioning run {raw:?} (run ids are UUIDs)")))
+}
+
+/// `GET /factory/provisioning/runs/{provisioningRunId}`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
+pub async fn get_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let id = run_id(&raw)?;
+    match state.reads().get_run(&caller.tenant, id).await? {
+        Some(run) => Ok(Json(run).into_response()),
+        None => Err(ApiError::NotFound(format!("no provisioning run {id}"))),
+    }
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 255)
+        .ok_or_else(|| {
+            ApiError::bad_field(
+                "Idempotency-Key",
+                "must be 1 to 255 visible ASCII characters",
+            )
+        })?;
+    Ok(Some(key.to_string()))
+}
+
+/// `POST /factory/provisioning/runs` (PlanProvisioning): records the run in `Requested`.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn plan_provisioning(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    headers: HeaderMap,
+    ValidJson { value: body, raw }: ValidJson<PlanProvisioningRequest>,
+) -> Result<Response, ApiError> {
+    caller.require_apply()?;
+    let key = idempotency_key(&headers)?;
+    if body.specification_version == 0 {
+        return Err(ApiError::invalid_field(
+            "specificationVersion",
+            "versions start at 1",
+        ));
+    }
+    let (spec, _) = state
+        .specifications()
+        .load(&caller.tenant, &body.specification_id.to_string())
+        .await?
+        .ok_or_else(|| {
+            ApiError::invalid_field(
+                "specificationId",
+                format!("no specification {}", body.specification_id),
+            )
+        })?;
+    let version = spec.version(body.specification_version).ok_or_else(|| {
+        ApiError::invalid_field(
+            "specificationVersion",
+            format!(
+                "specification {} has no version {} (latest is {})",
+                body.specification_id,
+                body.specification_version,
+                spec.latest().map_or(0, |v| v.version)
+            ),
+        )
+    })?;
+    if version.environment_id != body.environment_id {
+        return Err(ApiError::invalid_field(
+            "environmentId",
+            format!(
+                "specification {} belongs to environment {}",
+                body.specification_id, version.environment_id
+            ),
+        ));
+    }
+
+    let tenant = caller.tenant.as_str();
+    let run_id = match &key {
+        Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k),
+        None => ProvisioningRunId::new_random(),
+    };
+    if let Some(k) = &key {
+        let hash = hex::encode(Sha256::digest(raw.to_string().as_bytes()));
+        match idempotency::reserve(
+            state.db(),
+            tenant,
+            k,
+            "PlanProvisioning",
+            &hash,
+            &run_id.to_string(),
+        )
+        .await?
+        {
+            KeyState::Fresh => {}
+            KeyState::Replay {
+                response: Some((status, body)),
+                ..
+            } => {
+                let mut response = (
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
+                    Json(body),
+                )
+                    .into_response();
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+                if let Ok(v) =
+                    HeaderValue::from_str(&format!("/factory/provisioning/runs/{run_id}"))
+                {
+                    response.headers_mut().insert(header::LOCATION, v);
+                }
+                return Ok(response);
+            }
+            // The first request has not answered (still running, or it crashed): run the
+            // same command on the same run id; the aggregate refuses a second run.
+            KeyState::Replay { response: None, .. } => {}
+            KeyState::Mismatch => return Err(ApiError::IdempotencyMismatch(k.clone())),
+        }
+    }
+
+    let request = RunRequest {
+        provisioning_run_id: run_id,
+        tenant_id: caller.tenant.clone(),
+        project_id: version.project_id.clone(),
+        environment_id: body.environment_id,
+        // Ferry learns environment classes with the environments issue; until then every
+        // environment is of unknown class, which the domain treats as production.
+        environment_class: None,
+        specification_id: body.specification_id,
+        specification_version: body.specification_version,
+        kind: body.kind,
+        promotion_id: body.promotion_id,
+        approval_id: body.approval_id,
+        requested_by: caller.actor.clone(),
+        requested_at: Utc::now(),
+    };
+    let result = state
+        .runs()
+        .execute(
+            &caller.tenant,
+            &run_id.to_string(),
+            RunCommand::Request(Box::new(request)),
+            &metadata(&caller, ids),
+            true,
+        )
+        .await;
+    let view = match result {
+        Ok(done) => fold(&done.history)?,
+        Err(ferry_store::CommandError::Domain(ferry_domain::run::RunError::AlreadyRequested))
+            if key.is_some() =>
+        {
+            let history = state
+                .runs()
+                .load_events(&caller.tenant, &run_id.to_string())
+                .await?
+                .ok_or_else(|| ApiError::internal("idempotent run vanished"))?;
+            fold(&history)?
+        }
+        Err(e) => {
+            if let Some(k) = &key {
+                idempotency::release(state.db(), tenant, k).await?;
+            }
+            return Err(e.into());
+        }
+    };
+    state
+        .reads()
+        .wait_for_run(
+            &caller.tenant,
+            run_id,
+            view.version,
+            state.read_your_writes(),
+        )
+        .await?;
+    let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
+    if let Some(k) = &key {
+        idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
+    }
+    tracing::info!(provisioning_run_id = %run_id, "provisioning requested");
+    Ok(created(
+        &format!("/factory/provisioning/runs/{run_id}"),
+        &body,
+    ))
+}
+
+fn fold(history: &[ferry_domain::run::RunEvent]) -> Result<RunView, ApiError> {
+    RunView::from_events(history)
+        .ok_or_else(|| ApiError::internal("run history does not start with a request"))
+}
+
+async fn run_command(
+    state: &AppState,
+    caller: &Caller,
+    ids: RequestIds,
+    raw: &str,
+    command: RunCommand,
+) -> Result<Response, ApiError> {
+    let id = run_id(raw)?;
+    let done = state
+        .runs()
+        .execute(
+            &caller.tenant,
+            &id.to_string(),
+            command,
+            &metadata(caller, ids),
+            false,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_store::CommandError::NotFound => {
+                ApiError::NotFound(format!("no provisioning run {id}"))
+            }
+            other => other.into(),
+        })?;
+    let view = fold(&done.history)?;
+    state
+        .reads()
+        .wait_for_run(&caller.tenant, id, view.version, state.read_your_writes())
+        .await?;
+    Ok(Json(view).into_response())
+}
+
+/// `POST /factory/provisioning/runs/{provisioningRunId}/cancel`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
+pub async fn cancel_run(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    OptionalJson(body): OptionalJson<CancelRequest>,
+) -> Result<Response, ApiError> {
+    caller.require_apply()?;
+    let reason = check_reason(&body.and_then(|b| b.reason))?;
+    let command = RunCommand::Cancel {
+        cancelled_by: caller.actor.clone(),
+        reason,
+        at: Utc::now(),
+    };
+    let response = run_command(&state, &caller, ids, &raw, command).await?;
+    tracing::info!("provisioning run cancelled");
+    Ok(response)
+}
+
+/// `POST /factory/provisioning/runs/{provisioningRunId}/approval`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
+pub async fn decide_approval(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<ApprovalRequest>,
+) -> Result<Response, ApiError> {
+    caller.require_apply()?;
+    let reason = check_reason(&body.reason)?;
+    let command = RunCommand::DecideApproval {
+        decision: body.decision,
+        decided_by: caller.actor.clone(),
+        reason,
+        approval_id: None,
+        at: Utc::now(),
+    };
+    let response = run_command(&state, &caller, ids, &raw, command).await?;
+    tracing::info!(decision = ?body.decision, "approval decided");
+    Ok(response)
+}
+
+/// `GET /factory/provisioning/environments/{environmentId}/current-specification`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+pub async fn current_specification(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let environment =
+        EnvironmentId::parse(raw.clone()).map_err(|e| ApiError::bad_field("environmentId", e))?;
+    match state
+        .reads()
+        .current_specification(&caller.tenant, &environment)
+        .await?
+    {
+        Some(view) => Ok(Json(view).into_response()),
+        None => Err(ApiError::NotFound(format!(
+            "no specification declared for environment {environment}"
+        ))),
+    }
+}
