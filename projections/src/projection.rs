@@ -474,6 +474,7 @@ impl Projector {
         for projection in all_projections() {
             let runner = ProjectionRunner::live(projection);
             runner.ensure_tables(db).await?;
+            ferry_store::stream::ensure_checkpoint(db, runner.name()).await?;
             tokio::spawn(run_subscription(
                 db.clone(),
                 Arc::new(runner),

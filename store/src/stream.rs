@@ -163,11 +163,13 @@ fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
 }
 
 impl Tx {
-    /// Begins a transaction.
+    /// Begins a transaction. On SQLite it takes the write lock at once (`BEGIN IMMEDIATE`):
+    /// a deferred transaction that reads and then writes fails with `SQLITE_BUSY` when
+    /// another connection wrote in between, instead of waiting its turn.
     pub async fn begin(db: &Database) -> Result<Self, sqlx::Error> {
         Ok(match db.pool() {
             Pool::Postgres(p) => Tx::Postgres(p.begin().await?),
-            Pool::Sqlite(p) => Tx::Sqlite(p.begin().await?),
+            Pool::Sqlite(p) => Tx::Sqlite(p.begin_with("BEGIN IMMEDIATE").await?),
         })
     }
 
@@ -302,6 +304,18 @@ impl Tx {
                 .collect(),
         }
     }
+}
+
+/// Creates a subscription's checkpoint at the start of the stream unless it exists, so
+/// that status and readiness list it before its first batch.
+pub async fn ensure_checkpoint(db: &Database, name: &str) -> Result<(), sqlx::Error> {
+    let mut tx = Tx::begin(db).await?;
+    tx.execute(
+        "INSERT INTO subscription_checkpoints (name) VALUES ($1) ON CONFLICT (name) DO NOTHING",
+        &[Param::Text(Some(name.to_string()))],
+    )
+    .await?;
+    tx.commit().await
 }
 
 /// Reads up to `limit` events after `after` outside any subscription.

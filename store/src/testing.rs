@@ -93,21 +93,6 @@ impl TestDatabase {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn database_name_is_replaced() {
-        assert_eq!(
-            super::with_database("postgres://u@h:5432/postgres", "x"),
-            "postgres://u@h:5432/x"
-        );
-        assert_eq!(
-            super::with_database("postgres://u@h/postgres?sslmode=disable", "x"),
-            "postgres://u@h/x?sslmode=disable"
-        );
-    }
-}
-
 /// Polls `check` until it returns `Some`, for at most ten seconds. The global stream on
 /// Postgres holds an event back while any older transaction on the server still runs
 /// (other tests included), so readers in tests wait for a condition, not a fixed time.
@@ -126,5 +111,20 @@ where
             "timed out waiting for {what}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn database_name_is_replaced() {
+        assert_eq!(
+            super::with_database("postgres://u@h:5432/postgres", "x"),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(
+            super::with_database("postgres://u@h/postgres?sslmode=disable", "x"),
+            "postgres://u@h/x?sslmode=disable"
+        );
     }
 }

@@ -1,0 +1,192 @@
+//! The `ferry` binary: configuration errors, tokens, migrations, projection status and
+//! rebuild while a server keeps answering, and the schema check.
+
+mod common;
+
+use common::*;
+use ferry_store::database::Backend;
+use serde_json::json;
+use std::process::Command;
+
+fn ferry(data_dir: &std::path::Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    c.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("FERRY_DATA_DIR", data_dir)
+        .env("FERRY_LOG", "warn");
+    c
+}
+
+#[test]
+fn a_bad_setting_stops_start_up_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, value) in [
+        ("FERRY_HTTP_ADDR", "not-an-address"),
+        ("DATABASE_URL", "mysql://nope"),
+        ("FERRY_POLL_INTERVAL_MS", "0"),
+        ("FERRY_LOG_FORMAT", "xml"),
+    ] {
+        let out = ferry(dir.path())
+            .env(name, value)
+            .arg("serve")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(name), "{name}: {stderr}");
+    }
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(&file, "http_addr = 8080\n").unwrap();
+    let out = ferry(dir.path())
+        .arg("--config")
+        .arg(&file)
+        .arg("serve")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ferry.toml"));
+}
+
+#[test]
+fn token_signs_with_the_embedded_key_it_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ferry(dir.path())
+        .args([
+            "token",
+            "--tenant",
+            "acme",
+            "--sub",
+            "alice",
+            "--scopes",
+            "factory.provisioning.read",
+            "--roles",
+            "Operator",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = String::from_utf8(out.stdout).unwrap();
+    let key = ferry_api::auth::load_or_create_key(dir.path()).unwrap();
+    let verifier = ferry_api::auth::Verifier::hs256(&key, None, None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let caller = rt.block_on(verifier.verify(token.trim())).unwrap();
+    assert_eq!(
+        (caller.tenant.as_str(), caller.actor.as_str()),
+        ("acme", "alice")
+    );
+    assert!(caller.require_read().is_ok());
+    assert!(caller.require_apply().is_err());
+
+    let bad = ferry(dir.path())
+        .args(["token", "--tenant", "a b", "--sub", "x"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let bad = ferry(dir.path())
+        .args(["token", "--tenant", "a", "--sub", "x", "--roles", "Boss"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("Boss"));
+}
+
+#[tokio::test]
+async fn projections_are_inspected_and_rebuilt_while_the_server_answers() {
+    let s = TestServer::start(Backend::Postgres).await;
+    let url = s.db.as_ref().unwrap().location.clone();
+    let alice = operator("acme", "alice");
+    for env in ["dev", "test", "prod"] {
+        let (status, spec) = s
+            .post(
+                &alice,
+                "/factory/provisioning/specifications",
+                &declaration(env, "3f2a9c1"),
+            )
+            .await;
+        assert_eq!(status, 201);
+        let body = json!({"specificationId": spec["specificationId"], "specificationVersion": 1, "environmentId": env, "kind": "Release"});
+        assert_eq!(
+            s.post(&alice, "/factory/provisioning/runs", &body).await.0,
+            201
+        );
+    }
+    let (_, before) = s.get(&alice, "/factory/provisioning/runs").await;
+
+    let data = s.data_dir.path().to_path_buf();
+    let run = |args: &'static [&'static str]| {
+        let url = url.clone();
+        let data = data.clone();
+        tokio::task::spawn_blocking(move || {
+            ferry(&data)
+                .env("DATABASE_URL", url)
+                .args(args)
+                .output()
+                .unwrap()
+        })
+    };
+    let migrate = run(&["migrate"]).await.unwrap();
+    assert!(
+        migrate.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrate.stderr)
+    );
+
+    let rebuild = run(&["projections", "rebuild"]);
+    // The API keeps answering while the rebuild runs in another process.
+    for _ in 0..20 {
+        let (status, page) = s.get(&alice, "/factory/provisioning/runs").await;
+        assert_eq!(status, 200);
+        assert_eq!(page["items"].as_array().unwrap().len(), 3);
+    }
+    let rebuild = rebuild.await.unwrap();
+    let stdout = String::from_utf8_lossy(&rebuild.stdout);
+    assert!(
+        rebuild.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rebuild.stderr)
+    );
+    for name in ["specifications", "runs", "environments"] {
+        assert!(stdout.contains(&format!("rebuilt {name}")), "{stdout}");
+    }
+    let (_, after) = s.get(&alice, "/factory/provisioning/runs").await;
+    assert_eq!(before, after);
+
+    let status = run(&["projections", "status"]).await.unwrap();
+    let stdout = String::from_utf8_lossy(&status.stdout);
+    assert!(stdout.starts_with("SUBSCRIPTION"), "{stdout}");
+    assert!(
+        stdout.contains("runs") && stdout.contains("environments"),
+        "{stdout}"
+    );
+
+    let unknown = run(&["projections", "rebuild", "nonsense"]).await.unwrap();
+    assert!(!unknown.status.success());
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("nonsense"));
+    s.stop().await;
+}
+
+#[test]
+fn schemas_check_finds_stale_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = ferry(dir.path())
+        .args(["schemas", "--check", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!check.status.success());
+    let write = ferry(dir.path())
+        .args(["schemas", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(write.status.success());
+    let check = ferry(dir.path())
+        .args(["schemas", "--check", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(check.status.success());
+}
