@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ids;
+pub mod ports;
 pub mod receipts;
 pub mod run;
 pub mod specification;

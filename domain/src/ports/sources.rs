@@ -1,0 +1,175 @@
+//! Ports for what a plan is made of and where its artifacts go: the program source (Git),
+//! secrets, configuration, policy, and the artifact store.
+
+use super::SecretValue;
+use crate::receipts::PolicyDecision;
+use crate::values::{
+    ConfigRef, EnvironmentClass, ProgramRef, ProgramVersion, ProvisioningKind, SecretRef,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Why a program could not be read. The reason names the reference.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// The repository could not be opened or fetched.
+    #[error("repository {repository} cannot be read: {reason}")]
+    Repository {
+        /// The repository part of the reference.
+        repository: String,
+        /// Why.
+        reason: String,
+    },
+    /// The commit does not exist in the repository.
+    #[error("commit {commit} not found in {repository}")]
+    CommitNotFound {
+        /// The repository.
+        repository: String,
+        /// The commit.
+        commit: String,
+    },
+    /// The folder does not exist at that commit.
+    #[error("folder {folder} not found at commit {commit} of {repository}")]
+    FolderNotFound {
+        /// The repository.
+        repository: String,
+        /// The commit.
+        commit: String,
+        /// The folder.
+        folder: String,
+    },
+}
+
+/// A program checked out at a commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkout {
+    /// The program's folder on disk.
+    pub program_dir: PathBuf,
+    /// The full commit id that was checked out.
+    pub commit: String,
+}
+
+/// Reads programs from Git.
+#[async_trait::async_trait]
+pub trait ProgramSource: Send + Sync {
+    /// Writes the tree of `version` (the folder of `program`) under `into` and says where.
+    async fn checkout(
+        &self,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+        into: &Path,
+    ) -> Result<Checkout, SourceError>;
+}
+
+/// A secret, resolved, with a version that changes when the secret does but reveals
+/// nothing about it (goes into the inputs hash).
+#[derive(Debug, Clone)]
+pub struct ResolvedSecret {
+    /// The value.
+    pub value: SecretValue,
+    /// A version or fingerprint that is safe to store.
+    pub version: String,
+}
+
+/// Why a secret could not be resolved (never contains the value).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("secret {reference}: {reason}")]
+pub struct SecretError {
+    /// The reference.
+    pub reference: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Resolves secret references at the moment a runner needs them.
+#[async_trait::async_trait]
+pub trait SecretResolver: Send + Sync {
+    /// Resolves one reference.
+    async fn resolve(&self, reference: &SecretRef) -> Result<ResolvedSecret, SecretError>;
+}
+
+/// Configuration values gathered from the references, with warnings for degraded ones.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ResolvedConfig {
+    /// Values by configuration name.
+    pub values: BTreeMap<String, serde_json::Value>,
+    /// E.g. "app: https://… unreachable; using the last known good values from …".
+    pub warnings: Vec<String>,
+}
+
+/// Why configuration could not be resolved (no last known good value to fall back on).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("configuration {name} ({reference}): {reason}")]
+pub struct ConfigError {
+    /// The configuration name.
+    pub name: String,
+    /// The reference.
+    pub reference: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Resolves configuration references (failure mode: degrade to the last known good values).
+#[async_trait::async_trait]
+pub trait ConfigSource: Send + Sync {
+    /// Resolves every reference for an environment.
+    async fn resolve(
+        &self,
+        environment_id: &str,
+        refs: &BTreeMap<String, ConfigRef>,
+    ) -> Result<ResolvedConfig, ConfigError>;
+}
+
+/// What policy sees of a plan.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyInput {
+    /// The environment.
+    pub environment_id: String,
+    /// Its class; `None` = unknown (treated as production).
+    pub environment_class: Option<EnvironmentClass>,
+    /// The run's kind.
+    pub kind: ProvisioningKind,
+    /// Whether the run carries the promotion's approval.
+    pub has_promotion_approval: bool,
+    /// Plan counts.
+    pub adds: u32,
+    /// Plan counts.
+    pub changes: u32,
+    /// Plan counts.
+    pub deletes: u32,
+    /// Plan counts.
+    pub replaces: u32,
+    /// The resources (urn, type, op).
+    pub resources: Vec<crate::receipts::PlannedResource>,
+}
+
+/// Why policy could not decide.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("policy evaluation failed: {0}")]
+pub struct PolicyError(pub String);
+
+/// Evaluates policy on every plan.
+pub trait PolicyEngine: Send + Sync {
+    /// allow / require_approval / deny, with the reasons as evidence.
+    fn evaluate(&self, input: &PolicyInput) -> Result<PolicyDecision, PolicyError>;
+}
+
+/// Why an artifact could not be stored or read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("artifact {key}: {reason}")]
+pub struct ArtifactError {
+    /// The artifact key.
+    pub key: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Stores logs and state snapshots (local folder, S3, Azure Blob, GCS).
+#[async_trait::async_trait]
+pub trait ArtifactStore: Send + Sync {
+    /// Stores `bytes` under `key`; returns the reference to keep on the run (`logsRef`).
+    async fn put(&self, key: &str, bytes: Vec<u8>) -> Result<String, ArtifactError>;
+    /// Reads an artifact back by its reference.
+    async fn get(&self, reference: &str) -> Result<Vec<u8>, ArtifactError>;
+}

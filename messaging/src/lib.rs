@@ -1,0 +1,2 @@
+//! Placeholder until this crate is written.
+#![forbid(unsafe_code)]
