@@ -201,7 +201,15 @@ pub enum RunCommand {
         /// When.
         at: DateTime<Utc>,
     },
-    /// The plan went stale (the environment changed after it was made).
+    /// Policy denied the plan: the run ends `Rejected` and is never applied.
+    RejectByPolicy {
+        /// The policy's reasons.
+        evidence: Vec<String>,
+        /// When.
+        at: DateTime<Utc>,
+    },
+    /// The plan went stale (the environment changed after it was made). Allowed until the
+    /// runner starts: the applier checks staleness in `Applying` before it runs anything.
     Supersede {
         /// What changed.
         reason: String,
@@ -223,6 +231,7 @@ impl RunCommand {
             Self::RecordApplySucceeded { .. } => "RecordApplySucceeded",
             Self::RecordApplyFailed { .. } => "RecordApplyFailed",
             Self::Cancel { .. } => "Cancel",
+            Self::RejectByPolicy { .. } => "RejectByPolicy",
             Self::Supersede { .. } => "Supersede",
         }
     }
@@ -302,6 +311,14 @@ pub enum RunEvent {
         /// When.
         cancelled_at: DateTime<Utc>,
     },
+    /// Policy denied the plan: `Rejected`.
+    #[serde(rename_all = "camelCase")]
+    PolicyDenied {
+        /// The policy's reasons.
+        evidence: Vec<String>,
+        /// When.
+        denied_at: DateTime<Utc>,
+    },
     /// The plan went stale and will never be applied.
     #[serde(rename_all = "camelCase")]
     ProvisioningSuperseded {
@@ -325,6 +342,7 @@ impl DomainEvent for RunEvent {
             Self::ProvisioningFailed { .. } => "ProvisioningFailed",
             Self::ProvisioningCancelled { .. } => "ProvisioningCancelled",
             Self::ProvisioningSuperseded { .. } => "ProvisioningSuperseded",
+            Self::PolicyDenied { .. } => "PolicyDenied",
         }
         .to_string()
     }
@@ -662,8 +680,21 @@ impl Aggregate for ProvisioningRun {
                     cancelled_at: *at,
                 }
             }
+            RunCommand::RejectByPolicy { evidence, at } => {
+                self.expect_state(&command, &[S::Planned])?;
+                if evidence.iter().all(|e| e.trim().is_empty()) {
+                    return Err(RunError::ReasonRequired);
+                }
+                RunEvent::PolicyDenied {
+                    evidence: evidence.clone(),
+                    denied_at: *at,
+                }
+            }
             RunCommand::Supersede { reason, at } => {
-                self.expect_state(&command, &[S::Planned, S::AwaitingApproval])?;
+                if self.apply_receipt.is_some() {
+                    return Err(RunError::ApplyReceiptAlreadyRecorded);
+                }
+                self.expect_state(&command, &[S::Planned, S::AwaitingApproval, S::Applying])?;
                 non_empty(reason)?;
                 RunEvent::ProvisioningSuperseded {
                     reason: reason.clone(),
@@ -712,6 +743,7 @@ impl Aggregate for ProvisioningRun {
             }
             RunEvent::ProvisioningCancelled { .. } => self.state = Some(S::Cancelled),
             RunEvent::ProvisioningSuperseded { .. } => self.state = Some(S::Superseded),
+            RunEvent::PolicyDenied { .. } => self.state = Some(S::Rejected),
         }
     }
 }

@@ -256,6 +256,17 @@ impl RunView {
                 });
                 *cancelled_at
             }
+            RunEvent::PolicyDenied {
+                evidence,
+                denied_at,
+            } => {
+                self.state = ProvisioningState::Rejected;
+                self.failure = Some(FailureView {
+                    stage: FailureStage::Plan,
+                    reason: format!("policy denied: {}", evidence.join("; ")),
+                });
+                *denied_at
+            }
             RunEvent::ProvisioningSuperseded {
                 reason,
                 superseded_at,

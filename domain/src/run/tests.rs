@@ -568,7 +568,7 @@ fn cancel_only_before_apply() {
 
 #[test]
 fn only_an_unapplied_plan_can_be_superseded() {
-    for state in [S::Planned, S::AwaitingApproval] {
+    for state in [S::Planned, S::AwaitingApproval, S::Applying] {
         Fixture::with(())
             .given(history(state))
             .when(supersede())
@@ -609,7 +609,8 @@ fn every_command_in_every_state() {
         ("RecordApplySucceeded", &[S::Applying]),
         ("RecordApplyFailed", &[S::Applying]),
         ("Cancel", &[S::Requested, S::Planned, S::AwaitingApproval]),
-        ("Supersede", &[S::Planned, S::AwaitingApproval]),
+        ("Supersede", &[S::Planned, S::AwaitingApproval, S::Applying]),
+        ("RejectByPolicy", &[S::Planned]),
     ];
     for state in ProvisioningState::ALL {
         let commands = [
@@ -625,6 +626,10 @@ fn every_command_in_every_state() {
             failed_cmd(),
             cancel(),
             supersede(),
+            RunCommand::RejectByPolicy {
+                evidence: vec!["public bucket".to_string()],
+                at: at(8),
+            },
             RunCommand::Request(Box::new(prod_release())),
         ];
         for command in commands {
@@ -675,4 +680,25 @@ fn events_have_stable_types_and_round_trip() {
     );
     let back: RunEvent = serde_json::from_value(json).unwrap();
     assert_eq!(back, event);
+}
+
+#[test]
+fn a_policy_deny_rejects_the_run_with_its_evidence() {
+    Fixture::with(())
+        .given(history(S::Planned))
+        .when(RunCommand::RejectByPolicy {
+            evidence: vec!["public bucket".to_string()],
+            at: at(8),
+        })
+        .then_expect_events(vec![RunEvent::PolicyDenied {
+            evidence: vec!["public bucket".to_string()],
+            denied_at: at(8),
+        }]);
+    Fixture::with(())
+        .given(history(S::Planned))
+        .when(RunCommand::RejectByPolicy {
+            evidence: vec![],
+            at: at(8),
+        })
+        .then_expect_error(RunError::ReasonRequired);
 }

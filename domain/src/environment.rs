@@ -1,0 +1,301 @@
+//! The Environment aggregate: what Ferry knows of an environment owned by the environment
+//! service (its class, health URL and readiness). Recorded from `EnvironmentCreated` /
+//! `EnvironmentStateChanged`, or `PUT /factory/environments/{id}`, as events like
+//! everything else, so that every read model can be rebuilt.
+
+use crate::ids::{Actor, EnvironmentId, TenantId};
+use crate::values::{EnvironmentClass, ProgramRef, ProgramVersion};
+use crate::TenantOwned;
+use chrono::{DateTime, Utc};
+use cqrs_es::event_sink::EventSink;
+use cqrs_es::{Aggregate, DomainEvent};
+use serde::{Deserialize, Serialize};
+
+/// The program an environment's baseline is declared from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BaselineProgram {
+    /// `<repository>#<folder>`.
+    pub program_ref: ProgramRef,
+    /// The commit.
+    pub program_version: ProgramVersion,
+}
+
+/// The payload of `EnvironmentRegistered`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvironmentRegistration {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The owning tenant.
+    pub tenant_id: TenantId,
+    /// Its class.
+    pub environment_class: EnvironmentClass,
+    /// Where its health can be probed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_url: Option<String>,
+    /// The baseline program the creation carried, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_program: Option<BaselineProgram>,
+    /// Who recorded it (a token's subject, or `system:inbound`).
+    pub recorded_by: Actor,
+    /// When.
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// Commands of the environment aggregate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EnvironmentCommand {
+    /// Record the environment, or update its class and health URL (idempotent: the same
+    /// values again change nothing).
+    Register(Box<EnvironmentRegistration>),
+    /// The environment's readiness changed.
+    ChangeState {
+        /// `true` when ready to receive changes.
+        ready: bool,
+        /// The state as the environment service names it.
+        state: String,
+        /// Who.
+        by: Actor,
+        /// When.
+        at: DateTime<Utc>,
+    },
+}
+
+/// Events of the environment aggregate (all version 1.0).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum EnvironmentEvent {
+    /// First record of the environment.
+    EnvironmentRegistered(Box<EnvironmentRegistration>),
+    /// Class or health URL changed.
+    #[serde(rename_all = "camelCase")]
+    EnvironmentUpdated {
+        /// The new class.
+        environment_class: EnvironmentClass,
+        /// The new health URL.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        health_url: Option<String>,
+        /// Who.
+        recorded_by: Actor,
+        /// When.
+        recorded_at: DateTime<Utc>,
+    },
+    /// Readiness changed.
+    #[serde(rename_all = "camelCase")]
+    EnvironmentStateChanged {
+        /// Ready to receive changes.
+        ready: bool,
+        /// The state's name.
+        state: String,
+        /// Who.
+        changed_by: Actor,
+        /// When.
+        changed_at: DateTime<Utc>,
+    },
+}
+
+impl DomainEvent for EnvironmentEvent {
+    fn event_type(&self) -> String {
+        match self {
+            Self::EnvironmentRegistered(_) => "EnvironmentRegistered",
+            Self::EnvironmentUpdated { .. } => "EnvironmentUpdated",
+            Self::EnvironmentStateChanged { .. } => "EnvironmentStateChanged",
+        }
+        .to_string()
+    }
+    fn event_version(&self) -> String {
+        "1.0".to_string()
+    }
+}
+
+/// Rules an environment command can break.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvironmentError {
+    /// A state change for an environment Ferry has not recorded.
+    #[error("environment is not registered")]
+    NotRegistered,
+    /// The registration names another environment or tenant than the aggregate.
+    #[error("registration does not match the environment record")]
+    IdentityMismatch,
+}
+
+/// The environment as recorded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Environment {
+    registration: Option<EnvironmentRegistration>,
+    ready: bool,
+    state: Option<String>,
+}
+
+impl Environment {
+    /// The aggregate id of an environment of a tenant.
+    pub fn aggregate_id(tenant: &TenantId, environment: &EnvironmentId) -> String {
+        format!("{tenant}/{environment}")
+    }
+    /// The registration (with the current class and health URL).
+    pub fn registration(&self) -> Option<&EnvironmentRegistration> {
+        self.registration.as_ref()
+    }
+    /// The class, if registered.
+    pub fn class(&self) -> Option<EnvironmentClass> {
+        self.registration.as_ref().map(|r| r.environment_class)
+    }
+    /// Ready to receive changes.
+    pub fn is_ready(&self) -> bool {
+        self.ready
+    }
+}
+
+impl TenantOwned for Environment {
+    fn tenant(&self) -> Option<&TenantId> {
+        self.registration.as_ref().map(|r| &r.tenant_id)
+    }
+}
+
+impl Aggregate for Environment {
+    const TYPE: &'static str = "Environment";
+    type Command = EnvironmentCommand;
+    type Event = EnvironmentEvent;
+    type Error = EnvironmentError;
+    type Services = ();
+
+    async fn handle(
+        &mut self,
+        command: Self::Command,
+        _services: &(),
+        sink: &EventSink<Self>,
+    ) -> Result<(), Self::Error> {
+        let event = match command {
+            EnvironmentCommand::Register(r) => match &self.registration {
+                None => EnvironmentEvent::EnvironmentRegistered(r),
+                Some(existing) => {
+                    if existing.environment_id != r.environment_id
+                        || existing.tenant_id != r.tenant_id
+                    {
+                        return Err(EnvironmentError::IdentityMismatch);
+                    }
+                    if existing.environment_class == r.environment_class
+                        && existing.health_url == r.health_url
+                    {
+                        return Ok(());
+                    }
+                    EnvironmentEvent::EnvironmentUpdated {
+                        environment_class: r.environment_class,
+                        health_url: r.health_url,
+                        recorded_by: r.recorded_by,
+                        recorded_at: r.recorded_at,
+                    }
+                }
+            },
+            EnvironmentCommand::ChangeState {
+                ready,
+                state,
+                by,
+                at,
+            } => {
+                if self.registration.is_none() {
+                    return Err(EnvironmentError::NotRegistered);
+                }
+                if self.ready == ready && self.state.as_deref() == Some(state.as_str()) {
+                    return Ok(());
+                }
+                EnvironmentEvent::EnvironmentStateChanged {
+                    ready,
+                    state,
+                    changed_by: by,
+                    changed_at: at,
+                }
+            }
+        };
+        sink.write(event, self).await;
+        Ok(())
+    }
+
+    fn apply(&mut self, event: Self::Event) {
+        match event {
+            EnvironmentEvent::EnvironmentRegistered(r) => self.registration = Some(*r),
+            EnvironmentEvent::EnvironmentUpdated {
+                environment_class,
+                health_url,
+                ..
+            } => {
+                if let Some(r) = self.registration.as_mut() {
+                    r.environment_class = environment_class;
+                    r.health_url = health_url;
+                }
+            }
+            EnvironmentEvent::EnvironmentStateChanged { ready, state, .. } => {
+                self.ready = ready;
+                self.state = Some(state);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cqrs_es::test::TestFramework;
+
+    fn registration(class: EnvironmentClass) -> EnvironmentRegistration {
+        EnvironmentRegistration {
+            environment_id: EnvironmentId::parse("payments-prod").unwrap(),
+            tenant_id: TenantId::parse("acme").unwrap(),
+            environment_class: class,
+            health_url: None,
+            baseline_program: None,
+            recorded_by: Actor::parse("admin").unwrap(),
+            recorded_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        }
+    }
+
+    #[test]
+    fn first_registration_records_the_environment() {
+        let r = registration(EnvironmentClass::Production);
+        TestFramework::<Environment>::with(())
+            .given_no_previous_events()
+            .when(EnvironmentCommand::Register(Box::new(r.clone())))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentRegistered(Box::new(r))]);
+    }
+
+    #[test]
+    fn registering_again_is_idempotent_or_an_update() {
+        let r = registration(EnvironmentClass::Staging);
+        let given = vec![EnvironmentEvent::EnvironmentRegistered(Box::new(r.clone()))];
+        TestFramework::<Environment>::with(())
+            .given(given.clone())
+            .when(EnvironmentCommand::Register(Box::new(r.clone())))
+            .then_expect_events(vec![]);
+        let changed = registration(EnvironmentClass::Production);
+        TestFramework::<Environment>::with(())
+            .given(given)
+            .when(EnvironmentCommand::Register(Box::new(changed.clone())))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentUpdated {
+                environment_class: EnvironmentClass::Production,
+                health_url: None,
+                recorded_by: changed.recorded_by,
+                recorded_at: changed.recorded_at,
+            }]);
+    }
+
+    #[test]
+    fn state_changes_need_a_registered_environment() {
+        let change = EnvironmentCommand::ChangeState {
+            ready: true,
+            state: "ready".to_string(),
+            by: Actor::parse("system:inbound").unwrap(),
+            at: DateTime::from_timestamp(1_700_000_100, 0).unwrap(),
+        };
+        TestFramework::<Environment>::with(())
+            .given_no_previous_events()
+            .when(change.clone())
+            .then_expect_error(EnvironmentError::NotRegistered);
+        let r = registration(EnvironmentClass::Test);
+        let result = TestFramework::<Environment>::with(())
+            .given(vec![EnvironmentEvent::EnvironmentRegistered(Box::new(r))])
+            .when(change)
+            .inspect_result()
+            .unwrap();
+        assert_eq!(result.len(), 1);
+    }
+}

@@ -1,0 +1,123 @@
+//! Gathering a run's inputs: the program checkout, configuration and secrets, and the
+//! inputs hash (sha256 over the program version, the resolved configuration values and the
+//! secret references' versions; never secret values).
+
+use ferry_domain::ports::runner::RunnerInput;
+use ferry_domain::ports::SecretValue;
+use ferry_domain::specification::SpecificationVersion;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::Workers;
+
+/// Everything resolved for one preview or apply.
+pub struct Inputs {
+    /// What the runner gets.
+    pub runner: RunnerInput,
+    /// The commit actually checked out.
+    pub commit: String,
+    /// See the module doc.
+    pub hash: String,
+    /// Warnings for the receipt (degraded configuration).
+    pub warnings: Vec<String>,
+}
+
+impl Inputs {
+    /// The secret values, to redact logs with.
+    pub fn secrets(&self) -> impl Iterator<Item = &SecretValue> {
+        self.runner.secrets.values()
+    }
+}
+
+/// The hash of the inputs (see the module doc).
+pub fn inputs_hash(
+    commit: &str,
+    config: &BTreeMap<String, serde_json::Value>,
+    secret_versions: &BTreeMap<String, String>,
+) -> String {
+    // serde_json maps are ordered by key, so the document is canonical.
+    let doc = serde_json::json!({"programVersion": commit, "config": config, "secretVersions": secret_versions});
+    hex::encode(Sha256::digest(doc.to_string().as_bytes()))
+}
+
+impl Workers {
+    /// Checks the program out into `dir` and resolves configuration and secrets. An error
+    /// is the reason the step cannot go on (it names the reference).
+    pub(crate) async fn gather(
+        &self,
+        spec: &SpecificationVersion,
+        dir: &Path,
+        timeout: Duration,
+    ) -> Result<Inputs, String> {
+        let _ = tokio::fs::remove_dir_all(dir).await;
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| format!("cannot create work folder {}: {e}", dir.display()))?;
+        let checkout = self
+            .ports
+            .programs
+            .checkout(&spec.program_ref, &spec.program_version, dir)
+            .await
+            .map_err(|e| e.to_string())?;
+        let config = self
+            .ports
+            .config
+            .resolve(spec.environment_id.as_str(), &spec.config_refs)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut secrets = BTreeMap::new();
+        let mut versions = BTreeMap::new();
+        for (name, reference) in &spec.secret_refs {
+            let resolved = self
+                .ports
+                .secrets
+                .resolve(reference)
+                .await
+                .map_err(|e| e.to_string())?;
+            versions.insert(name.clone(), resolved.version);
+            secrets.insert(name.clone(), resolved.value);
+        }
+        let hash = inputs_hash(&checkout.commit, &config.values, &versions);
+        Ok(Inputs {
+            runner: RunnerInput {
+                environment_id: spec.environment_id.to_string(),
+                program_dir: checkout.program_dir,
+                config: config.values,
+                secrets,
+                timeout,
+            },
+            commit: checkout.commit,
+            hash,
+            warnings: config.warnings,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hash_changes_with_each_input_and_not_with_order() {
+        let config = BTreeMap::from([
+            ("a".to_string(), serde_json::json!(1)),
+            ("b".to_string(), serde_json::json!("x")),
+        ]);
+        let versions = BTreeMap::from([("db".to_string(), "vault:v3".to_string())]);
+        let h = inputs_hash("abc", &config, &versions);
+        assert_eq!(h.len(), 64);
+        assert_eq!(
+            h,
+            inputs_hash(
+                "abc",
+                &config.clone().into_iter().rev().collect(),
+                &versions
+            )
+        );
+        assert_ne!(h, inputs_hash("abd", &config, &versions));
+        let v2 = BTreeMap::from([("db".to_string(), "vault:v4".to_string())]);
+        assert_ne!(h, inputs_hash("abc", &config, &v2));
+    }
+}

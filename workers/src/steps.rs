@@ -1,0 +1,628 @@
+//! What each step does. A step ends `Done`, `Failed` (for good) or `Retry` (planner only).
+//! Domain refusals (the run was cancelled meanwhile, a receipt already exists) end the step:
+//! the aggregate is the judge, so a step run twice never has a second effect.
+
+use crate::queue::{Step, WorkItem};
+use crate::Workers;
+use chrono::Utc;
+use ferry_domain::ports::redact;
+use ferry_domain::ports::runner::RunnerError;
+use ferry_domain::ports::sources::PolicyInput;
+use ferry_domain::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
+use ferry_domain::run::{Decision, ProvisioningRun, RunCommand, RunError, RunRequest};
+use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
+use ferry_domain::*;
+use ferry_store::{CommandError, EventMetadata};
+use std::time::Instant;
+
+/// How a step ended.
+pub(crate) enum Outcome {
+    Done,
+    Failed(String),
+    Retry(String),
+}
+
+/// The actor recorded for a worker's commands: `system:<worker>`.
+fn system(worker: &'static str) -> Actor {
+    Actor::parse(format!("system:{worker}")).expect("a constant worker name is a valid actor")
+}
+
+impl Workers {
+    fn metadata(&self, item: &WorkItem, tenant: &TenantId, worker: &'static str) -> EventMetadata {
+        let parse = |v: &Option<String>| v.as_deref().and_then(|s| uuid::Uuid::parse_str(s).ok());
+        let request_id = uuid::Uuid::new_v4();
+        EventMetadata {
+            tenant_id: tenant.clone(),
+            actor: system(worker),
+            correlation_id: parse(&item.correlation_id).unwrap_or(request_id),
+            causation_id: parse(&item.causation_id).unwrap_or(request_id),
+            request_id,
+        }
+    }
+
+    /// Runs a command on the run and counts the state it reaches.
+    async fn command(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        worker: &'static str,
+        command: RunCommand,
+    ) -> Result<ProvisioningRun, CommandError<RunError>> {
+        let done = self
+            .runs
+            .execute(
+                tenant,
+                &item.item_id,
+                command,
+                &self.metadata(item, tenant, worker),
+                false,
+            )
+            .await?;
+        if let (Some(request), Some(state)) = (done.aggregate.request(), done.aggregate.state()) {
+            if !done.events.is_empty() {
+                self.metrics
+                    .run_reached(tenant.as_str(), request.kind.as_str(), state.as_str());
+            }
+        }
+        Ok(done.aggregate)
+    }
+
+    pub(crate) async fn step(&self, item: &WorkItem) -> Outcome {
+        let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
+            return Outcome::Failed(format!("bad tenant {:?}", item.tenant_id));
+        };
+        let result = match item.step {
+            Step::Plan => self.plan(item, &tenant).await,
+            Step::Apply => self.apply(item, &tenant).await,
+            Step::Baseline => self.baseline(item, &tenant).await,
+            Step::Expiry => self.expire(item, &tenant).await,
+        };
+        match result {
+            Ok(outcome) => outcome,
+            // Someone changed the run first: look again shortly.
+            Err(CommandError::Conflict) => Outcome::Retry("concurrent change".to_string()),
+            Err(CommandError::Unavailable(e)) => Outcome::Retry(format!("store unavailable: {e}")),
+            // The aggregate refused: the work is moot (cancelled, already recorded, …).
+            Err(CommandError::Domain(e)) => {
+                tracing::info!(reason = %e, "nothing to do");
+                Outcome::Done
+            }
+            Err(CommandError::NotFound) => Outcome::Done,
+            Err(CommandError::Store(e)) => Outcome::Retry(format!("store error: {e}")),
+        }
+    }
+
+    async fn load(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+    ) -> Result<Option<(ProvisioningRun, RunRequest, SpecificationVersion)>, CommandError<RunError>>
+    {
+        let Some((run, _)) = self.runs.load(tenant, &item.item_id).await? else {
+            return Ok(None);
+        };
+        let Some(request) = run.request().cloned() else {
+            return Ok(None);
+        };
+        let spec = self
+            .specifications
+            .load(tenant, &request.specification_id.to_string())
+            .await
+            .map_err(|e| CommandError::Store(e.to_string()))?
+            .and_then(|(s, _)| s.version(request.specification_version).cloned());
+        Ok(spec.map(|s| (run, request, s)))
+    }
+
+    async fn fail_planning(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        reason: String,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        self.command(
+            item,
+            tenant,
+            "planner",
+            RunCommand::FailPlanning {
+                reason: reason.clone(),
+                at: Utc::now(),
+            },
+        )
+        .await?;
+        Ok(Outcome::Failed(reason))
+    }
+
+    async fn plan(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let Some((run, request, spec)) = self.load(item, tenant).await? else {
+            return Ok(Outcome::Done);
+        };
+        if run.state() != Some(ProvisioningState::Requested) {
+            return Ok(Outcome::Done);
+        }
+        let dir = self
+            .settings
+            .work_dir
+            .join(item.item_id.as_str())
+            .join("plan");
+        let inputs = match self.gather(&spec, &dir, self.settings.plan_timeout).await {
+            Ok(i) => i,
+            Err(reason) => return self.fail_planning(item, tenant, reason).await,
+        };
+        let runner = &self.ports.runner;
+        let preview = async {
+            let version = runner.version().await?;
+            Ok::<_, RunnerError>((version, runner.preview(&inputs.runner).await?))
+        }
+        .await;
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+        let (runner_version, preview) = match preview {
+            Ok(p) => p,
+            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_))) => {
+                let reason = redact(&e.to_string(), inputs.secrets());
+                if item.attempts >= i64::from(self.settings.plan_attempts) {
+                    return self
+                        .fail_planning(
+                            item,
+                            tenant,
+                            format!("{reason} (gave up after {} attempts)", item.attempts),
+                        )
+                        .await;
+                }
+                return Ok(Outcome::Retry(reason));
+            }
+            Err(e) => {
+                return self
+                    .fail_planning(item, tenant, redact(&e.to_string(), inputs.secrets()))
+                    .await
+            }
+        };
+        let log = redact(&preview.log, inputs.secrets());
+        let logs_ref = match self
+            .ports
+            .artifacts
+            .put(&format!("runs/{}/plan.log", item.item_id), log.into_bytes())
+            .await
+        {
+            Ok(r) => Some(r),
+            Err(e) => return Ok(Outcome::Retry(e.to_string())),
+        };
+        let plan = preview.plan;
+        let policy_input = PolicyInput {
+            environment_id: request.environment_id.to_string(),
+            environment_class: request.environment_class,
+            kind: request.kind,
+            has_promotion_approval: request.promotion_id.is_some() && request.approval_id.is_some(),
+            adds: plan.adds,
+            changes: plan.changes,
+            deletes: plan.deletes,
+            replaces: plan.replaces,
+            resources: plan.resources.clone(),
+        };
+        let decision = match self.ports.policy.evaluate(&policy_input) {
+            Ok(d) => d,
+            Err(e) => return self.fail_planning(item, tenant, e.to_string()).await,
+        };
+        let receipt = PlanReceipt {
+            adds: plan.adds,
+            changes: plan.changes,
+            deletes: plan.deletes,
+            replaces: plan.replaces,
+            resources: plan.resources,
+            inputs_hash: inputs.hash.clone(),
+            program_version: inputs.commit.clone(),
+            runner: runner.name().to_string(),
+            runner_version,
+            policy: Some(decision.clone()),
+            warnings: inputs.warnings.clone(),
+        };
+        let planned = self
+            .command(
+                item,
+                tenant,
+                "planner",
+                RunCommand::RecordPlan {
+                    receipt: Box::new(receipt),
+                    logs_ref,
+                    at: Utc::now(),
+                },
+            )
+            .await?;
+        tracing::info!(adds = plan.adds, changes = plan.changes, deletes = plan.deletes, decision = ?decision.decision, "planned");
+        let next = if decision.decision == PolicyOutcome::Deny {
+            RunCommand::RejectByPolicy {
+                evidence: decision.evidence,
+                at: Utc::now(),
+            }
+        } else {
+            match planned.authorize_apply() {
+                Ok(_) => RunCommand::StartApply { at: Utc::now() },
+                Err(RunError::ApprovalRequired(reason)) => RunCommand::RequireApproval {
+                    reason,
+                    at: Utc::now(),
+                },
+                Err(RunError::PolicyDenied(reason)) => RunCommand::RejectByPolicy {
+                    evidence: vec![reason],
+                    at: Utc::now(),
+                },
+                Err(e) => return Err(CommandError::Domain(e)),
+            }
+        };
+        self.command(item, tenant, "planner", next).await?;
+        Ok(Outcome::Done)
+    }
+
+    async fn fail_apply(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        reason: String,
+        resource: Option<String>,
+        seconds: f64,
+        runner_version: String,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let receipt = ApplyReceipt {
+            outputs: Default::default(),
+            duration_seconds: seconds,
+            result: ApplyResult::Failed,
+            runner_version,
+            failing_resource: resource,
+        };
+        self.command(
+            item,
+            tenant,
+            "applier",
+            RunCommand::RecordApplyFailed {
+                receipt: Box::new(receipt),
+                reason: reason.clone(),
+                logs_ref: None,
+                at: Utc::now(),
+            },
+        )
+        .await?;
+        Ok(Outcome::Failed(reason))
+    }
+
+    pub(crate) async fn report_interrupted_apply(&self, item: &WorkItem, reason: &str) {
+        let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
+            return;
+        };
+        match self
+            .fail_apply(
+                item,
+                &tenant,
+                reason.to_string(),
+                None,
+                0.0,
+                "unknown".to_string(),
+            )
+            .await
+        {
+            Ok(_) | Err(CommandError::Domain(_)) => {}
+            Err(e) => tracing::error!(error = %e, "cannot report the interrupted apply"),
+        }
+    }
+
+    async fn apply(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let Some((run, request, spec)) = self.load(item, tenant).await? else {
+            return Ok(Outcome::Done);
+        };
+        if run.state() != Some(ProvisioningState::Applying) || run.apply_receipt().is_some() {
+            return Ok(Outcome::Done);
+        }
+        let Some(plan) = run.plan_receipt().cloned() else {
+            return Ok(Outcome::Done);
+        };
+        // Stale: another run applied to this environment after this plan was made.
+        let planned_at = self
+            .queue
+            .finished_at(&item.item_id, Step::Plan)
+            .await
+            .map_err(|e| CommandError::Store(e.to_string()))?;
+        let last = self
+            .queue
+            .last_apply(&item.environment_key)
+            .await
+            .map_err(|e| CommandError::Store(e.to_string()))?;
+        if let (Some(planned_at), Some((other, applied_at))) = (planned_at, last) {
+            if other != item.item_id && applied_at > planned_at {
+                let reason = format!(
+                    "run {other} applied to {} after this plan was made",
+                    request.environment_id
+                );
+                self.command(
+                    item,
+                    tenant,
+                    "applier",
+                    RunCommand::Supersede {
+                        reason: reason.clone(),
+                        at: Utc::now(),
+                    },
+                )
+                .await?;
+                return Ok(Outcome::Failed(reason));
+            }
+        }
+        let dir = self
+            .settings
+            .work_dir
+            .join(item.item_id.as_str())
+            .join("apply");
+        let inputs = match self.gather(&spec, &dir, self.settings.apply_timeout).await {
+            Ok(i) => i,
+            Err(reason) => {
+                return self
+                    .fail_apply(item, tenant, reason, None, 0.0, plan.runner_version.clone())
+                    .await
+            }
+        };
+        if inputs.hash != plan.inputs_hash {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            let reason = format!(
+                "the inputs changed after the plan (inputs hash {} is now {}): configuration, secrets or program differ",
+                &plan.inputs_hash[..plan.inputs_hash.len().min(12)],
+                &inputs.hash[..12]
+            );
+            self.command(
+                item,
+                tenant,
+                "applier",
+                RunCommand::Supersede {
+                    reason: reason.clone(),
+                    at: Utc::now(),
+                },
+            )
+            .await?;
+            return Ok(Outcome::Failed(reason));
+        }
+        let runner = &self.ports.runner;
+        let runner_version = runner
+            .version()
+            .await
+            .unwrap_or_else(|_| plan.runner_version.clone());
+        let started = Instant::now();
+        let result = runner.apply(&inputs.runner).await;
+        let seconds = started.elapsed().as_secs_f64();
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+        self.metrics.apply_took(request.kind.as_str(), seconds);
+        match result {
+            Ok(outcome) => {
+                let log = redact(&outcome.log, inputs.secrets());
+                let logs_ref = self
+                    .ports
+                    .artifacts
+                    .put(
+                        &format!("runs/{}/apply.log", item.item_id),
+                        log.into_bytes(),
+                    )
+                    .await
+                    .ok();
+                let receipt = ApplyReceipt {
+                    outputs: outcome.outputs,
+                    duration_seconds: seconds,
+                    result: ApplyResult::Succeeded,
+                    runner_version,
+                    failing_resource: None,
+                };
+                self.command(
+                    item,
+                    tenant,
+                    "applier",
+                    RunCommand::RecordApplySucceeded {
+                        receipt: Box::new(receipt),
+                        logs_ref,
+                        at: Utc::now(),
+                    },
+                )
+                .await?;
+                self.queue
+                    .record_apply(&item.environment_key, &item.item_id)
+                    .await
+                    .map_err(|e| CommandError::Store(e.to_string()))?;
+                tracing::info!(seconds, "applied");
+                Ok(Outcome::Done)
+            }
+            Err(error) => {
+                let (reason, resource, log) = match &error {
+                    RunnerError::ProgramFailed {
+                        reason,
+                        resource,
+                        log,
+                    } => (reason.clone(), resource.clone(), log.clone()),
+                    other => (other.to_string(), None, String::new()),
+                };
+                let reason = redact(&reason, inputs.secrets());
+                if !log.is_empty() {
+                    let log = redact(&log, inputs.secrets());
+                    let _ = self
+                        .ports
+                        .artifacts
+                        .put(
+                            &format!("runs/{}/apply.log", item.item_id),
+                            log.into_bytes(),
+                        )
+                        .await;
+                }
+                self.fail_apply(item, tenant, reason, resource, seconds, runner_version)
+                    .await
+            }
+        }
+    }
+
+    async fn baseline(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let store = |e: String| CommandError::Store(e);
+        let Some((environment, _)) = self
+            .environments
+            .load(tenant, &item.item_id)
+            .await
+            .map_err(|e| store(e.to_string()))?
+        else {
+            return Ok(Outcome::Done);
+        };
+        let Some(registration) = environment.registration().cloned() else {
+            return Ok(Outcome::Done);
+        };
+        let class = registration.environment_class;
+        let Some(program) = registration
+            .baseline_program
+            .clone()
+            .or_else(|| self.settings.baseline_programs.get(&class).cloned())
+        else {
+            return Ok(Outcome::Failed(format!(
+                "no baseline program for {} (class {class:?}): the creation carried none and none is configured for the class",
+                registration.environment_id
+            )));
+        };
+        let spec_id = SpecificationId::for_environment(
+            tenant,
+            &registration.environment_id,
+            SpecificationKind::Environment,
+        );
+        // Reuse a version already declared for this program (a retried step declares once).
+        let existing = self
+            .specifications
+            .load(tenant, &spec_id.to_string())
+            .await
+            .map_err(|e| store(e.to_string()))?;
+        let reusable = existing.as_ref().and_then(|(s, _)| {
+            s.latest()
+                .filter(|v| {
+                    v.program_ref == program.program_ref
+                        && v.program_version == program.program_version
+                })
+                .cloned()
+        });
+        let metadata = self.metadata(item, tenant, "baseline");
+        let version = match reusable {
+            Some(v) => v,
+            None => {
+                let project = existing
+                    .as_ref()
+                    .and_then(|(s, _)| s.latest().map(|v| v.project_id.clone()))
+                    .or_else(|| ProjectId::parse(registration.environment_id.as_str()).ok());
+                let Some(project_id) = project else {
+                    return Ok(Outcome::Failed(
+                        "cannot name a project for the baseline".to_string(),
+                    ));
+                };
+                let declaration = Declaration {
+                    specification_id: spec_id,
+                    tenant_id: tenant.clone(),
+                    project_id,
+                    environment_id: registration.environment_id.clone(),
+                    kind: SpecificationKind::Environment,
+                    program_ref: program.program_ref.clone(),
+                    program_version: program.program_version.clone(),
+                    release_id: None,
+                    strategy: None,
+                    config_refs: Default::default(),
+                    secret_refs: Default::default(),
+                    declared_by: system("baseline"),
+                    declared_at: Utc::now(),
+                };
+                let done = self
+                    .specifications
+                    .execute(
+                        tenant,
+                        &spec_id.to_string(),
+                        SpecificationCommand::Declare(Box::new(declaration)),
+                        &metadata,
+                        true,
+                    )
+                    .await
+                    .map_err(|e| store(e.to_string()))?;
+                match done.aggregate.latest().cloned() {
+                    Some(v) => v,
+                    None => {
+                        return Ok(Outcome::Failed(
+                            "declared baseline has no version".to_string(),
+                        ))
+                    }
+                }
+            }
+        };
+        let key = format!(
+            "baseline/{}/v{}",
+            registration.environment_id, version.version
+        );
+        let run_id = ProvisioningRunId::for_idempotency_key(tenant, &key);
+        let request = RunRequest {
+            provisioning_run_id: run_id,
+            tenant_id: tenant.clone(),
+            project_id: version.project_id.clone(),
+            environment_id: registration.environment_id.clone(),
+            environment_class: Some(class),
+            specification_id: spec_id,
+            specification_version: version.version,
+            kind: ProvisioningKind::Baseline,
+            promotion_id: None,
+            approval_id: None,
+            requested_by: system("baseline"),
+            requested_at: Utc::now(),
+        };
+        match self
+            .runs
+            .execute(
+                tenant,
+                &run_id.to_string(),
+                RunCommand::Request(Box::new(request)),
+                &metadata,
+                true,
+            )
+            .await
+        {
+            Ok(_) => {
+                self.metrics
+                    .run_reached(tenant.as_str(), "Baseline", "Requested");
+                tracing::info!(run = %run_id, "baseline planned");
+                Ok(Outcome::Done)
+            }
+            Err(CommandError::Domain(RunError::AlreadyRequested)) => Ok(Outcome::Done),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn expire(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let Some((run, _)) = self.runs.load(tenant, &item.item_id).await? else {
+            return Ok(Outcome::Done);
+        };
+        if run.state() != Some(ProvisioningState::AwaitingApproval) {
+            return Ok(Outcome::Done);
+        }
+        let minutes = self
+            .settings
+            .approval_expiry
+            .map_or(0, |d| d.as_secs() / 60);
+        self.command(
+            item,
+            tenant,
+            "approval-expiry",
+            RunCommand::DecideApproval {
+                decision: Decision::Reject,
+                decided_by: system("approval-expiry"),
+                reason: Some(format!(
+                    "no decision within {minutes} minutes: the approval expired"
+                )),
+                approval_id: None,
+                at: Utc::now(),
+            },
+        )
+        .await?;
+        Ok(Outcome::Done)
+    }
+}
