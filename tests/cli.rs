@@ -190,3 +190,25 @@ fn schemas_check_finds_stale_files() {
         .unwrap();
     assert!(check.status.success());
 }
+
+#[test]
+fn the_readme_documents_every_setting() {
+    let readme = include_str!("../README.md");
+    for (key, env, _, _) in ferry_api::config::SETTINGS {
+        let name = if env.starts_with("FERRY_BASELINE_PROGRAM_") {
+            "FERRY_BASELINE_PROGRAM_"
+        } else {
+            env
+        };
+        assert!(readme.contains(name), "README does not document {env}");
+        let key = if key.starts_with("baseline_program_") {
+            "baseline_program_"
+        } else {
+            key
+        };
+        assert!(
+            readme.contains(&format!("`{key}")),
+            "README does not document the file key {key}"
+        );
+    }
+}

@@ -2,7 +2,7 @@
 //! serving until a shutdown signal.
 
 use crate::auth::{load_or_create_key, Verifier};
-use crate::config::{Config, LogFormat};
+use crate::config::{Config, LogFormat, RunnerKind};
 use crate::extract::{RequestIds, MAX_BODY};
 use crate::problem::ApiError;
 use crate::routes;
@@ -39,6 +39,76 @@ pub enum StartError {
     /// Creating read-model tables.
     #[error("cannot create read models: {0}")]
     Projections(sqlx::Error),
+    /// A policy file that does not compile (names the file and line).
+    #[error("FERRY_POLICY_DIR: {0}")]
+    Policy(#[from] ferry_adapters::policy::PolicyLoadError),
+    /// The artifact store URL.
+    #[error("FERRY_ARTIFACTS_URL: {0}")]
+    Artifacts(#[from] ferry_adapters::artifacts::ArtifactConfigError),
+}
+
+/// The adapters the configuration asks for. A policy that does not compile stops here.
+pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
+    use ferry_adapters::{
+        ConfigSources, GitProgramSource, ObjectArtifacts, RegoPolicy, SecretResolvers, VaultConfig,
+    };
+    use ferry_domain::ports::runner::Runner;
+    use std::sync::Arc;
+    let data = &config.data_dir;
+    let runner: Arc<dyn Runner> = match config.runner {
+        RunnerKind::Simulated => Arc::new(ferry_runners::SimulatedRunner::new(data.clone())),
+        RunnerKind::Pulumi => Arc::new(ferry_runners::PulumiRunner::new(
+            config.pulumi_bin.clone(),
+            std::collections::BTreeMap::new(),
+        )),
+        RunnerKind::Http => Arc::new(ferry_runners::HttpRunner::new(
+            config.runner_url.clone().unwrap_or_default(),
+            config.runner_token.clone(),
+        )),
+    };
+    let vault = config.vault_addr.as_ref().map(|address| VaultConfig {
+        address: address.clone(),
+        token: ferry_domain::ports::SecretValue::new(
+            config.vault_token.clone().unwrap_or_default(),
+        ),
+    });
+    Ok(ferry_workers::Ports {
+        programs: Arc::new(GitProgramSource::new(data.join("git-cache"))),
+        runner,
+        secrets: Arc::new(SecretResolvers::new(
+            crate::auth::load_or_create_key_file(data, "secret-fingerprint.key")?,
+            vault,
+        )),
+        config: Arc::new(ConfigSources::new(data.join("config-last-known-good"))),
+        policy: Arc::new(RegoPolicy::load(config.policy_dir.as_deref())?),
+        artifacts: Arc::new(ObjectArtifacts::from_url(
+            config.artifacts_url.as_deref(),
+            &data.join("artifacts"),
+        )?),
+    })
+}
+
+/// Worker settings from the configuration.
+pub fn worker_settings(config: &Config) -> ferry_workers::Settings {
+    let mut settings = ferry_workers::Settings::new(&config.data_dir);
+    settings.apply_timeout = config.apply_timeout;
+    settings.approval_expiry = config.approval_expiry;
+    settings.poll = config.poll_interval;
+    for (class, program, commit) in &config.baseline_programs {
+        if let (Ok(program_ref), Ok(program_version)) = (
+            ferry_domain::ProgramRef::parse(program.as_str()),
+            ferry_domain::ProgramVersion::parse(commit.as_str()),
+        ) {
+            settings.baseline_programs.insert(
+                *class,
+                ferry_domain::environment::BaselineProgram {
+                    program_ref,
+                    program_version,
+                },
+            );
+        }
+    }
+    settings
 }
 
 /// Sets up logging from the configuration.
@@ -120,6 +190,15 @@ async fn openapi() -> Response {
     response
 }
 
+async fn metrics(State(state): State<AppState>) -> Response {
+    let mut response = state.metrics().render().into_response();
+    response.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
+}
+
 async fn not_found() -> ApiError {
     ApiError::NotFound("no such endpoint".to_string())
 }
@@ -135,6 +214,11 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .route(
+            "/factory/environments/{environmentId}",
+            get(crate::environments::get_environment).put(crate::environments::put_environment),
+        )
         .route(
             "/factory/provisioning/specifications",
             get(routes::list_specifications).post(routes::declare_specification),
@@ -145,6 +229,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route(run, get(routes::get_run))
         .route(&format!("{run}/cancel"), post(routes::cancel_run))
+        .route(&format!("{run}/logs"), get(routes::run_logs))
         .route(&format!("{run}/approval"), post(routes::decide_approval))
         .route(
             "/factory/provisioning/environments/{environmentId}/current-specification",
@@ -177,13 +262,31 @@ impl Server {
     /// As [`Server::start`], on an already opened and migrated store.
     pub async fn start_with(config: &Config, db: Database) -> Result<Self, StartError> {
         let verifier = verifier(config)?;
+        let ports = ports(config)?;
+        let artifacts = ports.artifacts.clone();
+        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::default());
         let (shutdown, shutdown_rx) = watch::channel(false);
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
         let projector = Projector::start(&db, config.poll_interval, shutdown_rx.clone())
             .await
             .map_err(StartError::Projections)?;
         let reads = ReadModels::new(db.clone(), Some(projector.subscribe()));
-        let state = AppState::new(db.clone(), reads, verifier, config.read_your_writes);
+        let workers = ferry_workers::Workers::new(
+            db.clone(),
+            ports,
+            worker_settings(config),
+            metrics.clone(),
+        );
+        if config.workers {
+            workers.start(shutdown_rx.clone());
+        }
+        let services = crate::state::Services {
+            verifier,
+            read_your_writes: config.read_your_writes,
+            metrics,
+            artifacts,
+        };
+        let state = AppState::new(db.clone(), reads, services);
         let listener = tokio::net::TcpListener::bind(config.http_addr)
             .await
             .map_err(|source| StartError::Bind {

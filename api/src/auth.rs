@@ -97,6 +97,18 @@ impl Caller {
         self.require_scope(SCOPE_READ)
     }
 
+    /// Recording environments needs the apply scope and the PlatformAdmin role.
+    pub fn require_platform_admin(&self) -> Result<(), ApiError> {
+        self.require_scope(SCOPE_APPLY)?;
+        if self.roles.contains(&Role::PlatformAdmin) {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(
+                "this needs the PlatformAdmin role".to_string(),
+            ))
+        }
+    }
+
     /// Changes need the apply scope and the Operator or PlatformAdmin role.
     pub fn require_apply(&self) -> Result<(), ApiError> {
         self.require_scope(SCOPE_APPLY)?;
@@ -275,8 +287,13 @@ pub const KEY_FILE: &str = "jwt-hs256.key";
 
 /// Reads the embedded HS256 key from the data dir, creating it (mode 0600) on first use.
 pub fn load_or_create_key(data_dir: &Path) -> Result<Vec<u8>, KeyError> {
+    load_or_create_key_file(data_dir, KEY_FILE)
+}
+
+/// Reads a 32-byte key kept (base64) in `data_dir/name`, creating it (mode 0600) on first use.
+pub fn load_or_create_key_file(data_dir: &Path, name: &str) -> Result<Vec<u8>, KeyError> {
     use base64::Engine;
-    let path = data_dir.join(KEY_FILE);
+    let path = data_dir.join(name);
     let err = |source| KeyError {
         path: path.display().to_string(),
         source,
@@ -303,7 +320,9 @@ pub fn load_or_create_key(data_dir: &Path) -> Result<Vec<u8>, KeyError> {
             Ok(key.to_vec())
         }
         // Another process created it first: use theirs.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => load_or_create_key(data_dir),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            load_or_create_key_file(data_dir, name)
+        }
         Err(e) => Err(err(e)),
     }
 }

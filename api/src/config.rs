@@ -55,6 +55,49 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Filter directives, e.g. `info,ferry=debug` (`FERRY_LOG`).
     pub log_filter: String,
+    /// Which IaC runner plans and applies (`FERRY_RUNNER`).
+    pub runner: RunnerKind,
+    /// The Pulumi CLI (`FERRY_PULUMI_BIN`).
+    pub pulumi_bin: String,
+    /// The remote runner's base URL, for `FERRY_RUNNER=http` (`FERRY_RUNNER_URL`).
+    pub runner_url: Option<String>,
+    /// Bearer token for the remote runner (`FERRY_RUNNER_TOKEN`).
+    pub runner_token: Option<String>,
+    /// Runner timeout per apply (`FERRY_APPLY_TIMEOUT_MINUTES`, seed ApplyTimeoutMinutes).
+    pub apply_timeout: Duration,
+    /// How long a run may wait for approval before it is rejected; `None` = forever
+    /// (`FERRY_APPROVAL_EXPIRY_MINUTES`, 0 = never).
+    pub approval_expiry: Option<Duration>,
+    /// Folder of extra Rego policies (`FERRY_POLICY_DIR`).
+    pub policy_dir: Option<PathBuf>,
+    /// Where artifacts go: unset = `<data dir>/artifacts`, or `s3://`, `az://`, `gs://`
+    /// (`FERRY_ARTIFACTS_URL`).
+    pub artifacts_url: Option<String>,
+    /// HashiCorp Vault address for `vault://` secrets (`FERRY_VAULT_ADDR`).
+    pub vault_addr: Option<String>,
+    /// Vault token (`FERRY_VAULT_TOKEN`).
+    pub vault_token: Option<String>,
+    /// Default baseline program per class, `<programRef>@<commit>`
+    /// (`FERRY_BASELINE_PROGRAM_<CLASS>`).
+    pub baseline_programs: Vec<(ferry_domain::EnvironmentClass, String, String)>,
+    /// NATS server; the relay and inbound consumers run when set (`NATS_URL`).
+    pub nats_url: Option<String>,
+    /// JetStream stream Ferry publishes to (`FERRY_NATS_STREAM`).
+    pub nats_stream: String,
+    /// Run the planner and applier in this process (`FERRY_WORKERS`); API-only instances
+    /// set it to false.
+    pub workers: bool,
+}
+
+/// Which runner adapter to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunnerKind {
+    /// Evaluates Pulumi YAML against a simulated cloud in the data dir.
+    Simulated,
+    /// The Pulumi CLI.
+    Pulumi,
+    /// A remote runner over HTTP.
+    Http,
 }
 
 impl Default for Config {
@@ -71,6 +114,20 @@ impl Default for Config {
             read_your_writes: Duration::from_secs(2),
             log_format: LogFormat::Json,
             log_filter: "info".to_string(),
+            runner: RunnerKind::Simulated,
+            pulumi_bin: "pulumi".to_string(),
+            runner_url: None,
+            runner_token: None,
+            apply_timeout: Duration::from_secs(45 * 60),
+            approval_expiry: Some(Duration::from_secs(24 * 60 * 60)),
+            policy_dir: None,
+            artifacts_url: None,
+            vault_addr: None,
+            vault_token: None,
+            baseline_programs: Vec::new(),
+            nats_url: None,
+            nats_stream: "FERRY_EVENTS".to_string(),
+            workers: true,
         }
     }
 }
@@ -90,6 +147,23 @@ struct FileLayer {
     read_your_writes_ms: Option<u64>,
     log_format: Option<String>,
     log: Option<String>,
+    runner: Option<String>,
+    pulumi_bin: Option<String>,
+    runner_url: Option<String>,
+    runner_token: Option<String>,
+    apply_timeout_minutes: Option<u64>,
+    approval_expiry_minutes: Option<u64>,
+    policy_dir: Option<String>,
+    artifacts_url: Option<String>,
+    vault_addr: Option<String>,
+    vault_token: Option<String>,
+    baseline_program_development: Option<String>,
+    baseline_program_test: Option<String>,
+    baseline_program_staging: Option<String>,
+    baseline_program_production: Option<String>,
+    nats_url: Option<String>,
+    nats_stream: Option<String>,
+    workers: Option<bool>,
 }
 
 /// The documented settings: (file key, environment variable, default, meaning). The README
@@ -160,6 +234,108 @@ pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
         "FERRY_LOG",
         "info",
         "Log filter, e.g. `info,ferry_api=debug`.",
+    ),
+    (
+        "runner",
+        "FERRY_RUNNER",
+        "simulated",
+        "`simulated`, `pulumi` or `http`.",
+    ),
+    (
+        "pulumi_bin",
+        "FERRY_PULUMI_BIN",
+        "pulumi",
+        "The Pulumi CLI, for `FERRY_RUNNER=pulumi`.",
+    ),
+    (
+        "runner_url",
+        "FERRY_RUNNER_URL",
+        "(unset)",
+        "Remote runner base URL, for `FERRY_RUNNER=http`.",
+    ),
+    (
+        "runner_token",
+        "FERRY_RUNNER_TOKEN",
+        "(unset)",
+        "Bearer token for the remote runner.",
+    ),
+    (
+        "apply_timeout_minutes",
+        "FERRY_APPLY_TIMEOUT_MINUTES",
+        "45",
+        "Runner timeout per apply, 1 to 1440.",
+    ),
+    (
+        "approval_expiry_minutes",
+        "FERRY_APPROVAL_EXPIRY_MINUTES",
+        "1440",
+        "A run awaiting approval longer is rejected; 0 = never.",
+    ),
+    (
+        "policy_dir",
+        "FERRY_POLICY_DIR",
+        "(unset)",
+        "Folder of Rego policies evaluated with the built-in set.",
+    ),
+    (
+        "artifacts_url",
+        "FERRY_ARTIFACTS_URL",
+        "(data dir)",
+        "Artifact store: unset = `<data dir>/artifacts`, or `s3://`, `az://`, `gs://`.",
+    ),
+    (
+        "vault_addr",
+        "FERRY_VAULT_ADDR",
+        "(unset)",
+        "HashiCorp Vault address for `vault://` secrets.",
+    ),
+    (
+        "vault_token",
+        "FERRY_VAULT_TOKEN",
+        "(unset)",
+        "Vault token.",
+    ),
+    (
+        "baseline_program_development",
+        "FERRY_BASELINE_PROGRAM_DEVELOPMENT",
+        "(unset)",
+        "Default baseline program of the class, `<programRef>@<commit>`.",
+    ),
+    (
+        "baseline_program_test",
+        "FERRY_BASELINE_PROGRAM_TEST",
+        "(unset)",
+        "Same, for test environments.",
+    ),
+    (
+        "baseline_program_staging",
+        "FERRY_BASELINE_PROGRAM_STAGING",
+        "(unset)",
+        "Same, for staging environments.",
+    ),
+    (
+        "baseline_program_production",
+        "FERRY_BASELINE_PROGRAM_PRODUCTION",
+        "(unset)",
+        "Same, for production environments.",
+    ),
+    (
+        "nats_url",
+        "NATS_URL",
+        "(unset)",
+        "NATS server; when set, events are published to JetStream and inbound events consumed.",
+    ),
+    (
+        "nats_stream",
+        "FERRY_NATS_STREAM",
+        "FERRY_EVENTS",
+        "JetStream stream Ferry publishes to.",
+    ),
+    (
+        "workers",
+        "FERRY_WORKERS",
+        "true",
+        "Run the planner and applier here; `false` for API-only instances.",
     ),
 ];
 
@@ -320,6 +496,119 @@ impl Config {
                     .map_err(|e| layer.err(key, env_name, format!("not a log filter: {e}")))?;
                 self.log_filter = t;
             }
+            "runner" => {
+                self.runner = match text(raw)?.as_str() {
+                    "simulated" => RunnerKind::Simulated,
+                    "pulumi" => RunnerKind::Pulumi,
+                    "http" => RunnerKind::Http,
+                    other => {
+                        return Err(layer.err(
+                            key,
+                            env_name,
+                            format!("{other:?} is not simulated, pulumi or http"),
+                        ))
+                    }
+                }
+            }
+            "pulumi_bin" => self.pulumi_bin = non_empty(text(raw)?, layer, key, env_name)?,
+            "runner_url" | "vault_addr" | "nats_url" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                let schemes: &[&str] = if key == "nats_url" {
+                    &["nats://", "tls://"]
+                } else {
+                    &["http://", "https://"]
+                };
+                if !schemes.iter().any(|s| t.starts_with(s)) {
+                    return Err(layer.err(
+                        key,
+                        env_name,
+                        format!("must start with {}", schemes.join(" or ")),
+                    ));
+                }
+                match key {
+                    "runner_url" => self.runner_url = Some(t),
+                    "vault_addr" => self.vault_addr = Some(t),
+                    _ => self.nats_url = Some(t),
+                }
+            }
+            "runner_token" => {
+                self.runner_token = Some(non_empty(text(raw)?, layer, key, env_name)?)
+            }
+            "vault_token" => self.vault_token = Some(non_empty(text(raw)?, layer, key, env_name)?),
+            "apply_timeout_minutes" => {
+                let m = int(raw)?;
+                if !(1..=1440).contains(&m) {
+                    return Err(layer.err(key, env_name, "must be between 1 and 1440 minutes"));
+                }
+                self.apply_timeout = Duration::from_secs(m * 60);
+            }
+            "approval_expiry_minutes" => {
+                let m = int(raw)?;
+                self.approval_expiry = (m > 0).then(|| Duration::from_secs(m.saturating_mul(60)));
+            }
+            "policy_dir" => {
+                self.policy_dir = Some(PathBuf::from(non_empty(text(raw)?, layer, key, env_name)?))
+            }
+            "artifacts_url" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                if !["s3://", "az://", "gs://", "file://"]
+                    .iter()
+                    .any(|s| t.starts_with(s))
+                {
+                    return Err(layer.err(
+                        key,
+                        env_name,
+                        "must be an s3://, az://, gs:// or file:// URL",
+                    ));
+                }
+                self.artifacts_url = Some(t);
+            }
+            "nats_stream" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                if !t
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                {
+                    return Err(layer.err(
+                        key,
+                        env_name,
+                        "may only contain letters, digits, '_' and '-'",
+                    ));
+                }
+                self.nats_stream = t;
+            }
+            k if k.starts_with("baseline_program_") => {
+                let class = match &k["baseline_program_".len()..] {
+                    "development" => ferry_domain::EnvironmentClass::Development,
+                    "test" => ferry_domain::EnvironmentClass::Test,
+                    "staging" => ferry_domain::EnvironmentClass::Staging,
+                    _ => ferry_domain::EnvironmentClass::Production,
+                };
+                let t = text(raw)?;
+                let (program, commit) = t
+                    .rsplit_once('@')
+                    .ok_or_else(|| layer.err(key, env_name, "must be <programRef>@<commit>"))?;
+                ferry_domain::ProgramRef::parse(program)
+                    .map_err(|e| layer.err(key, env_name, format!("program: {e}")))?;
+                ferry_domain::ProgramVersion::parse(commit)
+                    .map_err(|e| layer.err(key, env_name, format!("commit: {e}")))?;
+                self.baseline_programs.retain(|(c, _, _)| *c != class);
+                self.baseline_programs
+                    .push((class, program.to_string(), commit.to_string()));
+            }
+            "workers" => {
+                self.workers = match text(raw)?.as_str() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    other => {
+                        return Err(layer.err(
+                            key,
+                            env_name,
+                            format!("{other:?} is not true or false"),
+                        ))
+                    }
+                }
+            }
             _ => return Err(layer.err(key, env_name, "unknown setting")),
         }
         Ok(())
@@ -330,7 +619,7 @@ impl Config {
             source,
             by_env_name: false,
         };
-        let entries: [(&str, Option<RawValue>); 11] = [
+        let entries: [(&str, Option<RawValue>); 28] = [
             ("http_addr", f.http_addr.map(RawValue::Text)),
             ("data_dir", f.data_dir.map(RawValue::Text)),
             ("database_url", f.database_url.map(RawValue::Text)),
@@ -345,6 +634,41 @@ impl Config {
             ),
             ("log_format", f.log_format.map(RawValue::Text)),
             ("log", f.log.map(RawValue::Text)),
+            ("runner", f.runner.map(RawValue::Text)),
+            ("pulumi_bin", f.pulumi_bin.map(RawValue::Text)),
+            ("runner_url", f.runner_url.map(RawValue::Text)),
+            ("runner_token", f.runner_token.map(RawValue::Text)),
+            (
+                "apply_timeout_minutes",
+                f.apply_timeout_minutes.map(RawValue::Int),
+            ),
+            (
+                "approval_expiry_minutes",
+                f.approval_expiry_minutes.map(RawValue::Int),
+            ),
+            ("policy_dir", f.policy_dir.map(RawValue::Text)),
+            ("artifacts_url", f.artifacts_url.map(RawValue::Text)),
+            ("vault_addr", f.vault_addr.map(RawValue::Text)),
+            ("vault_token", f.vault_token.map(RawValue::Text)),
+            (
+                "baseline_program_development",
+                f.baseline_program_development.map(RawValue::Text),
+            ),
+            (
+                "baseline_program_test",
+                f.baseline_program_test.map(RawValue::Text),
+            ),
+            (
+                "baseline_program_staging",
+                f.baseline_program_staging.map(RawValue::Text),
+            ),
+            (
+                "baseline_program_production",
+                f.baseline_program_production.map(RawValue::Text),
+            ),
+            ("nats_url", f.nats_url.map(RawValue::Text)),
+            ("nats_stream", f.nats_stream.map(RawValue::Text)),
+            ("workers", f.workers.map(|b| RawValue::Text(b.to_string()))),
         ];
         for (key, value) in entries {
             if let Some(value) = value {
@@ -381,6 +705,13 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.runner == RunnerKind::Http && self.runner_url.is_none() {
+            return Err(ConfigError {
+                setting: "FERRY_RUNNER_URL".to_string(),
+                source_name: "configuration".to_string(),
+                reason: "FERRY_RUNNER=http needs FERRY_RUNNER_URL".to_string(),
+            });
+        }
         if self.jwt_hs256_key.is_some() && self.jwt_jwks_url.is_some() {
             return Err(ConfigError {
                 setting: "FERRY_JWT_JWKS_URL".to_string(),
@@ -450,6 +781,28 @@ mod tests {
         );
         let e = Config::load(None, &env(&[("FERRY_JWT_HS256_KEY", "short")])).unwrap_err();
         assert_eq!(e.setting, "FERRY_JWT_HS256_KEY");
+        let e = Config::load(None, &env(&[("FERRY_RUNNER", "terraform")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_RUNNER");
+        let e = Config::load(None, &env(&[("FERRY_RUNNER", "http")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_RUNNER_URL");
+        let e = Config::load(
+            None,
+            &env(&[("FERRY_BASELINE_PROGRAM_STAGING", "/srv/infra#stg")]),
+        )
+        .unwrap_err();
+        assert_eq!(e.setting, "FERRY_BASELINE_PROGRAM_STAGING");
+        let e = Config::load(None, &env(&[("NATS_URL", "http://x")])).unwrap_err();
+        assert_eq!(e.setting, "NATS_URL");
+        let c = Config::load(
+            None,
+            &env(&[
+                ("FERRY_APPROVAL_EXPIRY_MINUTES", "0"),
+                ("FERRY_BASELINE_PROGRAM_STAGING", "/srv/infra#stg@abcdef1"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.approval_expiry, None);
+        assert_eq!(c.baseline_programs.len(), 1);
 
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("ferry.toml");

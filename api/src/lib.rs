@@ -6,6 +6,7 @@
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod environments;
 pub mod extract;
 pub mod openapi;
 pub mod problem;

@@ -68,6 +68,8 @@ pub fn document() -> Value {
     let spec_page = schema(|g| g.subschema_for::<Page<SpecificationVersion>>());
     let run_page = schema(|g| g.subschema_for::<Page<RunView>>());
     let current = schema(|g| g.subschema_for::<CurrentSpecificationView>());
+    let put_env = schema(|g| g.subschema_for::<crate::environments::PutEnvironmentRequest>());
+    let env_view = schema(|g| g.subschema_for::<crate::environments::EnvironmentView>());
     let kind = schema(|g| g.subschema_for::<ferry_domain::SpecificationKind>());
     let run_kind = schema(|g| g.subschema_for::<ferry_domain::ProvisioningKind>());
     let state = schema(|g| g.subschema_for::<ferry_domain::ProvisioningState>());
@@ -189,6 +191,33 @@ pub fn document() -> Value {
                     "responses": responses(("200", ok("The environment's specifications.", current)), &["400", "401", "403", "404"])
                 }
             },
+            "/factory/provisioning/runs/{provisioningRunId}/logs": {
+                "get": {
+                    "operationId": "GetProvisioningRunLogs",
+                    "summary": "The run's plan and apply logs as text (secrets redacted before storage).",
+                    "security": read,
+                    "parameters": [path("provisioningRunId", "The run.", json!({"type": "string", "format": "uuid"}))],
+                    "responses": responses(("200", json!({"description": "The logs.", "content": {"text/plain": {"schema": {"type": "string"}}}})), &["401", "403", "404"])
+                }
+            },
+            "/factory/environments/{environmentId}": {
+                "put": {
+                    "operationId": "PutEnvironment",
+                    "summary": "Record an environment (PlatformAdmin); a new one gets its baseline declared and planned.",
+                    "security": apply,
+                    "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
+                    "requestBody": body(put_env, true),
+                    "responses": responses(("200", ok("Updated or unchanged (201 when recorded for the first time).", env_view.clone())), &["400", "401", "403", "409", "415", "422"])
+                },
+                "get": {
+                    "operationId": "GetEnvironment",
+                    "summary": "An environment as Ferry knows it.",
+                    "security": read,
+                    "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
+                    "responses": responses(("200", ok("The environment.", env_view)), &["400", "401", "403", "404"])
+                }
+            },
+            "/metrics": {"get": {"operationId": "Metrics", "summary": "Prometheus metrics.", "security": [], "responses": {"200": {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/healthz": {"get": {"operationId": "Health", "summary": "Liveness.", "security": [], "responses": {"200": {"description": "Alive."}}}},
             "/readyz": {"get": {"operationId": "Ready", "summary": "Readiness: the store answers; projection positions and lag.", "security": [], "responses": {"200": {"description": "Ready."}, "503": {"description": "The store does not answer."}}}},
             "/openapi.json": {"get": {"operationId": "OpenApi", "summary": "This document.", "security": [], "responses": {"200": {"description": "The OpenAPI document."}}}}

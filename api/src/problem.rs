@@ -274,6 +274,19 @@ impl From<SpecificationError> for ApiError {
     }
 }
 
+impl From<ferry_domain::environment::EnvironmentError> for ApiError {
+    fn from(e: ferry_domain::environment::EnvironmentError) -> Self {
+        match e {
+            ferry_domain::environment::EnvironmentError::NotRegistered => {
+                Self::NotFound(e.to_string())
+            }
+            ferry_domain::environment::EnvironmentError::IdentityMismatch => {
+                Self::WrongState(e.to_string())
+            }
+        }
+    }
+}
+
 impl<E> From<CommandError<E>> for ApiError
 where
     E: std::error::Error + Into<ApiError>,

@@ -398,6 +398,17 @@ pub async fn plan_provisioning(
         ));
     }
 
+    let environment_class = state
+        .environments()
+        .load(
+            &caller.tenant,
+            &ferry_domain::environment::Environment::aggregate_id(
+                &caller.tenant,
+                &body.environment_id,
+            ),
+        )
+        .await?
+        .and_then(|(e, _)| e.class());
     let tenant = caller.tenant.as_str();
     let run_id = match &key {
         Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k),
@@ -447,9 +458,8 @@ pub async fn plan_provisioning(
         tenant_id: caller.tenant.clone(),
         project_id: version.project_id.clone(),
         environment_id: body.environment_id,
-        // Ferry learns environment classes with the environments issue; until then every
-        // environment is of unknown class, which the domain treats as production.
-        environment_class: None,
+        // Unknown environments count as production (the domain's rule).
+        environment_class,
         specification_id: body.specification_id,
         specification_version: body.specification_version,
         kind: body.kind,
@@ -500,6 +510,9 @@ pub async fn plan_provisioning(
     if let Some(k) = &key {
         idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
     }
+    state
+        .metrics()
+        .run_reached(tenant, view.kind.as_str(), view.state.as_str());
     tracing::info!(provisioning_run_id = %run_id, "provisioning requested");
     Ok(created(
         &format!("/factory/provisioning/runs/{run_id}"),
@@ -537,11 +550,55 @@ async fn run_command(
             other => other.into(),
         })?;
     let view = fold(&done.history)?;
+    if !done.events.is_empty() {
+        state.metrics().run_reached(
+            caller.tenant.as_str(),
+            view.kind.as_str(),
+            view.state.as_str(),
+        );
+    }
     state
         .reads()
         .wait_for_run(&caller.tenant, id, view.version, state.read_your_writes())
         .await?;
     Ok(Json(view).into_response())
+}
+
+/// `GET /factory/provisioning/runs/{provisioningRunId}/logs`: the plan log, then the apply
+/// log, as text (secrets were redacted before they were stored).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
+pub async fn run_logs(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let id = run_id(&raw)?;
+    if state.reads().get_run(&caller.tenant, id).await?.is_none() {
+        return Err(ApiError::NotFound(format!("no provisioning run {id}")));
+    }
+    let mut text = String::new();
+    for step in ["plan", "apply"] {
+        let reference = format!("artifacts:runs/{id}/{step}.log");
+        if let Ok(bytes) = state.artifacts().get(&reference).await {
+            text.push_str(&format!("==> {step} ({reference})\n"));
+            text.push_str(&String::from_utf8_lossy(&bytes));
+            if !text.ends_with('\n') {
+                text.push('\n');
+            }
+        }
+    }
+    if text.is_empty() {
+        return Err(ApiError::NotFound(format!("run {id} has no logs yet")));
+    }
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
 }
 
 /// `POST /factory/provisioning/runs/{provisioningRunId}/cancel`

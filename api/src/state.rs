@@ -1,10 +1,14 @@
-//! What every handler shares: the store, the repositories, the read side and the verifier.
+//! What every handler shares: the store, the repositories, the read side, the verifier,
+//! the metrics and the artifact store.
 
 use crate::auth::Verifier;
+use ferry_domain::environment::Environment;
+use ferry_domain::ports::sources::ArtifactStore;
 use ferry_domain::run::ProvisioningRun;
 use ferry_domain::specification::DeploymentSpecification;
 use ferry_projections::ReadModels;
 use ferry_store::{Database, Repository};
+use ferry_workers::metrics::Metrics;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,27 +22,34 @@ struct Inner {
     db: Database,
     specifications: Repository<DeploymentSpecification>,
     runs: Repository<ProvisioningRun>,
+    environments: Repository<Environment>,
     reads: ReadModels,
-    verifier: Verifier,
-    read_your_writes: Duration,
+    services: Services,
+}
+
+/// What the state is built from, besides the store.
+pub struct Services {
+    /// Token verifier.
+    pub verifier: Verifier,
+    /// How long a command waits for its read model.
+    pub read_your_writes: Duration,
+    /// The process's metrics.
+    pub metrics: Arc<Metrics>,
+    /// Where run logs are kept.
+    pub artifacts: Arc<dyn ArtifactStore>,
 }
 
 impl AppState {
     /// Builds the state.
-    pub fn new(
-        db: Database,
-        reads: ReadModels,
-        verifier: Verifier,
-        read_your_writes: Duration,
-    ) -> Self {
+    pub fn new(db: Database, reads: ReadModels, services: Services) -> Self {
         Self {
             inner: Arc::new(Inner {
                 specifications: Repository::new(db.clone(), ()),
                 runs: Repository::new(db.clone(), ()),
+                environments: Repository::new(db.clone(), ()),
                 db,
                 reads,
-                verifier,
-                read_your_writes,
+                services,
             }),
         }
     }
@@ -55,16 +66,28 @@ impl AppState {
     pub fn runs(&self) -> &Repository<ProvisioningRun> {
         &self.inner.runs
     }
+    /// Environments.
+    pub fn environments(&self) -> &Repository<Environment> {
+        &self.inner.environments
+    }
     /// Read models.
     pub fn reads(&self) -> &ReadModels {
         &self.inner.reads
     }
     /// Token verifier.
     pub fn verifier(&self) -> &Verifier {
-        &self.inner.verifier
+        &self.inner.services.verifier
     }
     /// How long a command waits for its read model before answering.
     pub fn read_your_writes(&self) -> Duration {
-        self.inner.read_your_writes
+        self.inner.services.read_your_writes
+    }
+    /// Metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.services.metrics
+    }
+    /// Artifacts (run logs).
+    pub fn artifacts(&self) -> &dyn ArtifactStore {
+        self.inner.services.artifacts.as_ref()
     }
 }

@@ -29,6 +29,8 @@ pub fn config(data_dir: &std::path::Path) -> Config {
         data_dir: data_dir.to_path_buf(),
         jwt_hs256_key: Some(KEY.to_string()),
         poll_interval: Duration::from_millis(50),
+        // API tests drive runs by hand; the workers' tests turn them on.
+        workers: false,
         ..Config::default()
     }
 }

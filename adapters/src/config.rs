@@ -1,0 +1,424 @@
+//! Configuration sources: `file:///path` and `http(s)://` references, with the *degrade*
+//! failure mode of the Config Platform dependency.
+//!
+//! Each named reference's document (JSON or YAML) becomes `values[name]`:
+//!
+//! * files are parsed by extension (`.json`, `.yaml`/`.yml`), otherwise JSON then YAML;
+//! * HTTP answers by content type (`json`, `yaml`), otherwise JSON then YAML; requests
+//!   time out after 10 seconds.
+//!
+//! Degrade: every value read successfully is stored as the *last known good* (LKG) value in
+//! `last_known_good_dir/<environmentId>/<name>.json`, with the reference and the time it
+//! was stored. When a source fails later, the LKG value is used — only if it was stored
+//! for the same reference, so that changing a reference never silently serves the old
+//! source — and a warning names the reference, the error and when the LKG was stored.
+//! With no usable LKG the resolution fails with a [`ConfigError`] naming the name, the
+//! reference and the reason.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use ferry_domain::ports::sources::{ConfigError, ConfigSource, ResolvedConfig};
+use ferry_domain::values::ConfigRef;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How long an HTTP configuration source may take.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reads configuration from files and HTTP, degrading to the last known good values.
+#[derive(Debug, Clone)]
+pub struct ConfigSources {
+    last_known_good_dir: PathBuf,
+    http: reqwest::Client,
+}
+
+/// What is stored for a last known good value.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LastKnownGood {
+    reference: String,
+    stored_at: DateTime<Utc>,
+    value: serde_json::Value,
+}
+
+/// The document formats a source may be in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Json,
+    Yaml,
+    /// Unknown: JSON, then YAML.
+    Guess,
+}
+
+impl ConfigSources {
+    /// Stores last known good values under `last_known_good_dir` (created when needed).
+    pub fn new(last_known_good_dir: impl Into<PathBuf>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(HTTP_TIMEOUT)
+            .build()
+            // Only fails when TLS cannot initialise; requests then report the error.
+            .unwrap_or_default();
+        Self {
+            last_known_good_dir: last_known_good_dir.into(),
+            http,
+        }
+    }
+
+    fn lkg_path(&self, environment_id: &str, name: &str) -> PathBuf {
+        self.last_known_good_dir
+            .join(path_safe(environment_id))
+            .join(format!("{}.json", path_safe(name)))
+    }
+
+    /// Reads one source.
+    async fn fetch(&self, reference: &str) -> Result<serde_json::Value, String> {
+        if let Some(path) = reference.strip_prefix("file://") {
+            let text = tokio::fs::read_to_string(path)
+                .await
+                .map_err(|e| format!("cannot read {path}: {e}"))?;
+            let format = match Path::new(path).extension().and_then(|e| e.to_str()) {
+                Some("json") => Format::Json,
+                Some("yaml" | "yml") => Format::Yaml,
+                _ => Format::Guess,
+            };
+            return parse(&text, format);
+        }
+        if reference.starts_with("http://") || reference.starts_with("https://") {
+            let response = self
+                .http
+                .get(reference)
+                .send()
+                .await
+                .map_err(|e| format!("unreachable: {}", e.without_url()))?;
+            let status = response.status();
+            if !status.is_success() {
+                return Err(format!("HTTP {status}"));
+            }
+            let content_type = response
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            let format = if content_type.contains("json") {
+                Format::Json
+            } else if content_type.contains("yaml") || content_type.contains("yml") {
+                Format::Yaml
+            } else {
+                Format::Guess
+            };
+            let text = response
+                .text()
+                .await
+                .map_err(|e| format!("cannot read the body: {}", e.without_url()))?;
+            return parse(&text, format);
+        }
+        Err("unsupported scheme (file://, http://, https://)".to_string())
+    }
+
+    async fn store_lkg(
+        &self,
+        environment_id: &str,
+        name: &str,
+        reference: &str,
+        value: &serde_json::Value,
+    ) {
+        let path = self.lkg_path(environment_id, name);
+        let record = LastKnownGood {
+            reference: reference.to_string(),
+            stored_at: Utc::now(),
+            value: value.clone(),
+        };
+        // A failure to store is logged, not fatal: the values just read are good.
+        if let Err(e) = write_atomically(&path, &record).await {
+            tracing::warn!(environment_id, name, path = %path.display(), error = %e, "cannot store the last known good configuration");
+        }
+    }
+
+    async fn load_lkg(
+        &self,
+        environment_id: &str,
+        name: &str,
+        reference: &str,
+    ) -> Option<LastKnownGood> {
+        let path = self.lkg_path(environment_id, name);
+        let bytes = tokio::fs::read(&path).await.ok()?;
+        match serde_json::from_slice::<LastKnownGood>(&bytes) {
+            Ok(record) if record.reference == reference => Some(record),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "ignoring an unreadable last known good file");
+                None
+            }
+        }
+    }
+
+    async fn resolve_one(
+        &self,
+        environment_id: &str,
+        name: &str,
+        reference: &str,
+    ) -> Result<(serde_json::Value, Option<String>), ConfigError> {
+        match self.fetch(reference).await {
+            Ok(value) => {
+                self.store_lkg(environment_id, name, reference, &value)
+                    .await;
+                Ok((value, None))
+            }
+            Err(reason) => match self.load_lkg(environment_id, name, reference).await {
+                Some(lkg) => {
+                    let warning = format!(
+                        "{name}: {reference} failed ({reason}); using the last known good values stored at {}",
+                        lkg.stored_at.to_rfc3339_opts(SecondsFormat::Secs, true)
+                    );
+                    tracing::warn!(environment_id, %warning, "configuration degraded");
+                    Ok((lkg.value, Some(warning)))
+                }
+                None => Err(ConfigError {
+                    name: name.to_string(),
+                    reference: reference.to_string(),
+                    reason: format!("{reason}; no last known good values"),
+                }),
+            },
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ConfigSource for ConfigSources {
+    async fn resolve(
+        &self,
+        environment_id: &str,
+        refs: &BTreeMap<String, ConfigRef>,
+    ) -> Result<ResolvedConfig, ConfigError> {
+        // Concurrently: a plan should wait for its slowest source, not for their sum.
+        let results =
+            futures::future::join_all(refs.iter().map(|(name, reference)| {
+                self.resolve_one(environment_id, name, reference.as_str())
+            }))
+            .await;
+        let mut resolved = ResolvedConfig::default();
+        for ((name, _), result) in refs.iter().zip(results) {
+            let (value, warning) = result?;
+            resolved.values.insert(name.clone(), value);
+            resolved.warnings.extend(warning);
+        }
+        Ok(resolved)
+    }
+}
+
+fn parse(text: &str, format: Format) -> Result<serde_json::Value, String> {
+    let json = || {
+        serde_json::from_str::<serde_json::Value>(text).map_err(|e| format!("invalid JSON: {e}"))
+    };
+    let yaml = || {
+        serde_yaml::from_str::<serde_json::Value>(text).map_err(|e| format!("invalid YAML: {e}"))
+    };
+    match format {
+        Format::Json => json(),
+        Format::Yaml => yaml(),
+        Format::Guess => json().or_else(|json_err| {
+            yaml().map_err(|yaml_err| format!("neither JSON ({json_err}) nor YAML ({yaml_err})"))
+        }),
+    }
+}
+
+/// One path component from an environment id or a configuration name: characters other
+/// than `[A-Za-z0-9_-]` (and a dot that is not leading) are written as `%XX`, so that no
+/// name can climb out of the folder or collide with another.
+fn path_safe(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for (i, byte) in name.bytes().enumerate() {
+        let keep =
+            byte.is_ascii_alphanumeric() || byte == b'_' || byte == b'-' || (byte == b'.' && i > 0);
+        if keep {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+async fn write_atomically(path: &Path, record: &LastKnownGood) -> Result<(), String> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| "no parent folder".to_string())?;
+    tokio::fs::create_dir_all(dir)
+        .await
+        .map_err(|e| e.to_string())?;
+    let bytes = serde_json::to_vec_pretty(record).map_err(|e| e.to_string())?;
+    // Write then rename: a crash never leaves a half-written last known good file.
+    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
+    tokio::fs::write(&tmp, bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::fs::rename(&tmp, path)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::header;
+    use axum::routing::get;
+    use axum::Router;
+    use serde_json::json;
+
+    fn refs(pairs: &[(&str, &str)]) -> BTreeMap<String, ConfigRef> {
+        pairs
+            .iter()
+            .map(|(n, r)| (n.to_string(), ConfigRef::parse(*r).unwrap()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn files_in_json_and_yaml() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("app.json"),
+            r#"{"replicas": 3, "region": "eu"}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("db.yaml"),
+            "host: db.internal\nport: 5432\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("plain"), "- a\n- b\n").unwrap();
+        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let resolved = sources
+            .resolve(
+                "env-1",
+                &refs(&[
+                    ("app", &format!("file://{}/app.json", dir.path().display())),
+                    ("db", &format!("file://{}/db.yaml", dir.path().display())),
+                    ("list", &format!("file://{}/plain", dir.path().display())),
+                ]),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            resolved.values["app"],
+            json!({"replicas": 3, "region": "eu"})
+        );
+        assert_eq!(
+            resolved.values["db"],
+            json!({"host": "db.internal", "port": 5432})
+        );
+        assert_eq!(resolved.values["list"], json!(["a", "b"]));
+        assert!(resolved.warnings.is_empty());
+        assert!(dir.path().join("lkg/env-1/app.json").is_file());
+    }
+
+    #[tokio::test]
+    async fn a_bad_document_without_lkg_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("bad.json"), "{not json").unwrap();
+        let reference = format!("file://{}/bad.json", dir.path().display());
+        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let err = sources
+            .resolve("env-1", &refs(&[("app", &reference)]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.name, "app");
+        assert_eq!(err.reference, reference);
+        assert!(err.reason.contains("invalid JSON"), "{err}");
+        assert!(err.reason.contains("no last known good"), "{err}");
+    }
+
+    async fn server() -> (
+        String,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let app = Router::new()
+            .route(
+                "/app",
+                get(|| async {
+                    (
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"replicas": 2}"#,
+                    )
+                }),
+            )
+            .route(
+                "/db",
+                get(|| async {
+                    (
+                        [(header::CONTENT_TYPE, "application/yaml")],
+                        "host: db\nport: 1\n",
+                    )
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+        (address, stop, handle)
+    }
+
+    #[tokio::test]
+    async fn http_sources_then_degrade_when_the_server_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let (address, stop, handle) = server().await;
+        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let wanted = refs(&[
+            ("app", &format!("{address}/app")),
+            ("db", &format!("{address}/db")),
+        ]);
+        let first = sources.resolve("prod-1", &wanted).await.unwrap();
+        assert_eq!(first.values["app"], json!({"replicas": 2}));
+        assert_eq!(first.values["db"], json!({"host": "db", "port": 1}));
+        assert!(first.warnings.is_empty());
+
+        stop.send(()).unwrap();
+        handle.await.unwrap();
+
+        let degraded = sources.resolve("prod-1", &wanted).await.unwrap();
+        assert_eq!(degraded.values, first.values);
+        assert_eq!(degraded.warnings.len(), 2, "{:?}", degraded.warnings);
+        let app_warning = degraded
+            .warnings
+            .iter()
+            .find(|w| w.starts_with("app:"))
+            .unwrap();
+        assert!(
+            app_warning.contains(&format!("{address}/app")),
+            "{app_warning}"
+        );
+        assert!(app_warning.contains("unreachable"), "{app_warning}");
+        assert!(
+            app_warning.contains("last known good values stored at 20"),
+            "{app_warning}"
+        );
+
+        // Another environment has no last known good values: error naming name and reference.
+        let err = sources.resolve("prod-2", &wanted).await.unwrap_err();
+        assert_eq!(err.name, "app");
+        assert_eq!(err.reference, format!("{address}/app"));
+        assert!(err.reason.contains("unreachable"), "{err}");
+
+        // A changed reference does not inherit the old reference's values.
+        let moved = refs(&[("app", &format!("{address}/app-v2"))]);
+        assert!(sources.resolve("prod-1", &moved).await.is_err());
+    }
+
+    #[test]
+    fn names_are_safe_path_components() {
+        assert_eq!(path_safe("env-1"), "env-1");
+        assert_eq!(path_safe("../x"), "%2E.%2Fx");
+        assert_eq!(path_safe(".."), "%2E.");
+        assert_eq!(path_safe("a/b"), "a%2Fb");
+        assert_eq!(path_safe("v1.2"), "v1.2");
+    }
+}

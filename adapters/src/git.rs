@@ -1,0 +1,756 @@
+//! The program source: reads an IaC program out of Git with `gix`.
+//!
+//! A `programRef` is `<repository>#<folder>`:
+//!
+//! * a local path or a `file://` URL is opened in place (nothing is copied but the tree);
+//! * any other URL (`https://`, `ssh://`, `git://`) is cloned once into
+//!   `cache_dir/<sha256 of the URL>` and fetched again whenever the requested commit is not
+//!   there yet, so a commit pushed after the first clone is still found.
+//!
+//! The folder (optional; the repository root when absent) is read at the requested commit
+//! (`programVersion`, a full or abbreviated id) and written into the caller's folder: files
+//! keep their executable bit, relative symbolic links that stay inside the program are
+//! kept, submodules are skipped with a warning (their content is not in this repository).
+//!
+//! This build enables gix's `blocking-network-client` only: `ssh://`, `git://` and
+//! `file://` remotes clone and fetch; an `https://` remote needs an HTTP transport
+//! (gix `blocking-http-transport-*`), which would add a second `reqwest` and `aws-lc` to the
+//! build. Without it an https reference fails with a `Repository` error that says so.
+//!
+//! gix is blocking, so every checkout runs in `tokio::task::spawn_blocking`.
+
+use ferry_domain::ports::sources::{Checkout, ProgramSource, SourceError};
+use ferry_domain::values::{ProgramRef, ProgramVersion};
+use sha2::{Digest, Sha256};
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+/// Reads programs from Git repositories; remote ones are cached under `cache_dir`.
+#[derive(Debug, Clone)]
+pub struct GitProgramSource {
+    cache_dir: PathBuf,
+    /// Serialises clones and fetches into the cache: two runs of the same repository must
+    /// not clone into the same folder at once.
+    remote_lock: Arc<Mutex<()>>,
+}
+
+/// Where a repository lives, as parsed from the reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Location {
+    /// Opened in place.
+    Local(PathBuf),
+    /// Cloned into the cache.
+    Remote(String),
+}
+
+impl GitProgramSource {
+    /// A source that clones remote repositories into `cache_dir` (created when needed).
+    pub fn new(cache_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            cache_dir: cache_dir.into(),
+            remote_lock: Arc::new(Mutex::new(())),
+        }
+    }
+
+    /// The folder a remote repository is cached in.
+    pub fn cache_path(&self, url: &str) -> PathBuf {
+        self.cache_dir
+            .join(hex::encode(Sha256::digest(url.as_bytes())))
+    }
+
+    fn checkout_blocking(
+        &self,
+        program: &str,
+        version: &str,
+        into: &Path,
+    ) -> Result<Checkout, SourceError> {
+        let (repository, folder) = split_program_ref(program);
+        let repo_err = |reason: String| SourceError::Repository {
+            repository: repository.to_string(),
+            reason,
+        };
+        let folder = normalise_folder(folder).map_err(repo_err)?;
+        let repo = match parse_location(repository) {
+            Location::Local(path) => open_local(&path).map_err(repo_err)?,
+            Location::Remote(url) => self.remote_with_commit(&url, version)?,
+        };
+
+        let commit = resolve_commit(&repo, version).ok_or_else(|| SourceError::CommitNotFound {
+            repository: repository.to_string(),
+            commit: version.to_string(),
+        })?;
+        let commit_hex = commit.to_string();
+        let tree = repo
+            .find_commit(commit)
+            .and_then(|c| c.tree())
+            .map_err(|e| repo_err(format!("cannot read the tree of commit {commit_hex}: {e}")))?;
+
+        let tree = if folder.is_empty() {
+            tree
+        } else {
+            let not_found = || SourceError::FolderNotFound {
+                repository: repository.to_string(),
+                commit: commit_hex.clone(),
+                folder: folder.clone(),
+            };
+            let entry = tree
+                .lookup_entry_by_path(&folder)
+                .map_err(|e| repo_err(format!("cannot look up {folder}: {e}")))?
+                .ok_or_else(not_found)?;
+            if !entry.mode().is_tree() {
+                return Err(not_found());
+            }
+            repo.find_tree(entry.object_id())
+                .map_err(|e| repo_err(format!("cannot read folder {folder}: {e}")))?
+        };
+
+        prepare_target(into).map_err(repo_err)?;
+        write_tree(&repo, &tree, into, Path::new("")).map_err(|e| {
+            repo_err(format!(
+                "cannot write the checkout into {}: {e}",
+                into.display()
+            ))
+        })?;
+        tracing::info!(
+            repository,
+            folder = %folder,
+            commit = %commit_hex,
+            into = %into.display(),
+            "program checked out"
+        );
+        Ok(Checkout {
+            program_dir: into.to_path_buf(),
+            commit: commit_hex,
+        })
+    }
+
+    /// Opens (cloning when needed) the cached copy of `url` and fetches when `version` is not
+    /// in it yet.
+    fn remote_with_commit(&self, url: &str, version: &str) -> Result<gix::Repository, SourceError> {
+        let repo_err = |reason: String| SourceError::Repository {
+            repository: url.to_string(),
+            reason,
+        };
+        // A poisoned lock only means another checkout panicked; the cache is still usable
+        // because clones are atomic (gix removes a failed clone).
+        let _guard = self
+            .remote_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let path = self.cache_path(url);
+        let repo = match open_local(&path) {
+            Ok(repo) => repo,
+            Err(_) => {
+                if path.exists() {
+                    // A half-written cache from a crash: start again.
+                    std::fs::remove_dir_all(&path).map_err(|e| {
+                        repo_err(format!("cannot clear the cache {}: {e}", path.display()))
+                    })?;
+                }
+                std::fs::create_dir_all(&self.cache_dir)
+                    .map_err(|e| repo_err(format!("cannot create the cache folder: {e}")))?;
+                tracing::info!(repository = url, cache = %path.display(), "cloning program repository");
+                return clone(url, &path).map_err(repo_err);
+            }
+        };
+        if resolve_commit(&repo, version).is_some() {
+            return Ok(repo);
+        }
+        tracing::info!(
+            repository = url,
+            commit = version,
+            "commit not cached; fetching"
+        );
+        fetch(&repo).map_err(repo_err)?;
+        // Re-open so that the newly written pack is seen.
+        open_local(&path).map_err(repo_err)
+    }
+}
+
+#[async_trait::async_trait]
+impl ProgramSource for GitProgramSource {
+    async fn checkout(
+        &self,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+        into: &Path,
+    ) -> Result<Checkout, SourceError> {
+        let this = self.clone();
+        let program = program.as_str().to_string();
+        let version = version.as_str().to_string();
+        let into = into.to_path_buf();
+        let repository = split_program_ref(&program).0.to_string();
+        tokio::task::spawn_blocking(move || this.checkout_blocking(&program, &version, &into))
+            .await
+            .map_err(|e| SourceError::Repository {
+                repository,
+                reason: format!("the checkout task failed: {e}"),
+            })?
+    }
+}
+
+/// `<repository>#<folder>` → (repository, folder).
+fn split_program_ref(program: &str) -> (&str, &str) {
+    program.split_once('#').unwrap_or((program, ""))
+}
+
+fn parse_location(repository: &str) -> Location {
+    if let Some(rest) = repository.strip_prefix("file://") {
+        // file:///abs/path and file://localhost/abs/path name a path on this machine.
+        let path = rest.strip_prefix("localhost").unwrap_or(rest);
+        return Location::Local(PathBuf::from(path));
+    }
+    if repository.contains("://") {
+        return Location::Remote(repository.to_string());
+    }
+    Location::Local(PathBuf::from(repository))
+}
+
+/// Trims slashes and refuses folders that climb out of the repository.
+fn normalise_folder(folder: &str) -> Result<String, String> {
+    let trimmed = folder.trim_matches('/');
+    let mut parts = Vec::new();
+    for component in Path::new(trimmed).components() {
+        match component {
+            Component::Normal(part) => parts.push(part.to_string_lossy().into_owned()),
+            Component::CurDir => {}
+            _ => {
+                return Err(format!(
+                    "folder {folder:?} must be a relative path inside the repository"
+                ))
+            }
+        }
+    }
+    Ok(parts.join("/"))
+}
+
+fn open_local(path: &Path) -> Result<gix::Repository, String> {
+    // Isolated: the user's and system's git configuration must not change what is read.
+    gix::open_opts(path, gix::open::Options::isolated())
+        .map_err(|e| format!("cannot open {} as a Git repository: {e}", path.display()))
+}
+
+/// The commit `version` names (full or abbreviated), or `None` when there is none.
+fn resolve_commit(repo: &gix::Repository, version: &str) -> Option<gix::ObjectId> {
+    let version = version.to_ascii_lowercase();
+    let version = version.as_str();
+    let id = if version.len() == repo.object_hash().len_in_hex() {
+        gix::ObjectId::from_hex(version.as_bytes()).ok()?
+    } else {
+        let prefix = gix::hash::Prefix::from_hex(version).ok()?;
+        // `Err(())` is an ambiguous prefix: that names no single commit either.
+        repo.objects.lookup_prefix(prefix, None).ok()??.ok()?
+    };
+    repo.find_commit(id).ok().map(|c| c.id)
+}
+
+fn clone(url: &str, path: &Path) -> Result<gix::Repository, String> {
+    let interrupt = AtomicBool::new(false);
+    // A clone without checkout: only the object database is needed.
+    let mut prepare = gix::prepare_clone(url, path).map_err(|e| format!("cannot clone: {e}"))?;
+    let (repo, _outcome) = prepare
+        .fetch_only(gix::progress::Discard, &interrupt)
+        .map_err(|e| format!("cannot clone: {e}"))?;
+    Ok(repo)
+}
+
+fn fetch(repo: &gix::Repository) -> Result<(), String> {
+    let interrupt = AtomicBool::new(false);
+    // Ref updates write reflog entries, which need a committer; the cache is opened
+    // isolated from the user's configuration, so give it a neutral one.
+    let mut repo = repo.clone();
+    repo.committer_or_set_fallback("ferry", "ferry@localhost")
+        .map_err(|e| format!("cannot set the reflog identity: {e}"))?;
+    let remote = repo
+        .find_default_remote(gix::remote::Direction::Fetch)
+        .ok_or_else(|| "the cached clone has no remote".to_string())?
+        .map_err(|e| format!("cannot read the remote: {e}"))?;
+    remote
+        .connect(gix::remote::Direction::Fetch)
+        .map_err(|e| format!("cannot connect: {e}"))?
+        .prepare_fetch(gix::progress::Discard, Default::default())
+        .map_err(|e| format!("cannot fetch: {e}"))?
+        .receive(gix::progress::Discard, &interrupt)
+        .map_err(|e| format!("cannot fetch: {e:#}"))?;
+    Ok(())
+}
+
+/// Creates `into`; it must be empty so that no stale file mixes into the program.
+fn prepare_target(into: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(into)
+        .map_err(|e| format!("cannot create the checkout folder {}: {e}", into.display()))?;
+    let mut entries = std::fs::read_dir(into)
+        .map_err(|e| format!("cannot read the checkout folder {}: {e}", into.display()))?;
+    if entries.next().is_some() {
+        return Err(format!(
+            "the checkout folder {} is not empty",
+            into.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `tree` under `dir`; `rel` is the path inside the program, for messages and links.
+fn write_tree(
+    repo: &gix::Repository,
+    tree: &gix::Tree<'_>,
+    dir: &Path,
+    rel: &Path,
+) -> Result<(), String> {
+    use gix::object::tree::EntryKind;
+    for entry in tree.iter() {
+        let entry = entry.map_err(|e| format!("cannot decode a tree: {e}"))?;
+        let name = entry.filename().to_string();
+        // Git trees from a hostile repository may carry names that would escape the folder.
+        if name.is_empty()
+            || name == "."
+            || name == ".."
+            || name == ".git"
+            || name.contains(['/', '\\', '\0'])
+        {
+            tracing::warn!(entry = %rel.join(&name).display(), "skipping an entry with an unsafe name");
+            continue;
+        }
+        let target = dir.join(&name);
+        let rel_path = rel.join(&name);
+        match entry.mode().kind() {
+            EntryKind::Tree => {
+                std::fs::create_dir(&target).map_err(|e| format!("{}: {e}", rel_path.display()))?;
+                let sub = repo
+                    .find_tree(entry.object_id())
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+                write_tree(repo, &sub, &target, &rel_path)?;
+            }
+            kind @ (EntryKind::Blob | EntryKind::BlobExecutable) => {
+                let blob = repo
+                    .find_blob(entry.object_id())
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+                std::fs::write(&target, &blob.data)
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+                set_executable(&target, kind == EntryKind::BlobExecutable)
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+            }
+            EntryKind::Link => {
+                let blob = repo
+                    .find_blob(entry.object_id())
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+                let link = String::from_utf8_lossy(&blob.data).into_owned();
+                write_link(&target, rel, &link)
+                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
+            }
+            EntryKind::Commit => {
+                tracing::warn!(
+                    submodule = %rel_path.display(),
+                    commit = %entry.object_id(),
+                    "skipping a submodule: its content is not in this repository"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn set_executable(path: &Path, executable: bool) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = if executable { 0o755 } else { 0o644 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+#[cfg(not(unix))]
+fn set_executable(_path: &Path, _executable: bool) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// Keeps a symbolic link only when it is relative and stays inside the program: a link to
+/// `/etc/...` or `../../..` would let a program read the runner's machine.
+fn write_link(target: &Path, rel_dir: &Path, link: &str) -> Result<(), String> {
+    let mut depth: i64 = rel_dir.components().count() as i64;
+    let mut escapes = Path::new(link).is_absolute();
+    for component in Path::new(link).components() {
+        match component {
+            Component::ParentDir => depth -= 1,
+            Component::Normal(_) => depth += 1,
+            Component::CurDir => {}
+            _ => escapes = true,
+        }
+        if depth < 0 {
+            escapes = true;
+        }
+    }
+    if escapes {
+        tracing::warn!(link = %target.display(), "skipping a symbolic link that points outside the program");
+        return Ok(());
+    }
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(link, target).map_err(|e| e.to_string())
+    }
+    #[cfg(not(unix))]
+    {
+        tracing::warn!(link = %target.display(), "skipping a symbolic link: not supported here");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@example.com")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@example.com")
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", dir)
+            .output()
+            .expect("git runs");
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// A repository with two commits: the first has `stacks/web/Pulumi.yaml`, the second
+    /// changes it and adds an executable script and `other.txt` at the root.
+    fn repo() -> (tempfile::TempDir, String, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        git(d, &["init", "-q", "-b", "main"]);
+        std::fs::create_dir_all(d.join("stacks/web")).unwrap();
+        std::fs::write(d.join("stacks/web/Pulumi.yaml"), "name: web-v1\n").unwrap();
+        git(d, &["add", "."]);
+        git(d, &["commit", "-q", "-m", "first"]);
+        let first = git(d, &["rev-parse", "HEAD"]);
+        std::fs::write(d.join("stacks/web/Pulumi.yaml"), "name: web-v2\n").unwrap();
+        std::fs::write(d.join("stacks/web/run.sh"), "#!/bin/sh\necho hi\n").unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                d.join("stacks/web/run.sh"),
+                std::fs::Permissions::from_mode(0o755),
+            )
+            .unwrap();
+        }
+        std::fs::write(d.join("other.txt"), "root file").unwrap();
+        git(d, &["add", "."]);
+        git(d, &["commit", "-q", "-m", "second"]);
+        let second = git(d, &["rev-parse", "HEAD"]);
+        (dir, first, second)
+    }
+
+    fn pr(s: &str) -> ProgramRef {
+        ProgramRef::parse(s).unwrap()
+    }
+    fn pv(s: &str) -> ProgramVersion {
+        ProgramVersion::parse(s).unwrap()
+    }
+
+    #[tokio::test]
+    async fn checks_out_a_folder_by_full_and_short_commit() {
+        let (repo, first, second) = repo();
+        let cache = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(cache.path());
+        let program = pr(&format!("{}#stacks/web", repo.path().display()));
+
+        let into = out.path().join("a");
+        let c = source.checkout(&program, &pv(&first), &into).await.unwrap();
+        assert_eq!(c.commit, first);
+        assert_eq!(c.program_dir, into);
+        assert_eq!(
+            std::fs::read_to_string(into.join("Pulumi.yaml")).unwrap(),
+            "name: web-v1\n"
+        );
+        assert!(!into.join("run.sh").exists());
+
+        let into = out.path().join("b");
+        let c = source
+            .checkout(&program, &pv(&second[..8]), &into)
+            .await
+            .unwrap();
+        assert_eq!(c.commit, second, "the full id is returned for a short one");
+        assert_eq!(
+            std::fs::read_to_string(into.join("Pulumi.yaml")).unwrap(),
+            "name: web-v2\n"
+        );
+        assert!(
+            !into.join("other.txt").exists(),
+            "only the folder is written"
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &str| {
+                std::fs::metadata(into.join(p))
+                    .unwrap()
+                    .permissions()
+                    .mode()
+            };
+            assert_eq!(mode("run.sh") & 0o111, 0o111, "executable bit kept");
+            assert_eq!(mode("Pulumi.yaml") & 0o111, 0, "plain file not executable");
+        }
+    }
+
+    #[tokio::test]
+    async fn checks_out_the_root_via_file_url() {
+        let (repo, _first, second) = repo();
+        let cache = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(cache.path());
+        let program = pr(&format!("file://{}", repo.path().display()));
+        let c = source
+            .checkout(&program, &pv(&second), out.path())
+            .await
+            .unwrap();
+        assert_eq!(c.commit, second);
+        assert_eq!(
+            std::fs::read_to_string(out.path().join("other.txt")).unwrap(),
+            "root file"
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.path().join("stacks/web/Pulumi.yaml")).unwrap(),
+            "name: web-v2\n"
+        );
+        assert!(!out.path().join(".git").exists());
+        assert!(
+            std::fs::read_dir(cache.path()).unwrap().next().is_none(),
+            "local repos are not cached"
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_commit_names_the_reference() {
+        let (repo, _, _) = repo();
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(out.path().join("cache"));
+        let repository = repo.path().display().to_string();
+        let err = source
+            .checkout(
+                &pr(&format!("{repository}#stacks/web")),
+                &pv("deadbeefdeadbeef"),
+                &out.path().join("x"),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            SourceError::CommitNotFound {
+                repository: repository.clone(),
+                commit: "deadbeefdeadbeef".into()
+            }
+        );
+        assert!(err.to_string().contains("deadbeefdeadbeef"));
+    }
+
+    #[tokio::test]
+    async fn folder_missing_at_that_commit_names_the_reference() {
+        let (repo, first, _) = repo();
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(out.path().join("cache"));
+        let repository = repo.path().display().to_string();
+        let err = source
+            .checkout(
+                &pr(&format!("{repository}#stacks/api")),
+                &pv(&first),
+                &out.path().join("x"),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            SourceError::FolderNotFound {
+                repository: repository.clone(),
+                commit: first.clone(),
+                folder: "stacks/api".into()
+            }
+        );
+        // A file is not a folder either.
+        let err = source
+            .checkout(
+                &pr(&format!("{repository}#stacks/web/Pulumi.yaml")),
+                &pv(&first),
+                &out.path().join("y"),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, SourceError::FolderNotFound { .. }), "{err:?}");
+        // Climbing out of the repository is refused before anything is read.
+        let err = source
+            .checkout(
+                &pr(&format!("{repository}#../etc")),
+                &pv(&first),
+                &out.path().join("z"),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, SourceError::Repository { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn not_a_repository_is_a_repository_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(dir.path().join("cache"));
+        let missing = dir.path().join("nothing-here").display().to_string();
+        let err = source
+            .checkout(&pr(&missing), &pv("abcdef1"), &dir.path().join("x"))
+            .await
+            .unwrap_err();
+        match err {
+            SourceError::Repository { repository, .. } => assert_eq!(repository, missing),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn refuses_a_non_empty_target() {
+        let (repo, first, _) = repo();
+        let out = tempfile::tempdir().unwrap();
+        std::fs::write(out.path().join("stale"), "x").unwrap();
+        let source = GitProgramSource::new(out.path().join("cache"));
+        let err = source
+            .checkout(
+                &pr(&repo.path().display().to_string()),
+                &pv(&first),
+                out.path(),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not empty"), "{err}");
+    }
+
+    /// The remote path (clone into the cache, fetch when the commit is new) exercised over
+    /// the `file://` transport, since no network is reachable here.
+    #[test]
+    fn remote_clone_then_fetch_for_a_new_commit() {
+        let (repo, first, _second) = repo();
+        let cache = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(cache.path().join("cache"));
+        let url = format!("file://{}", repo.path().display());
+
+        let cached = source.remote_with_commit(&url, &first).unwrap();
+        assert!(resolve_commit(&cached, &first).is_some());
+        assert!(source
+            .cache_path(&url)
+            .starts_with(cache.path().join("cache")));
+
+        std::fs::write(repo.path().join("third.txt"), "3").unwrap();
+        git(repo.path(), &["add", "."]);
+        git(repo.path(), &["commit", "-q", "-m", "third"]);
+        let third = git(repo.path(), &["rev-parse", "HEAD"]);
+        assert!(resolve_commit(&open_local(&source.cache_path(&url)).unwrap(), &third).is_none());
+        let fetched = source.remote_with_commit(&url, &third).unwrap();
+        assert_eq!(
+            resolve_commit(&fetched, &third).map(|id| id.to_string()),
+            Some(third)
+        );
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn links_inside_are_kept_and_submodules_skipped() {
+        let (repo, _, _) = repo();
+        let d = repo.path();
+        std::os::unix::fs::symlink("Pulumi.yaml", d.join("stacks/web/link.yaml")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", d.join("stacks/web/passwd")).unwrap();
+        std::os::unix::fs::symlink("../../../outside", d.join("stacks/web/up")).unwrap();
+        git(d, &["add", "."]);
+        let some_commit = git(d, &["rev-parse", "HEAD"]);
+        git(
+            d,
+            &[
+                "update-index",
+                "--add",
+                "--cacheinfo",
+                &format!("160000,{some_commit},stacks/web/vendored"),
+            ],
+        );
+        git(d, &["commit", "-q", "-m", "links and a submodule"]);
+        let head = git(d, &["rev-parse", "HEAD"]);
+
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(out.path().join("cache"));
+        let into = out.path().join("p");
+        source
+            .checkout(
+                &pr(&format!("{}#stacks/web", d.display())),
+                &pv(&head.to_uppercase()),
+                &into,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            std::fs::read_link(into.join("link.yaml")).unwrap(),
+            Path::new("Pulumi.yaml")
+        );
+        assert_eq!(
+            std::fs::read_to_string(into.join("link.yaml")).unwrap(),
+            "name: web-v2\n"
+        );
+        assert!(
+            std::fs::symlink_metadata(into.join("passwd")).is_err(),
+            "absolute link skipped"
+        );
+        assert!(
+            std::fs::symlink_metadata(into.join("up")).is_err(),
+            "escaping link skipped"
+        );
+        assert!(!into.join("vendored").exists(), "submodule skipped");
+        assert!(into.join("run.sh").is_file());
+    }
+
+    /// No network here: an https remote must fail as a `Repository` error naming the URL
+    /// (this build has no https transport; with one, the connection fails instead).
+    #[tokio::test]
+    async fn https_remote_failure_is_a_repository_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(dir.path().join("cache"));
+        let url = "https://git.invalid/infra.git";
+        let err = source
+            .checkout(
+                &pr(&format!("{url}#stacks/web")),
+                &pv("abcdef1"),
+                &dir.path().join("x"),
+            )
+            .await
+            .unwrap_err();
+        match err {
+            SourceError::Repository { repository, reason } => {
+                assert_eq!(repository, url);
+                assert!(reason.contains("cannot clone"), "{reason}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(
+            !source.cache_path(url).exists(),
+            "a failed clone leaves no cache"
+        );
+    }
+
+    #[test]
+    fn parses_references() {
+        assert_eq!(split_program_ref("/r#a/b"), ("/r", "a/b"));
+        assert_eq!(split_program_ref("/r"), ("/r", ""));
+        assert_eq!(
+            parse_location("file:///srv/r"),
+            Location::Local("/srv/r".into())
+        );
+        assert_eq!(parse_location("./r"), Location::Local("./r".into()));
+        assert_eq!(
+            parse_location("https://git.example/infra.git"),
+            Location::Remote("https://git.example/infra.git".into())
+        );
+        assert_eq!(normalise_folder("/stacks/web/").unwrap(), "stacks/web");
+        assert_eq!(normalise_folder("").unwrap(), "");
+        assert!(normalise_folder("a/../../b").is_err());
+    }
+}

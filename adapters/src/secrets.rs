@@ -1,0 +1,406 @@
+//! Secret resolution: `env://NAME`, `file:///path` and `vault://mount/path#key`
+//! (HashiCorp Vault KV version 2).
+//!
+//! A resolved secret carries a *version* that goes into the plan's inputs hash, so that a
+//! changed secret changes the hash without the hash revealing the secret:
+//!
+//! * Vault: `vault:v<metadata.version>`, Vault's own version of the secret;
+//! * env and file: `hmac:<hex HMAC-SHA256 of the value>` keyed with the service's
+//!   fingerprint key; without the key the fingerprint cannot be used to test guesses.
+//!
+//! Errors name the reference and the reason, never the value (nor a Vault response body,
+//! which may hold other secrets), and nothing here logs a value.
+
+use ferry_domain::ports::sources::{ResolvedSecret, SecretError, SecretResolver};
+use ferry_domain::ports::SecretValue;
+use ferry_domain::values::SecretRef;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::fmt;
+use std::time::Duration;
+
+/// Where Vault is and the token to read it with.
+#[derive(Clone)]
+pub struct VaultConfig {
+    /// E.g. `https://vault.internal:8200` (no trailing `/v1`).
+    pub address: String,
+    /// The `X-Vault-Token`.
+    pub token: SecretValue,
+}
+
+impl fmt::Debug for VaultConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VaultConfig")
+            .field("address", &self.address)
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+/// Resolves `env://`, `file://` and (when configured) `vault://` references.
+#[derive(Clone)]
+pub struct SecretResolvers {
+    fingerprint_key: SecretValueBytes,
+    vault: Option<VaultConfig>,
+    http: reqwest::Client,
+}
+
+/// The fingerprint key, kept out of `Debug`.
+#[derive(Clone)]
+struct SecretValueBytes(Vec<u8>);
+
+impl fmt::Debug for SecretResolvers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SecretResolvers")
+            .field("fingerprint_key", &"***")
+            .field("vault", &self.vault)
+            .finish()
+    }
+}
+
+impl SecretResolvers {
+    /// `fingerprint_key` keys the HMAC of env and file values; `vault` enables `vault://`.
+    pub fn new(fingerprint_key: Vec<u8>, vault: Option<VaultConfig>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            // Building only fails when the TLS backend cannot initialise; the default
+            // client then still serves plain HTTP and reports TLS errors per request.
+            .unwrap_or_default();
+        Self {
+            fingerprint_key: SecretValueBytes(fingerprint_key),
+            vault,
+            http,
+        }
+    }
+
+    /// `hmac:<hex>` of `value` under the fingerprint key.
+    fn fingerprint(&self, value: &str) -> Result<String, String> {
+        // HMAC takes keys of any length; the error exists only for fixed-key MACs.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.fingerprint_key.0)
+            .map_err(|_| "the fingerprint key is unusable".to_string())?;
+        mac.update(value.as_bytes());
+        Ok(format!("hmac:{}", hex::encode(mac.finalize().into_bytes())))
+    }
+
+    async fn resolve_vault(&self, reference: &str, rest: &str) -> Result<ResolvedSecret, String> {
+        let vault = self
+            .vault
+            .as_ref()
+            .ok_or_else(|| "no Vault is configured for vault:// references".to_string())?;
+        let (location, key) = rest
+            .split_once('#')
+            .ok_or_else(|| "must be vault://mount/path#key".to_string())?;
+        let (mount, path) = location
+            .split_once('/')
+            .filter(|(m, p)| !m.is_empty() && !p.is_empty())
+            .ok_or_else(|| "must be vault://mount/path#key".to_string())?;
+        let url = format!(
+            "{}/v1/{mount}/data/{path}",
+            vault.address.trim_end_matches('/')
+        );
+        tracing::debug!(reference, "reading secret from Vault");
+        let response = self
+            .http
+            .get(&url)
+            .header("X-Vault-Token", vault.token.expose())
+            .send()
+            .await
+            .map_err(|e| {
+                format!(
+                    "Vault at {} unreachable: {}",
+                    vault.address,
+                    e.without_url()
+                )
+            })?;
+        let status = response.status();
+        if !status.is_success() {
+            // The body is not included: it may echo request data.
+            return Err(match status.as_u16() {
+                403 => "Vault refused the token (403 permission denied)".to_string(),
+                404 => format!("no secret at {mount}/{path} in Vault (404)"),
+                code => format!("Vault answered HTTP {code}"),
+            });
+        }
+        let body: serde_json::Value = response
+            .json()
+            .await
+            .map_err(|_| "Vault's answer is not KV v2 JSON".to_string())?;
+        let version = body
+            .pointer("/data/metadata/version")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| {
+                "Vault's answer has no data.metadata.version (is the mount KV v2?)".to_string()
+            })?;
+        let value = match body.pointer("/data/data").and_then(|d| d.get(key)) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => v.to_string(),
+            Some(_) => return Err(format!("key {key} is not a string, number or boolean")),
+            None => {
+                return Err(format!(
+                    "key {key} not found at {mount}/{path} (version {version})"
+                ))
+            }
+        };
+        Ok(ResolvedSecret {
+            value: SecretValue::new(value),
+            version: format!("vault:v{version}"),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl SecretResolver for SecretResolvers {
+    async fn resolve(&self, reference: &SecretRef) -> Result<ResolvedSecret, SecretError> {
+        let reference = reference.as_str();
+        let fail = |reason: String| SecretError {
+            reference: reference.to_string(),
+            reason,
+        };
+        if let Some(name) = reference.strip_prefix("env://") {
+            let value = std::env::var(name).map_err(|e| {
+                fail(match e {
+                    std::env::VarError::NotPresent => {
+                        format!("environment variable {name} is not set")
+                    }
+                    std::env::VarError::NotUnicode(_) => {
+                        format!("environment variable {name} is not valid UTF-8")
+                    }
+                })
+            })?;
+            let version = self.fingerprint(&value).map_err(fail)?;
+            return Ok(ResolvedSecret {
+                value: SecretValue::new(value),
+                version,
+            });
+        }
+        if let Some(path) = reference.strip_prefix("file://") {
+            let mut value = tokio::fs::read_to_string(path).await.map_err(|e| {
+                // io::Error's message never quotes the file's content.
+                fail(format!("cannot read {path}: {e}"))
+            })?;
+            // Files written by `echo` or editors end with one newline that is not part of
+            // the secret.
+            if value.ends_with('\n') {
+                value.pop();
+                if value.ends_with('\r') {
+                    value.pop();
+                }
+            }
+            let version = self.fingerprint(&value).map_err(fail)?;
+            return Ok(ResolvedSecret {
+                value: SecretValue::new(value),
+                version,
+            });
+        }
+        if let Some(rest) = reference.strip_prefix("vault://") {
+            return self.resolve_vault(reference, rest).await.map_err(fail);
+        }
+        Err(fail(
+            "unsupported scheme (env://, file://, vault://)".to_string(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::Path as AxPath;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::get;
+    use axum::{Json, Router};
+
+    const VALUE: &str = "s3cr3t-Value-42";
+
+    fn sref(s: &str) -> SecretRef {
+        SecretRef::parse(s).unwrap()
+    }
+
+    #[tokio::test]
+    async fn env_secrets_resolve_with_an_hmac_fingerprint() {
+        // A name no other test uses: the environment is process-wide.
+        std::env::set_var("FERRY_ADAPTERS_TEST_ENV_SECRET", VALUE);
+        let r = SecretResolvers::new(b"key-1".to_vec(), None);
+        let s = r
+            .resolve(&sref("env://FERRY_ADAPTERS_TEST_ENV_SECRET"))
+            .await
+            .unwrap();
+        assert_eq!(s.value.expose(), VALUE);
+        assert!(s.version.starts_with("hmac:"));
+        assert_eq!(s.version.len(), "hmac:".len() + 64);
+        assert!(!s.version.contains(VALUE));
+        // Same value and key: same fingerprint; another key: another one.
+        let again = r
+            .resolve(&sref("env://FERRY_ADAPTERS_TEST_ENV_SECRET"))
+            .await
+            .unwrap();
+        assert_eq!(again.version, s.version);
+        let other_key = SecretResolvers::new(b"key-2".to_vec(), None);
+        assert_ne!(other_key.fingerprint(VALUE).unwrap(), s.version);
+        assert_ne!(r.fingerprint("another value").unwrap(), s.version);
+
+        let err = r
+            .resolve(&sref("env://FERRY_ADAPTERS_TEST_UNSET_VAR"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reference, "env://FERRY_ADAPTERS_TEST_UNSET_VAR");
+        assert!(err.reason.contains("not set"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn file_secrets_trim_one_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        std::fs::write(&path, format!("{VALUE}\n")).unwrap();
+        let r = SecretResolvers::new(b"k".to_vec(), None);
+        let s = r
+            .resolve(&sref(&format!("file://{}", path.display())))
+            .await
+            .unwrap();
+        assert_eq!(s.value.expose(), VALUE);
+        assert_eq!(s.version, r.fingerprint(VALUE).unwrap());
+
+        std::fs::write(&path, format!("{VALUE}\n\n")).unwrap();
+        let s = r
+            .resolve(&sref(&format!("file://{}", path.display())))
+            .await
+            .unwrap();
+        assert_eq!(
+            s.value.expose(),
+            format!("{VALUE}\n"),
+            "only one newline is trimmed"
+        );
+
+        let missing = format!("file://{}", dir.path().join("nope").display());
+        let err = r.resolve(&sref(&missing)).await.unwrap_err();
+        assert_eq!(err.reference, missing);
+        assert!(err.reason.contains("cannot read"), "{err}");
+    }
+
+    /// A fake Vault KV v2: `kv/payments/db` holds `password` at version 3.
+    async fn fake_vault() -> String {
+        async fn read(
+            AxPath((mount, path)): AxPath<(String, String)>,
+            headers: HeaderMap,
+        ) -> (StatusCode, Json<serde_json::Value>) {
+            if headers.get("X-Vault-Token").and_then(|v| v.to_str().ok()) != Some("root-token") {
+                return (
+                    StatusCode::FORBIDDEN,
+                    Json(serde_json::json!({"errors": ["permission denied"]})),
+                );
+            }
+            if mount != "kv" || path != "payments/db" {
+                return (
+                    StatusCode::NOT_FOUND,
+                    Json(serde_json::json!({"errors": []})),
+                );
+            }
+            (
+                StatusCode::OK,
+                Json(serde_json::json!({
+                    "data": {
+                        "data": {"password": VALUE, "port": 5432},
+                        "metadata": {"version": 3, "created_time": "2026-12-01T00:00:00Z"}
+                    }
+                })),
+            )
+        }
+        let app = Router::new().route("/v1/{mount}/data/{*path}", get(read));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        address
+    }
+
+    fn vault(address: &str, token: &str) -> SecretResolvers {
+        SecretResolvers::new(
+            b"k".to_vec(),
+            Some(VaultConfig {
+                address: address.to_string(),
+                token: SecretValue::new(token),
+            }),
+        )
+    }
+
+    #[tokio::test]
+    async fn vault_kv2_secrets() {
+        let address = fake_vault().await;
+        let r = vault(&address, "root-token");
+        let s = r
+            .resolve(&sref("vault://kv/payments/db#password"))
+            .await
+            .unwrap();
+        assert_eq!(s.value.expose(), VALUE);
+        assert_eq!(s.version, "vault:v3");
+        let port = r
+            .resolve(&sref("vault://kv/payments/db#port"))
+            .await
+            .unwrap();
+        assert_eq!(port.value.expose(), "5432");
+
+        let err = r
+            .resolve(&sref("vault://kv/payments/db#missing"))
+            .await
+            .unwrap_err();
+        assert!(err.reason.contains("key missing not found"), "{err}");
+        let err = r
+            .resolve(&sref("vault://kv/payments/other#password"))
+            .await
+            .unwrap_err();
+        assert!(err.reason.contains("404"), "{err}");
+
+        let wrong = vault(&address, "wrong-token");
+        let err = wrong
+            .resolve(&sref("vault://kv/payments/db#password"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reference, "vault://kv/payments/db#password");
+        assert!(err.reason.contains("403"), "{err}");
+
+        let none = SecretResolvers::new(b"k".to_vec(), None);
+        let err = none
+            .resolve(&sref("vault://kv/payments/db#password"))
+            .await
+            .unwrap_err();
+        assert!(err.reason.contains("no Vault"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn values_never_show_in_debug_or_errors() {
+        let address = fake_vault().await;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        std::fs::write(&path, VALUE).unwrap();
+        std::env::set_var("FERRY_ADAPTERS_TEST_DEBUG_SECRET", VALUE);
+        let r = vault(&address, VALUE);
+        let mut shown = format!("{r:?}");
+        for reference in [
+            "env://FERRY_ADAPTERS_TEST_DEBUG_SECRET".to_string(),
+            format!("file://{}", path.display()),
+        ] {
+            let resolved = r.resolve(&sref(&reference)).await.unwrap();
+            assert_eq!(resolved.value.expose(), VALUE);
+            shown.push_str(&format!("{resolved:?}"));
+        }
+        // The token is the secret value here: Vault refuses it, and the error must not echo it.
+        let err = r
+            .resolve(&sref("vault://kv/payments/db#password"))
+            .await
+            .unwrap_err();
+        shown.push_str(&format!("{err:?} {err}"));
+        let good = vault(&address, "root-token");
+        shown.push_str(&format!(
+            "{:?}",
+            good.resolve(&sref("vault://kv/payments/db#password"))
+                .await
+                .unwrap()
+        ));
+        let err = good
+            .resolve(&sref("vault://kv/payments/db#nope"))
+            .await
+            .unwrap_err();
+        shown.push_str(&format!("{err:?} {err}"));
+        assert!(shown.contains("***"), "{shown}");
+        assert!(!shown.contains(VALUE), "{shown}");
+    }
+}

@@ -1,0 +1,149 @@
+//! `PUT /factory/environments/{environmentId}` and `GET …`: the environments Ferry knows,
+//! recorded as events. Until the environment service's events arrive over NATS, a
+//! PlatformAdmin records them here; creating one declares and plans its baseline.
+
+use crate::auth::Caller;
+use crate::extract::{RequestIds, ValidJson};
+use crate::problem::ApiError;
+use crate::state::AppState;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use chrono::Utc;
+use ferry_domain::environment::{
+    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
+};
+use ferry_domain::{EnvironmentClass, EnvironmentId};
+use ferry_store::EventMetadata;
+use serde::{Deserialize, Serialize};
+
+/// Body of `PUT /factory/environments/{environmentId}`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PutEnvironmentRequest {
+    /// development, test, staging or production.
+    pub environment_class: EnvironmentClass,
+    /// Where the environment's health can be probed (http or https).
+    #[serde(default)]
+    pub health_url: Option<String>,
+    /// The baseline program; else the configured default of the class is used.
+    #[serde(default)]
+    pub baseline_program: Option<BaselineProgram>,
+}
+
+/// An environment as Ferry knows it.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvironmentView {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// Its tenant.
+    pub tenant_id: ferry_domain::TenantId,
+    /// Its class.
+    pub environment_class: EnvironmentClass,
+    /// Its health URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_url: Option<String>,
+    /// Ready to receive changes.
+    pub ready: bool,
+    /// The baseline program it was created with, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline_program: Option<BaselineProgram>,
+}
+
+fn view(env: &Environment) -> Option<EnvironmentView> {
+    let r = env.registration()?;
+    Some(EnvironmentView {
+        environment_id: r.environment_id.clone(),
+        tenant_id: r.tenant_id.clone(),
+        environment_class: r.environment_class,
+        health_url: r.health_url.clone(),
+        ready: env.is_ready(),
+        baseline_program: r.baseline_program.clone(),
+    })
+}
+
+fn environment_id(raw: &str) -> Result<EnvironmentId, ApiError> {
+    EnvironmentId::parse(raw).map_err(|e| ApiError::bad_field("environmentId", e))
+}
+
+/// `PUT /factory/environments/{environmentId}`: 201 when recorded, 200 when updated or
+/// unchanged.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+pub async fn put_environment(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<PutEnvironmentRequest>,
+) -> Result<Response, ApiError> {
+    caller.require_platform_admin()?;
+    let environment = environment_id(&raw)?;
+    if let Some(url) = &body.health_url {
+        if !(url.starts_with("http://") || url.starts_with("https://")) || url.len() > 2048 {
+            return Err(ApiError::invalid_field(
+                "healthUrl",
+                "must be an http(s) URL of at most 2048 characters",
+            ));
+        }
+    }
+    let registration = EnvironmentRegistration {
+        environment_id: environment.clone(),
+        tenant_id: caller.tenant.clone(),
+        environment_class: body.environment_class,
+        health_url: body.health_url,
+        baseline_program: body.baseline_program,
+        recorded_by: caller.actor.clone(),
+        recorded_at: Utc::now(),
+    };
+    let metadata = EventMetadata {
+        tenant_id: caller.tenant.clone(),
+        actor: caller.actor.clone(),
+        correlation_id: ids.correlation_id,
+        causation_id: ids.request_id,
+        request_id: ids.request_id,
+    };
+    let id = Environment::aggregate_id(&caller.tenant, &environment);
+    let done = state
+        .environments()
+        .execute(
+            &caller.tenant,
+            &id,
+            EnvironmentCommand::Register(Box::new(registration)),
+            &metadata,
+            true,
+        )
+        .await?;
+    let created = done.sequence == 1 && !done.events.is_empty();
+    let body = view(&done.aggregate)
+        .ok_or_else(|| ApiError::internal("environment without registration"))?;
+    tracing::info!(created, class = ?body.environment_class, "environment recorded");
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(body)).into_response())
+}
+
+/// `GET /factory/environments/{environmentId}`.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+pub async fn get_environment(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    caller.require_read()?;
+    let environment = environment_id(&raw)?;
+    let id = Environment::aggregate_id(&caller.tenant, &environment);
+    let found = state
+        .environments()
+        .load(&caller.tenant, &id)
+        .await?
+        .and_then(|(env, _)| view(&env));
+    match found {
+        Some(v) => Ok(Json(v).into_response()),
+        None => Err(ApiError::NotFound(format!("no environment {environment}"))),
+    }
+}

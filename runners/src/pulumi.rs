@@ -1,0 +1,442 @@
+//! The Pulumi CLI runner: runs `pulumi` as a child process in the program folder, with the
+//! environment id as the stack.
+//!
+//! * plan: `pulumi preview --json --stack <env> --non-interactive`, parsed with
+//!   [`parse_preview`];
+//! * apply: `pulumi up --yes --skip-preview --json --stack <env> --non-interactive`, then
+//!   `pulumi stack output --json --show-secrets --stack <env> --non-interactive`;
+//! * version: `pulumi version`.
+//!
+//! **Configuration and secrets** never touch the disk in clear and never appear on the
+//! command line (argv is world-readable in `/proc`). When the run has any, Ferry writes a
+//! stack settings document (`config: {<project>:<key>: <value>}`) to the child's **stdin**
+//! and passes `--config-file /dev/stdin`: a pipe, readable only by the child, gone when it
+//! exits. (Pulumi has no environment variable for stack config: `PULUMI_CONFIG` is set by
+//! the CLI itself for the language host and would be overwritten; the child's environment
+//! is also readable through `/proc/<pid>/environ` by the same user.) Keys without a
+//! namespace get the project's name from `Pulumi.yaml`. Consequences: the stack's own
+//! `Pulumi.<stack>.yaml` is not read when Ferry supplies configuration, and values arrive
+//! as plain (not `secure:`) config, so Ferry redacts every secret value from the output
+//! it returns. The `work_env` given to [`PulumiRunner::new`] (backend URL, passphrase,
+//! cloud credentials) is set on the child's environment.
+//!
+//! Timeouts kill the child's whole process group (pulumi and the plugins it started),
+//! and the child itself through `kill_on_drop`. A non-zero exit is `ProgramFailed`, naming
+//! the failing resource when the JSON diagnostics or engine events carry a URN.
+
+use crate::preview::parse_preview;
+use ferry_domain::ports::redact;
+use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
+use ferry_domain::ports::SecretValue;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+/// How long `pulumi version` may take.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The Pulumi CLI runner.
+#[derive(Debug, Clone)]
+pub struct PulumiRunner {
+    binary: PathBuf,
+    work_env: BTreeMap<String, String>,
+}
+
+/// What a finished child printed.
+struct Finished {
+    status: std::process::ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl PulumiRunner {
+    /// A runner calling the `pulumi` binary at `binary_path`, with `work_env` added to the
+    /// child's environment (e.g. `PULUMI_BACKEND_URL`, `PULUMI_CONFIG_PASSPHRASE`).
+    pub fn new(binary_path: impl Into<PathBuf>, work_env: BTreeMap<String, String>) -> Self {
+        Self {
+            binary: binary_path.into(),
+            work_env,
+        }
+    }
+
+    /// Runs the binary with `args` in `dir`, feeding `stdin`, within `timeout`.
+    async fn run(
+        &self,
+        args: &[&str],
+        dir: &Path,
+        stdin: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<Finished, RunnerError> {
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(args)
+            .current_dir(dir)
+            .envs(&self.work_env)
+            .env("PULUMI_SKIP_UPDATE_CHECK", "true")
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        // Its own process group, so a timeout can kill the plugins pulumi started too.
+        #[cfg(unix)]
+        cmd.process_group(0);
+        let mut child = spawn(&mut cmd, &self.binary).await?;
+        let pid = child.id();
+        if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            // Written concurrently with reading the output, so a full pipe cannot deadlock;
+            // a child that exits without reading is not an error of ours.
+            tokio::spawn(async move {
+                let _ = pipe.write_all(&bytes).await;
+                let _ = pipe.shutdown().await;
+            });
+        }
+        // On timeout the future (and with it the child) is dropped: kill_on_drop kills it.
+        let output = tokio::time::timeout(timeout, child.wait_with_output())
+            .await
+            .map_err(|_| {
+                kill_group(pid);
+                tracing::warn!(?timeout, args = ?args, "pulumi timed out; killed");
+                RunnerError::TimedOut(timeout)
+            })?
+            .map_err(|e| {
+                RunnerError::Unavailable(format!("waiting for {}: {e}", self.binary.display()))
+            })?;
+        Ok(Finished {
+            status: output.status,
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        })
+    }
+
+    fn stack_args<'a>(
+        command: &[&'a str],
+        input: &'a RunnerInput,
+        with_config: bool,
+    ) -> Vec<&'a str> {
+        let mut args = command.to_vec();
+        args.extend([
+            "--stack",
+            input.environment_id.as_str(),
+            "--non-interactive",
+        ]);
+        if with_config {
+            args.extend(["--config-file", "/dev/stdin"]);
+        }
+        args
+    }
+}
+
+/// Kills the process group led by `pid` (the child dropped afterwards is killed anyway).
+fn kill_group(pid: Option<u32>) {
+    #[cfg(unix)]
+    if let Some(pgid) = pid.and_then(|p| i32::try_from(p).ok()) {
+        let pgid = nix::unistd::Pid::from_raw(pgid);
+        if let Err(e) = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL) {
+            tracing::debug!(%e, "process group already gone");
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = pid;
+}
+
+/// Spawns, retrying briefly on "text file busy" (a just-written executable can be held
+/// open for writing by a concurrent fork for a moment).
+async fn spawn(cmd: &mut Command, binary: &Path) -> Result<tokio::process::Child, RunnerError> {
+    let mut attempts = 0;
+    loop {
+        match cmd.spawn() {
+            Ok(child) => return Ok(child),
+            Err(e) if e.raw_os_error() == Some(26) && attempts < 5 => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RunnerError::Unavailable(format!(
+                    "pulumi binary not found at {}",
+                    binary.display()
+                )))
+            }
+            Err(e) => {
+                return Err(RunnerError::Unavailable(format!(
+                    "cannot run pulumi binary {}: {e}",
+                    binary.display()
+                )))
+            }
+        }
+    }
+}
+
+/// The stack settings document handed over on stdin, or `None` when the run has no
+/// configuration (then the stack's own config file is used).
+fn config_document(input: &RunnerInput) -> Result<Option<Vec<u8>>, RunnerError> {
+    if input.config.is_empty() && input.secrets.is_empty() {
+        return Ok(None);
+    }
+    let project = project_name(&input.program_dir)?;
+    let key = |k: &str| {
+        if k.contains(':') {
+            k.to_string()
+        } else {
+            format!("{project}:{k}")
+        }
+    };
+    let mut config = serde_yaml::Mapping::new();
+    for (k, v) in &input.config {
+        let v = serde_yaml::to_value(v).map_err(|e| {
+            RunnerError::InvalidProgram(format!("config '{k}' cannot be written as YAML: {e}"))
+        })?;
+        config.insert(serde_yaml::Value::from(key(k)), v);
+    }
+    for (k, s) in &input.secrets {
+        config.insert(
+            serde_yaml::Value::from(key(k)),
+            serde_yaml::Value::from(s.expose()),
+        );
+    }
+    let mut doc = serde_yaml::Mapping::new();
+    doc.insert("config".into(), serde_yaml::Value::Mapping(config));
+    serde_yaml::to_string(&doc)
+        .map(|s| Some(s.into_bytes()))
+        .map_err(|e| RunnerError::InvalidProgram(format!("cannot write stack config: {e}")))
+}
+
+/// The project name from `Pulumi.yaml` (needed to namespace config keys).
+fn project_name(dir: &Path) -> Result<String, RunnerError> {
+    let path = ["Pulumi.yaml", "Pulumi.yml"]
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            RunnerError::InvalidProgram(format!("no Pulumi.yaml in {}", dir.display()))
+        })?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| RunnerError::InvalidProgram(format!("cannot read {}: {e}", path.display())))?;
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text)
+        .map_err(|e| RunnerError::InvalidProgram(format!("Pulumi.yaml does not parse: {e}")))?;
+    doc.get("name")
+        .and_then(|n| n.as_str())
+        .map(str::to_string)
+        .ok_or_else(|| RunnerError::InvalidProgram("Pulumi.yaml has no project `name`".into()))
+}
+
+fn combined_log(f: &Finished, secrets: &BTreeMap<String, SecretValue>) -> String {
+    let mut log = f.stdout.clone();
+    if !f.stderr.is_empty() {
+        log.push_str("\n--- stderr ---\n");
+        log.push_str(&f.stderr);
+    }
+    redact(&log, secrets.values())
+}
+
+/// The failure of a non-zero exit: reason and failing resource from the JSON diagnostics
+/// or engine events where there are any, else from the text.
+fn failure(what: &str, f: &Finished, secrets: &BTreeMap<String, SecretValue>) -> RunnerError {
+    let mut docs: Vec<Value> = Vec::new();
+    if let Ok(v) = serde_json::from_str::<Value>(&f.stdout) {
+        docs.push(v);
+    } else {
+        docs.extend(
+            f.stdout
+                .lines()
+                .chain(f.stderr.lines())
+                .filter_map(|l| serde_json::from_str::<Value>(l.trim()).ok()),
+        );
+    }
+    let mut errors = Vec::new();
+    for d in &docs {
+        collect_errors(d, &mut errors);
+    }
+    // Prefer an error that names a resource.
+    let best = errors
+        .iter()
+        .find(|(_, urn)| urn.is_some())
+        .or_else(|| errors.first())
+        .cloned();
+    let resource = best
+        .as_ref()
+        .and_then(|(_, urn)| urn.clone())
+        .or_else(|| urn_in_text(&f.stderr))
+        .or_else(|| urn_in_text(&f.stdout));
+    let detail = best.map(|(m, _)| m).unwrap_or_else(|| {
+        f.stderr
+            .lines()
+            .chain(f.stdout.lines())
+            .map(str::trim)
+            .rfind(|l| !l.is_empty())
+            .unwrap_or("no output")
+            .to_string()
+    });
+    let status = f
+        .status
+        .code()
+        .map(|c| format!("status {c}"))
+        .unwrap_or_else(|| "a signal".into());
+    RunnerError::ProgramFailed {
+        reason: redact(
+            &format!("pulumi {what} failed ({status}): {detail}"),
+            secrets.values(),
+        ),
+        resource,
+        log: combined_log(f, secrets),
+    }
+}
+
+/// Error diagnostics anywhere in a JSON value: `{severity: "error", message, urn?}`
+/// (preview `diagnostics[]`, `diagnosticEvent`) and `resOpFailedEvent.metadata.urn`.
+fn collect_errors(v: &Value, out: &mut Vec<(String, Option<String>)>) {
+    match v {
+        Value::Object(m) => {
+            let nonempty = |x: Option<&Value>| {
+                x.and_then(Value::as_str)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+            };
+            if m.get("severity").and_then(Value::as_str) == Some("error") {
+                if let Some(msg) = nonempty(m.get("message")) {
+                    out.push((msg.trim().to_string(), nonempty(m.get("urn"))));
+                }
+            }
+            if let Some(failed) = m.get("resOpFailedEvent") {
+                if let Some(urn) = nonempty(failed.pointer("/metadata/urn")) {
+                    out.push((format!("operation failed on {urn}"), Some(urn)));
+                }
+            }
+            m.values().for_each(|x| collect_errors(x, out));
+        }
+        Value::Array(items) => items.iter().for_each(|x| collect_errors(x, out)),
+        _ => {}
+    }
+}
+
+fn urn_in_text(text: &str) -> Option<String> {
+    let start = text.find("urn:pulumi:")?;
+    let urn: String = text[start..]
+        .chars()
+        .take_while(|c| !c.is_whitespace() && !matches!(c, '"' | '\'' | ')' | ','))
+        .collect();
+    Some(urn)
+}
+
+/// Replaces secret values inside every string of a JSON value.
+pub(crate) fn redact_json(v: Value, secrets: &BTreeMap<String, SecretValue>) -> Value {
+    match v {
+        Value::String(s) => Value::String(redact(&s, secrets.values())),
+        Value::Array(items) => {
+            Value::Array(items.into_iter().map(|x| redact_json(x, secrets)).collect())
+        }
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .map(|(k, x)| (k, redact_json(x, secrets)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RunnerError> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or(RunnerError::TimedOut(timeout))
+}
+
+#[async_trait::async_trait]
+impl Runner for PulumiRunner {
+    fn name(&self) -> &'static str {
+        "pulumi"
+    }
+
+    async fn version(&self) -> Result<String, RunnerError> {
+        let dir = std::env::temp_dir();
+        let f = self.run(&["version"], &dir, None, VERSION_TIMEOUT).await?;
+        let version = f.stdout.trim();
+        if !f.status.success() || version.is_empty() {
+            return Err(RunnerError::Unavailable(format!(
+                "`{} version` failed: {}",
+                self.binary.display(),
+                f.stderr.trim()
+            )));
+        }
+        Ok(version.trim_start_matches('v').to_string())
+    }
+
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
+        let config = config_document(input)?;
+        let args = Self::stack_args(&["preview", "--json"], input, config.is_some());
+        let f = self
+            .run(&args, &input.program_dir, config, input.timeout)
+            .await?;
+        if !f.status.success() {
+            return Err(failure("preview", &f, &input.secrets));
+        }
+        let plan = parse_preview(f.stdout.as_bytes())?;
+        tracing::info!(
+            adds = plan.adds,
+            changes = plan.changes,
+            deletes = plan.deletes,
+            replaces = plan.replaces,
+            "pulumi preview"
+        );
+        Ok(PreviewOutcome {
+            plan,
+            log: combined_log(&f, &input.secrets),
+        })
+    }
+
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
+        let deadline = Instant::now() + input.timeout;
+        let config = config_document(input)?;
+        let args = Self::stack_args(
+            &["up", "--yes", "--skip-preview", "--json"],
+            input,
+            config.is_some(),
+        );
+        let up = self
+            .run(&args, &input.program_dir, config, input.timeout)
+            .await?;
+        if !up.status.success() {
+            return Err(failure("up", &up, &input.secrets));
+        }
+        let args = Self::stack_args(
+            &["stack", "output", "--json", "--show-secrets"],
+            input,
+            false,
+        );
+        let out = self
+            .run(
+                &args,
+                &input.program_dir,
+                None,
+                remaining(deadline, input.timeout)?,
+            )
+            .await?;
+        if !out.status.success() {
+            return Err(failure("stack output", &out, &input.secrets));
+        }
+        let outputs = match serde_json::from_str::<Value>(&out.stdout) {
+            Ok(Value::Object(m)) => m
+                .into_iter()
+                .map(|(k, v)| (k, redact_json(v, &input.secrets)))
+                .collect(),
+            _ => {
+                return Err(RunnerError::BadOutput(format!(
+                    "`pulumi stack output --json` did not print a JSON object: {}",
+                    redact(out.stdout.trim(), input.secrets.values())
+                )))
+            }
+        };
+        Ok(ApplyOutcome {
+            outputs,
+            log: combined_log(&up, &input.secrets),
+        })
+    }
+}

@@ -1,0 +1,156 @@
+//! The simulated runner: evaluates a Pulumi YAML program against a local simulated cloud.
+//!
+//! * [`program`]: the `Pulumi.yaml` model.
+//! * [`eval`]: interpolation and dependency order (secrets kept masked).
+//! * [`cloud`]: the per-environment state file, `<data_dir>/simulated-cloud/<env>/state.json`.
+//! * [`diff`]: desired vs stored, rendered as a `pulumi preview --json` document.
+//!
+//! `preview` emits that document and parses it with the same [`parse_preview`] the Pulumi
+//! runner uses, so one parser serves both. `apply` re-plans, then applies step by step,
+//! writing state atomically.
+//!
+//! **Simulation knob:** a resource whose properties contain `simulateFailure: "<message>"`
+//! fails at apply with `ProgramFailed { resource: Some(<urn>), reason: "<name>: <message>" }`;
+//! the resources applied before it stay in state (a partial apply, as a real cloud would).
+//!
+//! Not simulated: the `pulumi:pulumi:Stack` root resource, providers, `fn::` invokes.
+
+pub mod cloud;
+pub mod diff;
+pub mod eval;
+pub mod program;
+
+use crate::preview::parse_preview;
+use diff::StepOp;
+use ferry_domain::ports::redact;
+use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+/// The simulated runner; keeps its cloud under `data_dir`.
+#[derive(Debug)]
+pub struct SimulatedRunner {
+    data_dir: PathBuf,
+    // Applies to one data dir are serialised so two runs never interleave state writes.
+    apply_lock: tokio::sync::Mutex<()>,
+}
+
+impl SimulatedRunner {
+    /// A runner whose simulated cloud lives under `data_dir/simulated-cloud/`.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            apply_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The state file of an environment (for inspection and tests).
+    pub fn state_path(&self, environment_id: &str) -> Result<PathBuf, RunnerError> {
+        cloud::state_path(&self.data_dir, environment_id)
+    }
+
+    /// Loads program and state, and plans; returns the plan, the state and its path.
+    fn plan(
+        &self,
+        input: &RunnerInput,
+    ) -> Result<(diff::Plan, cloud::CloudState, PathBuf), RunnerError> {
+        let program = program::Program::load(&input.program_dir)?;
+        let path = self.state_path(&input.environment_id)?;
+        let state = cloud::load(&path)?;
+        let plan = diff::plan(&program, input, &state)?;
+        Ok((plan, state, path))
+    }
+}
+
+fn render(plan: &diff::Plan) -> Result<String, RunnerError> {
+    serde_json::to_string_pretty(&diff::to_document(plan))
+        .map_err(|e| RunnerError::BadOutput(format!("cannot render preview: {e}")))
+}
+
+#[async_trait::async_trait]
+impl Runner for SimulatedRunner {
+    fn name(&self) -> &'static str {
+        "simulated"
+    }
+
+    async fn version(&self) -> Result<String, RunnerError> {
+        Ok(format!("{}-simulated", env!("CARGO_PKG_VERSION")))
+    }
+
+    #[tracing::instrument(skip_all, fields(runner = "simulated", env = %input.environment_id))]
+    async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
+        let (plan, _, _) = self.plan(input)?;
+        let json = render(&plan)?;
+        let summary = parse_preview(json.as_bytes())?;
+        tracing::info!(
+            adds = summary.adds,
+            changes = summary.changes,
+            deletes = summary.deletes,
+            replaces = summary.replaces,
+            "simulated preview"
+        );
+        Ok(PreviewOutcome {
+            plan: summary,
+            log: redact(&json, input.secrets.values()),
+        })
+    }
+
+    #[tracing::instrument(skip_all, fields(runner = "simulated", env = %input.environment_id))]
+    async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
+        let _guard = self.apply_lock.lock().await;
+        let (plan, mut state, path) = self.plan(input)?;
+        let mut log = render(&plan)?;
+        log.push('\n');
+        state.environment_id = input.environment_id.clone();
+        for change in &plan.changes {
+            match (change.op, &change.desired) {
+                // Unchanged inputs; options (protect, dependencies) may still have changed.
+                (StepOp::Same, Some(desired)) => {
+                    state
+                        .resources
+                        .insert(change.urn.clone(), diff::stored_form(desired));
+                    continue;
+                }
+                (StepOp::Delete, _) | (_, None) => {
+                    state.resources.remove(&change.urn);
+                }
+                (_, Some(desired)) => {
+                    if let Some(message) = desired.inputs.masked.get("simulateFailure") {
+                        let message = message
+                            .as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| message.to_string());
+                        let _ = writeln!(log, "error: {}: {message}", change.urn);
+                        cloud::save(&path, &state)?;
+                        tracing::warn!(urn = %change.urn, "simulated apply failure");
+                        return Err(RunnerError::ProgramFailed {
+                            reason: redact(
+                                &format!("{}: {message}", desired.name),
+                                input.secrets.values(),
+                            ),
+                            resource: Some(change.urn.clone()),
+                            log: redact(&log, input.secrets.values()),
+                        });
+                    }
+                    state
+                        .resources
+                        .insert(change.urn.clone(), diff::stored_form(desired));
+                }
+            }
+            let _ = writeln!(log, "{:?} {}", change.op, change.urn);
+        }
+        let outputs: BTreeMap<String, serde_json::Value> = plan
+            .outputs
+            .iter()
+            .map(|(k, v)| (k.clone(), v.masked.clone()))
+            .collect();
+        state.outputs = outputs.clone();
+        cloud::save(&path, &state)?;
+        tracing::info!(resources = state.resources.len(), "simulated apply done");
+        Ok(ApplyOutcome {
+            outputs,
+            log: redact(&log, input.secrets.values()),
+        })
+    }
+}

@@ -1,0 +1,489 @@
+//! End-to-end provisioning: a real Git repository holding a Pulumi YAML program, the real
+//! workers and adapters, the simulated runner; on real Postgres and on the SQLite default.
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod common;
+
+use common::*;
+use ferry_store::database::Backend;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const PROGRAM: &str = r#"name: web
+runtime: yaml
+resources:
+  site:
+    type: aws:s3/bucket:Bucket
+    properties:
+      bucketPrefix: web
+      tags:
+        owner: payments
+  database:
+    type: simulated:db:Instance
+    properties:
+      size: small
+      password: ${dbPassword}
+outputs:
+  siteId: ${site.id}
+"#;
+
+const BASELINE: &str = r#"name: base
+runtime: yaml
+resources:
+  network:
+    type: aws:ec2/vpc:Vpc
+    properties:
+      cidrBlock: 10.0.0.0/16
+outputs:
+  networkId: ${network.id}
+"#;
+
+const FAILING: &str = r#"name: web
+runtime: yaml
+resources:
+  site:
+    type: aws:s3/bucket:Bucket
+    properties:
+      bucketPrefix: web
+  queue:
+    type: aws:sqs/queue:Queue
+    properties:
+      simulateFailure: access denied creating the queue
+"#;
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_AUTHOR_NAME", "t")
+        .env("GIT_AUTHOR_EMAIL", "t@example.com")
+        .env("GIT_COMMITTER_NAME", "t")
+        .env("GIT_COMMITTER_EMAIL", "t@example.com")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A repository with `stacks/web/Pulumi.yaml`; returns (path, good commit, failing commit).
+fn repository(root: &Path) -> (String, String, String) {
+    let repo = root.join("infra");
+    std::fs::create_dir_all(repo.join("stacks/web")).unwrap();
+    git(&repo, &["init", "-q"]);
+    std::fs::write(repo.join("stacks/web/Pulumi.yaml"), PROGRAM).unwrap();
+    std::fs::create_dir_all(repo.join("stacks/base")).unwrap();
+    std::fs::write(repo.join("stacks/base/Pulumi.yaml"), BASELINE).unwrap();
+    git(&repo, &["add", "."]);
+    git(&repo, &["commit", "-qm", "web"]);
+    let good = git(&repo, &["rev-parse", "HEAD"]);
+    std::fs::write(repo.join("stacks/web/Pulumi.yaml"), FAILING).unwrap();
+    git(&repo, &["commit", "-qam", "queue"]);
+    let failing = git(&repo, &["rev-parse", "HEAD"]);
+    (repo.display().to_string(), good, failing)
+}
+
+struct Fixture {
+    s: TestServer,
+    repo: String,
+    good: String,
+    failing: String,
+    secret: String,
+    secret_file: String,
+    _root: tempfile::TempDir,
+}
+
+async fn start(backend: Backend) -> Fixture {
+    let root = tempfile::tempdir().unwrap();
+    let (repo, good, failing) = repository(root.path());
+    let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
+    let secret_file = root.path().join("db-password");
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let mut config = config(data.path());
+    config.workers = true;
+    config.approval_expiry = None;
+    let s = TestServer::start_with(backend, config, data).await;
+    Fixture {
+        s,
+        repo,
+        good,
+        failing,
+        secret,
+        secret_file: secret_file.display().to_string(),
+        _root: root,
+    }
+}
+
+impl Fixture {
+    async fn environment(&self, env: &str, class: &str) {
+        let admin = token("acme", "platform", &[READ, APPLY], &["PlatformAdmin"]);
+        let r = self
+            .s
+            .client
+            .put(self.s.url(&format!("/factory/environments/{env}")))
+            .bearer_auth(admin)
+            .json(&json!({"environmentClass": class}))
+            .send()
+            .await
+            .unwrap();
+        let (status, body) = response(r).await;
+        assert_eq!(status, 201, "{body}");
+    }
+
+    async fn declare(&self, env: &str, commit: &str) -> Value {
+        let body = json!({
+            "environmentId": env, "projectId": "payments", "kind": "Workload",
+            "programRef": format!("{}#stacks/web", self.repo),
+            "programVersion": commit,
+            "secretRefs": {"dbPassword": format!("file://{}", self.secret_file)}
+        });
+        let (status, spec) = self
+            .s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/specifications",
+                &body,
+            )
+            .await;
+        assert_eq!(status, 201, "{spec}");
+        spec
+    }
+
+    async fn run(&self, env: &str, commit: &str) -> String {
+        let spec = self.declare(env, commit).await;
+        let body = json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"], "environmentId": env, "kind": "Release"});
+        let (status, run) = self
+            .s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/runs",
+                &body,
+            )
+            .await;
+        assert_eq!(status, 201, "{run}");
+        run["provisioningRunId"].as_str().unwrap().to_string()
+    }
+
+    async fn wait(&self, id: &str, state: &str) -> Value {
+        let alice = operator("acme", "alice");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, run) = self
+                .s
+                .get(&alice, &format!("/factory/provisioning/runs/{id}"))
+                .await;
+            if run["state"] == state {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "run {id} never reached {state}: {run:#}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.s.stop().await;
+    }
+}
+
+async fn non_production_run_applies_with_both_receipts(backend: Backend) {
+    let f = start(backend).await;
+    f.environment("payments-dev", "development").await;
+    let id = f.run("payments-dev", &f.good).await;
+    let run = f.wait(&id, "Applied").await;
+    let plan = &run["planReceipt"];
+    assert_eq!(
+        (
+            plan["adds"].as_u64(),
+            plan["changes"].as_u64(),
+            plan["deletes"].as_u64()
+        ),
+        (Some(2), Some(0), Some(0)),
+        "{run:#}"
+    );
+    assert_eq!(plan["runner"], "simulated");
+    assert_eq!(plan["programVersion"], f.good.as_str());
+    assert_eq!(plan["inputsHash"].as_str().unwrap().len(), 64);
+    assert_eq!(plan["policy"]["decision"], "allow");
+    let types: Vec<&str> = plan["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["type"].as_str().unwrap())
+        .collect();
+    assert!(
+        types.contains(&"aws:s3/bucket:Bucket") && types.contains(&"simulated:db:Instance"),
+        "{types:?}"
+    );
+    let apply = &run["applyReceipt"];
+    assert_eq!(apply["result"], "Succeeded");
+    assert!(
+        apply["outputs"]["siteId"]
+            .as_str()
+            .unwrap()
+            .starts_with("site-"),
+        "{apply}"
+    );
+    assert!(run["logsRef"].as_str().unwrap().contains("apply.log"));
+    assert_eq!(run["environmentClass"], "development");
+
+    // Logs, metrics and the environment's current specification.
+    let r =
+        f.s.client
+            .get(f.s.url(&format!("/factory/provisioning/runs/{id}/logs")))
+            .bearer_auth(operator("acme", "alice"))
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(r.status(), 200);
+    let logs = r.text().await.unwrap();
+    assert!(
+        logs.contains("==> plan") && logs.contains("==> apply"),
+        "{logs}"
+    );
+    let metrics =
+        f.s.client
+            .get(f.s.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    assert!(metrics.contains("connectsoft_factory_provisioning_runs_total{tenant=\"acme\",kind=\"Release\",state=\"Applied\"} 1"), "{metrics}");
+    assert!(metrics.contains(
+        "connectsoft_factory_provisioning_apply_duration_seconds_count{kind=\"Release\"} 1"
+    ));
+    // Each read model follows the stream on its own; wait for this one to catch up.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, current) =
+            f.s.get(
+                &operator("acme", "alice"),
+                "/factory/provisioning/environments/payments-dev/current-specification",
+            )
+            .await;
+        if current["specifications"][0]["applied"]["provisioningRunId"] == id.as_str() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never shown as applied: {current:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The secret is nowhere: not in any table, not in any file Ferry wrote.
+    assert_secret_absent(&f).await;
+
+    // Planning again finds nothing to change.
+    let again = f.run("payments-dev", &f.good).await;
+    let run = f.wait(&again, "Applied").await;
+    assert_eq!(run["planReceipt"]["adds"], 0);
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn a_non_production_run_applies_on_postgres() {
+    non_production_run_applies_with_both_receipts(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn a_non_production_run_applies_on_the_embedded_default() {
+    non_production_run_applies_with_both_receipts(Backend::Sqlite).await;
+}
+
+async fn assert_secret_absent(f: &Fixture) {
+    use ferry_store::on_pool;
+    let db = &f.s.db.as_ref().unwrap().db;
+    let tables: Vec<String> = match db.backend() {
+        Backend::Postgres => {
+            on_pool!(db, pool => sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = 'public'").fetch_all(pool).await.unwrap())
+        }
+        Backend::Sqlite => {
+            on_pool!(db, pool => sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table'").fetch_all(pool).await.unwrap())
+        }
+    };
+    assert!(tables.len() >= 8, "{tables:?}");
+    for table in tables {
+        let rows: Vec<String> = match db.backend() {
+            Backend::Postgres => {
+                on_pool!(db, pool => sqlx::query_scalar(&format!("SELECT t::text FROM \"{table}\" t")).fetch_all(pool).await.unwrap())
+            }
+            Backend::Sqlite => {
+                let columns: Vec<String> = on_pool!(db, pool => sqlx::query_scalar(&format!("SELECT name FROM pragma_table_info('{table}')")).fetch_all(pool).await.unwrap());
+                // Blobs are searched as hex (the secret's hex is checked below).
+                let concat = columns
+                    .iter()
+                    .map(|c| format!("COALESCE(CASE WHEN typeof(\"{c}\") = 'blob' THEN hex(\"{c}\") ELSE CAST(\"{c}\" AS TEXT) END, '')"))
+                    .collect::<Vec<_>>()
+                    .join(" || '|' || ");
+                on_pool!(db, pool => sqlx::query_scalar(&format!("SELECT {concat} FROM \"{table}\"")).fetch_all(pool).await.unwrap())
+            }
+        };
+        let hex_secret: String = f.secret.bytes().map(|b| format!("{b:02X}")).collect();
+        for row in rows {
+            assert!(
+                !row.contains(&f.secret) && !row.contains(&hex_secret),
+                "the secret is in table {table}: {row}"
+            );
+        }
+    }
+    let mut files = 0;
+    let mut stack = vec![f.s.data_dir.path().to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                files += 1;
+                let bytes = std::fs::read(&path).unwrap();
+                assert!(
+                    !String::from_utf8_lossy(&bytes).contains(&f.secret),
+                    "the secret is in {}",
+                    path.display()
+                );
+            }
+        }
+    }
+    assert!(
+        files >= 3,
+        "artifacts and the simulated cloud were searched"
+    );
+}
+
+#[tokio::test]
+async fn a_production_run_waits_for_another_identitys_approval() {
+    let f = start(Backend::Postgres).await;
+    f.environment("payments-prod", "production").await;
+    let id = f.run("payments-prod", &f.good).await;
+    let run = f.wait(&id, "AwaitingApproval").await;
+    assert_eq!(run["planReceipt"]["policy"]["decision"], "require_approval");
+    assert!(run["approval"]["requiredReason"].as_str().is_some());
+    let approval = format!("/factory/provisioning/runs/{id}/approval");
+    let (status, problem) =
+        f.s.post(
+            &operator("acme", "alice"),
+            &approval,
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 403, "{problem}");
+    let (status, _) =
+        f.s.post(
+            &operator("acme", "bob"),
+            &approval,
+            &json!({"decision": "approve", "reason": "CHG-7"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let run = f.wait(&id, "Applied").await;
+    assert_eq!(run["authorization"]["approvedBy"], "bob");
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn a_wrong_commit_fails_naming_it_and_a_failing_program_names_the_resource() {
+    let f = start(Backend::Sqlite).await;
+    f.environment("payments-dev", "development").await;
+    let wrong = "0123456789abcdef0123456789abcdef01234567";
+    let id = f.run("payments-dev", wrong).await;
+    let run = f.wait(&id, "Failed").await;
+    let reason = run["failure"]["reason"].as_str().unwrap();
+    assert!(reason.contains(wrong), "{reason}");
+    assert_eq!(run["failure"]["stage"], "plan");
+
+    let id = f.run("payments-dev", &f.failing).await;
+    let run = f.wait(&id, "Failed").await;
+    assert_eq!(run["failure"]["stage"], "apply");
+    assert!(
+        run["failure"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("access denied"),
+        "{run:#}"
+    );
+    assert!(
+        run["applyReceipt"]["failingResource"]
+            .as_str()
+            .unwrap()
+            .contains("queue"),
+        "{run:#}"
+    );
+    assert_eq!(run["applyReceipt"]["result"], "Failed");
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn a_new_environment_gets_its_baseline_planned_and_applied() {
+    let f = start(Backend::Postgres).await;
+    let admin = token("acme", "platform", &[READ, APPLY], &["PlatformAdmin"]);
+    let body = json!({"environmentClass": "test", "baselineProgram": {"programRef": format!("{}#stacks/base", f.repo), "programVersion": f.good}});
+    let r =
+        f.s.client
+            .put(f.s.url("/factory/environments/payments-test"))
+            .bearer_auth(&admin)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response(r).await.0, 201);
+    // The same PUT again changes nothing.
+    let r =
+        f.s.client
+            .put(f.s.url("/factory/environments/payments-test"))
+            .bearer_auth(&admin)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response(r).await.0, 200);
+    let alice = operator("acme", "alice");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let id = loop {
+        let (_, page) =
+            f.s.get(
+                &alice,
+                "/factory/provisioning/runs?kind=Baseline&environmentId=payments-test",
+            )
+            .await;
+        if let Some(id) = page["items"][0]["provisioningRunId"].as_str() {
+            break id.to_string();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no baseline run");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let run = f.wait(&id, "Applied").await;
+    assert!(
+        run["applyReceipt"]["outputs"]["networkId"]
+            .as_str()
+            .unwrap()
+            .starts_with("network-"),
+        "{run:#}"
+    );
+    assert_eq!(run["kind"], "Baseline");
+    assert_eq!(run["requestedBy"], "system:baseline");
+    let (_, env) = f.s.get(&alice, "/factory/environments/payments-test").await;
+    assert_eq!(env["environmentClass"], "test");
+    // An Operator may not record environments.
+    let r =
+        f.s.client
+            .put(f.s.url("/factory/environments/x"))
+            .bearer_auth(&alice)
+            .json(&json!({"environmentClass": "test"}))
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(response(r).await.0, 403);
+    f.stop().await;
+}
