@@ -84,8 +84,13 @@ fn out(text: &str) -> anyhow::Result<()> {
 }
 
 /// The files `ferry schemas` writes, relative to its folder.
-fn published_schemas() -> Vec<(&'static str, String)> {
-    vec![("openapi.json", ferry_api::openapi::document_text())]
+fn published_schemas() -> Vec<(String, String)> {
+    let mut files = vec![(
+        "openapi.json".to_string(),
+        ferry_api::openapi::document_text(),
+    )];
+    files.extend(ferry_messaging::published_schemas());
+    files
 }
 
 #[tokio::main]
@@ -191,7 +196,9 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                         stale.push(path.display().to_string());
                     }
                 } else {
-                    std::fs::create_dir_all(&dir)?;
+                    if let Some(parent) = path.parent() {
+                        std::fs::create_dir_all(parent)?;
+                    }
                     std::fs::write(&path, text)
                         .with_context(|| format!("writing {}", path.display()))?;
                     out(&format!("wrote {}", path.display()))?;

@@ -212,3 +212,25 @@ fn the_readme_documents_every_setting() {
         );
     }
 }
+
+#[test]
+fn a_policy_that_does_not_compile_stops_start_up_naming_the_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    std::fs::write(
+        policies.join("broken.rego"),
+        "package ferry.policy\n\ndeny contains msg if {\n  msg := \n}\n",
+    )
+    .unwrap();
+    let out = ferry(dir.path())
+        .env("FERRY_POLICY_DIR", &policies)
+        .env("FERRY_HTTP_ADDR", "127.0.0.1:0")
+        .arg("serve")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("broken.rego"), "{stderr}");
+    assert!(stderr.contains("line"), "{stderr}");
+}

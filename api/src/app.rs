@@ -29,7 +29,7 @@ pub enum StartError {
     #[error(transparent)]
     Key(#[from] crate::auth::KeyError),
     /// The listen address.
-    #[error("cannot listen on FERRY_HTTP_ADDR={addr}: {source}")]
+    #[error("cannot listen on FERRY_HTTP_ADDR={addr}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -40,10 +40,16 @@ pub enum StartError {
     #[error("cannot create read models: {0}")]
     Projections(sqlx::Error),
     /// A policy file that does not compile (names the file and line).
-    #[error("FERRY_POLICY_DIR: {0}")]
+    #[error("FERRY_POLICY_DIR")]
     Policy(#[from] ferry_adapters::policy::PolicyLoadError),
+    /// The NATS relay could not be set up.
+    #[error("NATS_URL")]
+    Relay(#[from] ferry_messaging::RelayError),
+    /// The inbound consumers could not be set up.
+    #[error("NATS_URL")]
+    Inbound(#[from] ferry_messaging::inbound::InboundStartError),
     /// The artifact store URL.
-    #[error("FERRY_ARTIFACTS_URL: {0}")]
+    #[error("FERRY_ARTIFACTS_URL")]
     Artifacts(#[from] ferry_adapters::artifacts::ArtifactConfigError),
 }
 
@@ -191,7 +197,7 @@ async fn openapi() -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let mut response = state.metrics().render().into_response();
+    let mut response = state.render_metrics().into_response();
     response.headers_mut().insert(
         "content-type",
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -215,6 +221,8 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
+        .route("/factory/events", post(crate::events::post_event))
+        .route("/factory/events/stream", get(crate::events::event_stream))
         .route(
             "/factory/environments/{environmentId}",
             get(crate::environments::get_environment).put(crate::environments::put_environment),
@@ -250,6 +258,7 @@ pub struct Server {
     shutdown: watch::Sender<bool>,
     handle: tokio::task::JoinHandle<Result<(), std::io::Error>>,
     db: Database,
+    messaging: Option<(ferry_messaging::Relay, ferry_messaging::inbound::Inbound)>,
 }
 
 impl Server {
@@ -280,11 +289,48 @@ impl Server {
         if config.workers {
             workers.start(shutdown_rx.clone());
         }
+        let handler = std::sync::Arc::new(crate::inbound::FerryInbound::new(
+            db.clone(),
+            metrics.clone(),
+        ));
+        let (inbound, relay, messaging) = match &config.nats_url {
+            Some(url) => {
+                let relay_config = ferry_messaging::RelayConfig {
+                    nats_url: url.clone(),
+                    stream_name: config.nats_stream.clone(),
+                    poll: config.poll_interval,
+                    ..ferry_messaging::RelayConfig::default()
+                };
+                let relay =
+                    ferry_messaging::Relay::start(db.clone(), relay_config, shutdown_rx.clone())
+                        .await?;
+                let inbound = ferry_messaging::inbound::Inbound::start(
+                    db.clone(),
+                    url,
+                    handler,
+                    shutdown_rx.clone(),
+                )
+                .await?;
+                let relay_metrics = (config.nats_stream.clone(), relay.metrics());
+                (
+                    inbound.context(),
+                    Some(relay_metrics),
+                    Some((relay, inbound)),
+                )
+            }
+            None => (
+                ferry_messaging::inbound::InboundContext::new(db.clone(), handler),
+                None,
+                None,
+            ),
+        };
         let services = crate::state::Services {
             verifier,
             read_your_writes: config.read_your_writes,
             metrics,
             artifacts,
+            inbound,
+            relay,
         };
         let state = AppState::new(db.clone(), reads, services);
         let listener = tokio::net::TcpListener::bind(config.http_addr)
@@ -312,6 +358,7 @@ impl Server {
             shutdown,
             handle,
             db,
+            messaging,
         })
     }
 
@@ -319,6 +366,14 @@ impl Server {
     pub async fn stop(self) {
         let _ = self.shutdown.send(true);
         let _ = self.handle.await;
+        if let Some((relay, inbound)) = self.messaging {
+            // Bounded: a relay waiting on an unreachable NATS must not hold the exit.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                relay.join().await;
+                inbound.join().await;
+            })
+            .await;
+        }
         self.db.close().await;
     }
 

@@ -276,7 +276,7 @@ impl Verifier {
 
 /// Why a key could not be loaded or made.
 #[derive(Debug, thiserror::Error)]
-#[error("signing key {path}: {source}")]
+#[error("signing key {path}")]
 pub struct KeyError {
     path: String,
     source: std::io::Error,

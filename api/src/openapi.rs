@@ -68,6 +68,7 @@ pub fn document() -> Value {
     let spec_page = schema(|g| g.subschema_for::<Page<SpecificationVersion>>());
     let run_page = schema(|g| g.subschema_for::<Page<RunView>>());
     let current = schema(|g| g.subschema_for::<CurrentSpecificationView>());
+    let cloud_event = schema(|g| g.subschema_for::<ferry_messaging::CloudEvent>());
     let put_env = schema(|g| g.subschema_for::<crate::environments::PutEnvironmentRequest>());
     let env_view = schema(|g| g.subschema_for::<crate::environments::EnvironmentView>());
     let kind = schema(|g| g.subschema_for::<ferry_domain::SpecificationKind>());
@@ -215,6 +216,24 @@ pub fn document() -> Value {
                     "security": read,
                     "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
                     "responses": responses(("200", ok("The environment.", env_view)), &["400", "401", "403", "404"])
+                }
+            },
+            "/factory/events": {
+                "post": {
+                    "operationId": "PostEvent",
+                    "summary": "Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Redelivery of the same id has no second effect; a malformed event is dead-lettered.",
+                    "security": apply,
+                    "requestBody": {"required": true, "content": {"application/cloudevents+json": {"schema": cloud_event}}},
+                    "responses": responses(("202", json!({"description": "Handled (`duplicate` true when it was already).", "content": {"application/json": {"schema": {"type": "object", "properties": {"id": {"type": "string"}, "event": {"type": "string"}, "duplicate": {"type": "boolean"}}}}}})), &["400", "401", "403", "409", "415", "422"])
+                }
+            },
+            "/factory/events/stream": {
+                "get": {
+                    "operationId": "EventStream",
+                    "summary": "The tenant's events as Server-Sent Events (id = stream position, event = subject, data = CloudEvent); resume with Last-Event-ID or ?after=.",
+                    "security": read,
+                    "parameters": [query("after", "Start after this stream position (an event's id).", json!({"type": "string"}))],
+                    "responses": responses(("200", json!({"description": "text/event-stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}})), &["400", "401", "403"])
                 }
             },
             "/metrics": {"get": {"operationId": "Metrics", "summary": "Prometheus metrics.", "security": [], "responses": {"200": {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

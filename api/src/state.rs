@@ -37,6 +37,10 @@ pub struct Services {
     pub metrics: Arc<Metrics>,
     /// Where run logs are kept.
     pub artifacts: Arc<dyn ArtifactStore>,
+    /// Inbound event handling, shared by NATS consumers and `POST /factory/events`.
+    pub inbound: ferry_messaging::inbound::InboundContext,
+    /// The NATS relay's counters, when NATS is configured: (stream, metrics).
+    pub relay: Option<(String, Arc<ferry_messaging::RelayMetrics>)>,
 }
 
 impl AppState {
@@ -89,5 +93,19 @@ impl AppState {
     /// Artifacts (run logs).
     pub fn artifacts(&self) -> &dyn ArtifactStore {
         self.inner.services.artifacts.as_ref()
+    }
+    /// Inbound event handling.
+    pub fn inbound(&self) -> &ferry_messaging::inbound::InboundContext {
+        &self.inner.services.inbound
+    }
+    /// Every metric of the process, as Prometheus text.
+    pub fn render_metrics(&self) -> String {
+        let s = &self.inner.services;
+        let mut text = s.metrics.render();
+        text.push_str(&s.inbound.metrics.render());
+        if let Some((stream, relay)) = &s.relay {
+            text.push_str(&relay.render(stream));
+        }
+        text
     }
 }

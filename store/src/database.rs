@@ -25,7 +25,7 @@ pub enum Backend {
 #[derive(Debug, thiserror::Error)]
 pub enum DatabaseError {
     /// The database URL or file could not be opened.
-    #[error("cannot connect to {target}: {source}")]
+    #[error("cannot connect to {target}")]
     Connect {
         /// What we tried to open (password removed).
         target: String,
@@ -33,10 +33,10 @@ pub enum DatabaseError {
         source: sqlx::Error,
     },
     /// A migration failed.
-    #[error("migration failed: {0}")]
+    #[error("migration failed")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// The data directory could not be created.
-    #[error("cannot create data directory {path}: {source}")]
+    #[error("cannot create data directory {path}")]
     DataDir {
         /// The directory.
         path: String,

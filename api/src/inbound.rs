@@ -1,0 +1,190 @@
+//! What Ferry does with the events it hears (over NATS or `POST /factory/events`):
+//!
+//! | event | effect |
+//! |---|---|
+//! | `EnvironmentCreated` | records the environment (class, health URL, baseline program): its baseline is planned |
+//! | `EnvironmentStateChanged` | records its readiness |
+//! | `ApprovalDecided` | approves or rejects the named run awaiting approval (expired = rejected) |
+//! | `PromotionApproved`, `ReleaseReady`, `ReleaseWithdrawn`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: promotions are not part of Ferry yet |
+//!
+//! Domain refusals are permanent (the message is dead-lettered with the reason); a
+//! concurrent change or an unavailable store is transient (redelivered later).
+
+use chrono::Utc;
+use ferry_domain::environment::{
+    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
+};
+use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
+use ferry_domain::Actor;
+use ferry_messaging::inbound::{
+    ApprovalDecision, InboundEnvelope, InboundError, InboundEvent, InboundHandler,
+};
+use ferry_store::{CommandError, EventMetadata, Repository};
+use ferry_workers::metrics::Metrics;
+use std::sync::Arc;
+
+/// The handler of inbound events.
+pub struct FerryInbound {
+    environments: Repository<Environment>,
+    runs: Repository<ProvisioningRun>,
+    metrics: Arc<Metrics>,
+}
+
+impl FerryInbound {
+    /// A handler over `db`.
+    pub fn new(db: ferry_store::Database, metrics: Arc<Metrics>) -> Self {
+        Self {
+            environments: Repository::new(db.clone(), ()),
+            runs: Repository::new(db, ()),
+            metrics,
+        }
+    }
+}
+
+fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
+    match e {
+        CommandError::Domain(d) => InboundError::Permanent(d.to_string()),
+        CommandError::NotFound => {
+            InboundError::Permanent("no such record for this tenant".to_string())
+        }
+        CommandError::Conflict => InboundError::Transient("concurrent change".to_string()),
+        CommandError::Unavailable(s) | CommandError::Store(s) => InboundError::Transient(s),
+    }
+}
+
+fn metadata(envelope: &InboundEnvelope, actor: Actor) -> EventMetadata {
+    let request_id = uuid::Uuid::new_v4();
+    let correlation_id = envelope
+        .correlation_id
+        .as_deref()
+        .and_then(|c| uuid::Uuid::parse_str(c).ok())
+        .unwrap_or(request_id);
+    // The causing message's id is a CloudEvent id; keep it when it is a uuid.
+    let causation_id = uuid::Uuid::parse_str(&envelope.id).unwrap_or(request_id);
+    EventMetadata {
+        tenant_id: envelope.tenant_id.clone(),
+        actor,
+        correlation_id,
+        causation_id,
+        request_id,
+    }
+}
+
+fn inbound_actor() -> Actor {
+    Actor::parse("system:inbound").expect("a constant actor name is valid")
+}
+
+#[async_trait::async_trait]
+impl InboundHandler for FerryInbound {
+    async fn handle(&self, envelope: InboundEnvelope) -> Result<(), InboundError> {
+        let tenant = envelope.tenant_id.clone();
+        match &envelope.event {
+            InboundEvent::EnvironmentCreated(e) => {
+                if e.tenant_id != tenant {
+                    return Err(InboundError::Permanent(
+                        "payload tenantId differs from the CloudEvent's".to_string(),
+                    ));
+                }
+                let baseline_program = match (&e.program_ref, &e.program_version) {
+                    (Some(program_ref), Some(program_version)) => Some(BaselineProgram {
+                        program_ref: program_ref.clone(),
+                        program_version: program_version.clone(),
+                    }),
+                    _ => None,
+                };
+                let registration = EnvironmentRegistration {
+                    environment_id: e.environment_id.clone(),
+                    tenant_id: tenant.clone(),
+                    environment_class: e.environment_class,
+                    health_url: e.health_url.clone(),
+                    baseline_program,
+                    recorded_by: inbound_actor(),
+                    recorded_at: Utc::now(),
+                };
+                self.environments
+                    .execute(
+                        &tenant,
+                        &Environment::aggregate_id(&tenant, &e.environment_id),
+                        EnvironmentCommand::Register(Box::new(registration)),
+                        &metadata(&envelope, inbound_actor()),
+                        true,
+                    )
+                    .await
+                    .map_err(classify)?;
+            }
+            InboundEvent::EnvironmentStateChanged(e) => {
+                let command = EnvironmentCommand::ChangeState {
+                    ready: e.state.eq_ignore_ascii_case("ready"),
+                    state: e.state.clone(),
+                    by: inbound_actor(),
+                    at: Utc::now(),
+                };
+                let result = self
+                    .environments
+                    .execute(
+                        &tenant,
+                        &Environment::aggregate_id(&tenant, &e.environment_id),
+                        command,
+                        &metadata(&envelope, inbound_actor()),
+                        false,
+                    )
+                    .await;
+                match result {
+                    Ok(_) => {}
+                    // It may arrive before EnvironmentCreated: try again later.
+                    Err(CommandError::NotFound) => {
+                        return Err(InboundError::Transient(format!(
+                            "environment {} is not recorded yet",
+                            e.environment_id
+                        )))
+                    }
+                    Err(other) => return Err(classify(other)),
+                }
+            }
+            InboundEvent::ApprovalDecided(a) => {
+                let Some(run_id) = a.provisioning_run_id else {
+                    tracing::info!(approval = %a.approval_id, "approval decided for a promotion: not a run of Ferry's");
+                    return Ok(());
+                };
+                let (decision, reason) = match a.decision {
+                    ApprovalDecision::Approve => (Decision::Approve, a.reason.clone()),
+                    ApprovalDecision::Reject => (Decision::Reject, a.reason.clone()),
+                    ApprovalDecision::Expire => (
+                        Decision::Reject,
+                        Some(
+                            a.reason
+                                .clone()
+                                .unwrap_or_else(|| "the approval expired".to_string()),
+                        ),
+                    ),
+                };
+                let command = RunCommand::DecideApproval {
+                    decision,
+                    decided_by: a.decided_by.clone(),
+                    reason,
+                    approval_id: Some(a.approval_id),
+                    at: a.decided_at.unwrap_or_else(Utc::now),
+                };
+                let done = self
+                    .runs
+                    .execute(
+                        &tenant,
+                        &run_id.to_string(),
+                        command,
+                        &metadata(&envelope, a.decided_by.clone()),
+                        false,
+                    )
+                    .await
+                    .map_err(classify)?;
+                if let (Some(r), Some(state)) = (done.aggregate.request(), done.aggregate.state()) {
+                    self.metrics
+                        .run_reached(tenant.as_str(), r.kind.as_str(), state.as_str());
+                }
+            }
+            other => {
+                tracing::info!(event = ?std::mem::discriminant(other), subject = %envelope.subject, "heard; promotions are not part of Ferry yet");
+            }
+        }
+        Ok(())
+    }
+}

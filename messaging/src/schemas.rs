@@ -1,0 +1,456 @@
+//! JSON Schemas of every message payload and the AsyncAPI 3.0 document of every subject,
+//! generated from the Rust types (schemars) and written to the repository's `schemas/`.
+//!
+//! * `events/cloudevent.schema.json`: the envelope.
+//! * `events/<event>.schema.json`: the seeds' integration payloads.
+//! * `events/ferry/<aggregate>.<event>.schema.json`: the domain events on `ferry.events.*`
+//!   (the inner object of each variant).
+//! * `events/inbound/<event>.schema.json`: the events Ferry consumes.
+//! * `asyncapi.json`: channels, operations (send = Ferry publishes, receive = Ferry consumes)
+//!   and messages, referring to the files above.
+
+use crate::cloudevent::CloudEvent;
+use crate::inbound::{
+    ApprovalDecided, EnvironmentCreated, EnvironmentStateChanged, PromotionApproved, ReleaseReady,
+    ReleaseWithdrawn,
+};
+use crate::payloads::{
+    ProvisioningAppliedPayload, ProvisioningFailedPayload, ProvisioningPlannedPayload,
+    SpecificationDeclaredPayload,
+};
+use crate::subjects::{self, kebab};
+use ferry_domain::run::RunEvent;
+use ferry_domain::specification::SpecificationEvent;
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// Direction of a subject, seen from Ferry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Ferry publishes.
+    Out,
+    /// Ferry consumes.
+    In,
+    /// Ferry publishes and (for promotions) consumes.
+    Both,
+}
+
+/// One documented subject.
+#[derive(Debug, Clone)]
+pub struct SubjectDoc {
+    /// The NATS subject.
+    pub subject: String,
+    /// The event name.
+    pub event: String,
+    /// The payload schema file, relative to `schemas/`.
+    pub schema: String,
+    /// Who publishes it.
+    pub direction: Direction,
+    /// What it means.
+    pub summary: String,
+}
+
+fn pretty(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".to_string());
+    s.push('\n');
+    s
+}
+
+fn schema_value<T: schemars::JsonSchema>() -> Value {
+    schemars::schema_for!(T).to_value()
+}
+
+/// The inner object schema of each variant of an externally tagged enum, with the enum's
+/// `$defs` so that references still resolve.
+fn variant_schemas(root: Value) -> Vec<(String, Value)> {
+    let defs = root.get("$defs").cloned();
+    let dialect = root.get("$schema").cloned();
+    let entries: Vec<Value> = match root.get("oneOf").or_else(|| root.get("anyOf")) {
+        Some(Value::Array(list)) => list.clone(),
+        _ => vec![root.clone()],
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let Some(props) = entry.get("properties").and_then(Value::as_object) else {
+            continue;
+        };
+        if props.len() != 1 {
+            continue;
+        }
+        let Some((name, inner)) = props.iter().next() else {
+            continue;
+        };
+        let mut schema = match inner {
+            Value::Object(m) => m.clone(),
+            other => {
+                let mut m = Map::new();
+                m.insert("allOf".into(), json!([other]));
+                m
+            }
+        };
+        let mut head = Map::new();
+        if let Some(d) = &dialect {
+            head.insert("$schema".into(), d.clone());
+        }
+        head.insert("title".into(), json!(name));
+        if let Some(desc) = entry.get("description") {
+            head.insert("description".into(), desc.clone());
+        }
+        head.append(&mut schema);
+        if let Some(Value::Object(all)) = &defs {
+            let used = used_defs(&Value::Object(head.clone()), all);
+            if !used.is_empty() {
+                head.insert("$defs".into(), Value::Object(used));
+            }
+        }
+        out.push((name.clone(), Value::Object(head)));
+    }
+    out
+}
+
+/// The definitions `schema` refers to, directly or through other definitions.
+fn used_defs(schema: &Value, all: &Map<String, Value>) -> Map<String, Value> {
+    fn refs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m {
+                    match (k.as_str(), x.as_str()) {
+                        ("$ref", Some(r)) => {
+                            if let Some(name) = r.strip_prefix("#/$defs/") {
+                                out.push(name.to_string());
+                            }
+                        }
+                        _ => refs(x, out),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|x| refs(x, out)),
+            _ => {}
+        }
+    }
+    let mut used = Map::new();
+    let mut todo = Vec::new();
+    refs(schema, &mut todo);
+    while let Some(name) = todo.pop() {
+        if used.contains_key(&name) {
+            continue;
+        }
+        if let Some(def) = all.get(&name) {
+            refs(def, &mut todo);
+            used.insert(name, def.clone());
+        }
+    }
+    used
+}
+
+/// The domain events' schemas: (aggregate type, event type, schema).
+pub fn domain_event_schemas() -> Vec<(&'static str, String, Value)> {
+    let mut out = Vec::new();
+    for (aggregate, root) in [
+        ("ProvisioningRun", schema_value::<RunEvent>()),
+        (
+            "DeploymentSpecification",
+            schema_value::<SpecificationEvent>(),
+        ),
+        (
+            "Environment",
+            schema_value::<ferry_domain::environment::EnvironmentEvent>(),
+        ),
+    ] {
+        for (event, schema) in variant_schemas(root) {
+            out.push((aggregate, event, schema));
+        }
+    }
+    out
+}
+
+/// The schema file of a domain event on `ferry.events.*`.
+pub fn domain_schema_path(aggregate: &str, event: &str) -> String {
+    format!(
+        "events/ferry/{}.{}.schema.json",
+        kebab(aggregate),
+        kebab(event)
+    )
+}
+
+/// Every subject Ferry publishes or consumes, with its payload schema.
+pub fn subject_docs() -> Vec<SubjectDoc> {
+    let doc = |subject: &str, event: &str, schema: String, direction, summary: &str| SubjectDoc {
+        subject: subject.to_string(),
+        event: event.to_string(),
+        schema,
+        direction,
+        summary: summary.to_string(),
+    };
+    let mut docs = vec![
+        doc(subjects::SPECIFICATION_DECLARED, "SpecificationDeclared", "events/specification-declared.schema.json".into(), Direction::Out, "A desired-state version exists for an environment."),
+        doc(subjects::PROVISIONING_PLANNED, "ProvisioningPlanned", "events/provisioning-planned.schema.json".into(), Direction::Out, "A plan exists (adds, changes, deletes) and may await approval."),
+        doc(subjects::PROVISIONING_APPLIED, "ProvisioningApplied", "events/provisioning-applied.schema.json".into(), Direction::Both, "The desired state was applied; outputs are recorded."),
+        doc(subjects::PROVISIONING_FAILED, "ProvisioningFailed", "events/provisioning-failed.schema.json".into(), Direction::Both, "Planning or the apply failed; the reason names the failing resource or reference."),
+        doc(subjects::PROMOTION_APPROVED, "PromotionApproved", "events/inbound/promotion-approved.schema.json".into(), Direction::In, "A promotion hands over its desired state; its approval is reused for a production apply."),
+        doc(subjects::ENVIRONMENT_CREATED, "EnvironmentCreated", "events/inbound/environment-created.schema.json".into(), Direction::In, "A new environment gets its baseline specification planned."),
+        doc(subjects::ENVIRONMENT_STATE_CHANGED, "EnvironmentStateChanged", "events/inbound/environment-state-changed.schema.json".into(), Direction::In, "An environment's readiness changed (EnvironmentReady gate)."),
+        doc(subjects::APPROVAL_DECIDED, "ApprovalDecided", "events/inbound/approval-decided.schema.json".into(), Direction::In, "Run control decided an approval for a run or a promotion."),
+        doc(subjects::RELEASE_READY, "ReleaseReady", "events/inbound/release-ready.schema.json".into(), Direction::In, "A release is ready and may be promoted."),
+        doc(subjects::RELEASE_WITHDRAWN, "ReleaseWithdrawn", "events/inbound/release-withdrawn.schema.json".into(), Direction::In, "A release was withdrawn; pending promotions of it are rejected."),
+    ];
+    for (aggregate, event, _) in domain_event_schemas() {
+        if subjects::integration_subject(aggregate, &event).is_some() {
+            continue;
+        }
+        docs.push(doc(
+            &subjects::domain_subject(aggregate, &event),
+            &event,
+            domain_schema_path(aggregate, &event),
+            Direction::Out,
+            &format!("The {aggregate} domain event {event} (audit trail)."),
+        ));
+    }
+    docs
+}
+
+/// Every generated file: (path relative to `schemas/`, content ending in a newline).
+pub fn published_schemas() -> Vec<(String, String)> {
+    let mut files: Vec<(String, String)> = vec![
+        (
+            "events/cloudevent.schema.json".into(),
+            pretty(&schema_value::<CloudEvent>()),
+        ),
+        (
+            "events/specification-declared.schema.json".into(),
+            pretty(&schema_value::<SpecificationDeclaredPayload>()),
+        ),
+        (
+            "events/provisioning-planned.schema.json".into(),
+            pretty(&schema_value::<ProvisioningPlannedPayload>()),
+        ),
+        (
+            "events/provisioning-applied.schema.json".into(),
+            pretty(&schema_value::<ProvisioningAppliedPayload>()),
+        ),
+        (
+            "events/provisioning-failed.schema.json".into(),
+            pretty(&schema_value::<ProvisioningFailedPayload>()),
+        ),
+        (
+            "events/inbound/promotion-approved.schema.json".into(),
+            pretty(&schema_value::<PromotionApproved>()),
+        ),
+        (
+            "events/inbound/environment-created.schema.json".into(),
+            pretty(&schema_value::<EnvironmentCreated>()),
+        ),
+        (
+            "events/inbound/environment-state-changed.schema.json".into(),
+            pretty(&schema_value::<EnvironmentStateChanged>()),
+        ),
+        (
+            "events/inbound/approval-decided.schema.json".into(),
+            pretty(&schema_value::<ApprovalDecided>()),
+        ),
+        (
+            "events/inbound/release-ready.schema.json".into(),
+            pretty(&schema_value::<ReleaseReady>()),
+        ),
+        (
+            "events/inbound/release-withdrawn.schema.json".into(),
+            pretty(&schema_value::<ReleaseWithdrawn>()),
+        ),
+    ];
+    for (aggregate, event, schema) in domain_event_schemas() {
+        files.push((domain_schema_path(aggregate, &event), pretty(&schema)));
+    }
+    files.push(("asyncapi.json".into(), pretty(&asyncapi())));
+    files
+}
+
+/// Writes [`published_schemas`] under `dir` (the repository's `schemas/`).
+pub fn write_schemas(dir: &Path) -> std::io::Result<()> {
+    for (path, content) in published_schemas() {
+        let target = dir.join(path);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(target, content)?;
+    }
+    Ok(())
+}
+
+fn channel_id(subject: &str) -> String {
+    subject
+        .replace(['.', '{', '}'], "-")
+        .replace("--", "-")
+        .trim_matches('-')
+        .to_string()
+}
+
+fn message(name: &str, subject_const: Option<&str>, schema: &str, summary: &str) -> Value {
+    let mut envelope = json!({"data": {"$ref": format!("./{schema}")}});
+    if let Some(s) = subject_const {
+        envelope["type"] = json!({"const": s});
+    }
+    json!({
+        "name": name,
+        "title": name,
+        "summary": summary,
+        "contentType": "application/json",
+        "headers": {
+            "type": "object",
+            "properties": {
+                "Nats-Msg-Id": {"type": "string", "description": "The CloudEvent id (JetStream de-duplication)."},
+                "Ferry-Position": {"type": "string", "description": "Global stream position `txid.position` (Ferry's messages only)."}
+            }
+        },
+        "payload": {
+            "allOf": [
+                {"$ref": "./events/cloudevent.schema.json"},
+                {"type": "object", "properties": envelope}
+            ]
+        }
+    })
+}
+
+/// The AsyncAPI 3.0 document.
+pub fn asyncapi() -> Value {
+    let mut channels = Map::new();
+    let mut operations = Map::new();
+    let mut messages = Map::new();
+    for d in subject_docs() {
+        let id = channel_id(&d.subject);
+        messages.insert(
+            d.event.clone(),
+            message(&d.event, Some(&d.subject), &d.schema, &d.summary),
+        );
+        channels.insert(
+            id.clone(),
+            json!({
+                "address": d.subject,
+                "description": d.summary,
+                "messages": {d.event.clone(): {"$ref": format!("#/components/messages/{}", d.event)}}
+            }),
+        );
+        let mut ops = Vec::new();
+        if matches!(d.direction, Direction::Out | Direction::Both) {
+            ops.push(("send", format!("publish{}", d.event)));
+        }
+        if matches!(d.direction, Direction::In | Direction::Both) {
+            ops.push(("receive", format!("consume{}", d.event)));
+        }
+        for (action, op) in ops {
+            operations.insert(
+                op,
+                json!({
+                    "action": action,
+                    "channel": {"$ref": format!("#/channels/{id}")},
+                    "messages": [{"$ref": format!("#/channels/{id}/messages/{}", d.event)}]
+                }),
+            );
+        }
+    }
+    // Events of aggregates added later travel on the same pattern without a code change.
+    channels.insert(
+        "ferry-events-fallback".into(),
+        json!({
+            "address": "ferry.events.{aggregate}.{event}",
+            "description": "Any other domain event: data is the event's inner object.",
+            "parameters": {
+                "aggregate": {"description": "The aggregate type in kebab case (e.g. provisioning-run)."},
+                "event": {"description": "The event type in kebab case (e.g. provisioning-cancelled)."}
+            },
+            "messages": {"FerryDomainEvent": {"$ref": "#/components/messages/FerryDomainEvent"}}
+        }),
+    );
+    messages.insert(
+        "FerryDomainEvent".into(),
+        json!({
+            "name": "FerryDomainEvent",
+            "title": "Ferry domain event",
+            "contentType": "application/json",
+            "payload": {"$ref": "./events/cloudevent.schema.json"}
+        }),
+    );
+    operations.insert(
+        "publishFerryDomainEvent".into(),
+        json!({
+            "action": "send",
+            "channel": {"$ref": "#/channels/ferry-events-fallback"},
+            "messages": [{"$ref": "#/channels/ferry-events-fallback/messages/FerryDomainEvent"}]
+        }),
+    );
+    json!({
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "Ferry events",
+            "version": "1.0.0",
+            "description": "CloudEvents 1.0 (JSON structured mode) on NATS JetStream. Ferry publishes to the stream FERRY_EVENTS (provisioning.>, ferry.events.>, releases.promotions.>) with Nats-Msg-Id = CloudEvent id; it consumes with durable pull consumers and explicit ack. The same inbound events are accepted over HTTP at POST /factory/events."
+        },
+        "defaultContentType": "application/json",
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages}
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_domain_variant_has_a_schema() {
+        let names: Vec<String> = domain_event_schemas()
+            .into_iter()
+            .map(|(_, e, _)| e)
+            .collect();
+        for expected in [
+            "ProvisioningRequested",
+            "ProvisioningPlanned",
+            "ApprovalRequired",
+            "ApprovalGranted",
+            "ApprovalRejected",
+            "ApplyStarted",
+            "ProvisioningApplied",
+            "ProvisioningFailed",
+            "ProvisioningCancelled",
+            "ProvisioningSuperseded",
+            "SpecificationDeclared",
+        ] {
+            assert!(
+                names.iter().any(|n| n == expected),
+                "{expected} missing from {names:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn asyncapi_lists_every_subject_in_and_out() {
+        let doc = asyncapi();
+        let addresses: Vec<&str> = doc["channels"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|c| c["address"].as_str().unwrap())
+            .collect();
+        for s in [
+            subjects::PROVISIONING_PLANNED,
+            subjects::RELEASE_READY,
+            subjects::APPROVAL_DECIDED,
+            "ferry.events.provisioning-run.provisioning-cancelled",
+            "ferry.events.{aggregate}.{event}",
+        ] {
+            assert!(addresses.contains(&s), "{s} missing");
+        }
+        assert_eq!(
+            doc["operations"]["consumeProvisioningApplied"]["action"],
+            "receive"
+        );
+        assert_eq!(
+            doc["operations"]["publishProvisioningApplied"]["action"],
+            "send"
+        );
+        // Every referenced schema file is generated.
+        let files: Vec<String> = published_schemas().into_iter().map(|(p, _)| p).collect();
+        for d in subject_docs() {
+            assert!(files.contains(&d.schema), "{} not generated", d.schema);
+        }
+    }
+}

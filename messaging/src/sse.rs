@@ -1,0 +1,144 @@
+//! The live event stream without NATS: Server-Sent Events for `GET /factory/events/stream`.
+//!
+//! It reads the global stream with the same technique as every subscription
+//! ([`ferry_store::stream::read_after`]), so it never skips a late commit, keeps only the
+//! caller's tenant, and sends each event as the CloudEvent the relay would publish:
+//! `id` = the position (`txid.position`, resumable with `Last-Event-ID`), `event` = the
+//! subject, `data` = the CloudEvent JSON.
+
+use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
+use axum::response::sse::Event;
+use ferry_store::stream::read_after;
+use ferry_store::{Database, Position};
+use futures::Stream;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Events read per query.
+const BATCH: i64 = 256;
+/// How often to look for new events when no wake-up arrives.
+const POLL: Duration = Duration::from_secs(1);
+
+/// Where to start: after the `Last-Event-ID` header if it parses, else after `after`
+/// (a `?after=` query parameter), else from the beginning.
+pub fn start_position(last_event_id: Option<&str>, after: Option<&str>) -> Position {
+    last_event_id
+        .and_then(parse_position)
+        .or_else(|| after.and_then(parse_position))
+        .unwrap_or_default()
+}
+
+struct State {
+    db: Database,
+    tenant: String,
+    source: String,
+    after: Position,
+    wake: watch::Receiver<u64>,
+    ready: VecDeque<Event>,
+    wake_open: bool,
+}
+
+/// The SSE stream of `tenant`'s events after `after`. `wake` is usually
+/// `db.subscribe_commits()`; the stream also polls every second. Store errors are logged
+/// and retried; the stream ends only when the client goes away. Serve it with
+/// `Sse::new(stream).keep_alive(KeepAlive::default())` so idle proxies keep the connection.
+pub fn sse_stream(
+    db: Database,
+    tenant: String,
+    after: Position,
+    wake: watch::Receiver<u64>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    sse_stream_with_source(db, tenant, after, wake, DEFAULT_SOURCE.to_string())
+}
+
+/// [`sse_stream`] with a configured CloudEvent `source`.
+pub fn sse_stream_with_source(
+    db: Database,
+    tenant: String,
+    after: Position,
+    wake: watch::Receiver<u64>,
+    source: String,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let state = State {
+        db,
+        tenant,
+        source,
+        after,
+        wake,
+        ready: VecDeque::new(),
+        wake_open: true,
+    };
+    futures::stream::unfold(state, |mut s| async move {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            if let Some(event) = s.ready.pop_front() {
+                return Some((Ok(event), s));
+            }
+            match fill(&mut s).await {
+                Ok(true) => {
+                    backoff = Duration::from_millis(200);
+                    continue;
+                }
+                Ok(false) => {
+                    if s.wake_open {
+                        tokio::select! {
+                            changed = s.wake.changed() => s.wake_open = changed.is_ok(),
+                            _ = tokio::time::sleep(POLL) => {}
+                        }
+                    } else {
+                        tokio::time::sleep(POLL).await;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "event stream read failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    })
+}
+
+/// Reads the next batch; true when anything was read (even if none was the tenant's).
+async fn fill(s: &mut State) -> Result<bool, sqlx::Error> {
+    let events = read_after(&s.db, s.after, BATCH).await?;
+    let Some(last) = events.last().map(|e| e.position) else {
+        return Ok(false);
+    };
+    // Build the whole batch first: a store error part-way must not queue events twice.
+    let mut batch = Vec::new();
+    for stored in events
+        .iter()
+        .filter(|e| e.tenant_id() == Some(s.tenant.as_str()))
+    {
+        let out = to_outbound(&s.db, &s.source, stored).await?;
+        let data = serde_json::to_string(&out.event).unwrap_or_else(|_| "{}".to_string());
+        batch.push(
+            Event::default()
+                .id(position_token(stored.position))
+                .event(out.subject)
+                .data(data),
+        );
+    }
+    s.ready.extend(batch);
+    s.after = last;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_event_id_wins_over_after() {
+        let p = start_position(Some("5.9"), Some("1.1"));
+        assert_eq!(p.global_position, 9);
+        assert_eq!(
+            start_position(Some("garbage"), Some("0.3")).global_position,
+            3
+        );
+        assert_eq!(start_position(None, None), Position::default());
+    }
+}
