@@ -12,10 +12,9 @@
 //! keep their executable bit, relative symbolic links that stay inside the program are
 //! kept, submodules are skipped with a warning (their content is not in this repository).
 //!
-//! This build enables gix's `blocking-network-client` only: `ssh://`, `git://` and
-//! `file://` remotes clone and fetch; an `https://` remote needs an HTTP transport
-//! (gix `blocking-http-transport-*`), which would add a second `reqwest` and `aws-lc` to the
-//! build. Without it an https reference fails with a `Repository` error that says so.
+//! Remotes go through gix's blocking network client with the curl HTTP transport, so
+//! `https://` and `http://` (smart HTTP), `ssh://`, `git://` and `file://` remotes clone and
+//! fetch. A remote that cannot be reached fails with a `Repository` error naming the URL.
 //!
 //! gix is blocking, so every checkout runs in `tokio::task::spawn_blocking`.
 
@@ -245,13 +244,26 @@ fn resolve_commit(repo: &gix::Repository, version: &str) -> Option<gix::ObjectId
     repo.find_commit(id).ok().map(|c| c.id)
 }
 
+/// An error with its causes, so "handshake failed" says why.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn clone(url: &str, path: &Path) -> Result<gix::Repository, String> {
     let interrupt = AtomicBool::new(false);
     // A clone without checkout: only the object database is needed.
-    let mut prepare = gix::prepare_clone(url, path).map_err(|e| format!("cannot clone: {e}"))?;
+    let mut prepare =
+        gix::prepare_clone(url, path).map_err(|e| format!("cannot clone: {}", chain(&e)))?;
     let (repo, _outcome) = prepare
         .fetch_only(gix::progress::Discard, &interrupt)
-        .map_err(|e| format!("cannot clone: {e}"))?;
+        .map_err(|e| format!("cannot clone: {}", chain(&e)))?;
     Ok(repo)
 }
 
@@ -268,11 +280,11 @@ fn fetch(repo: &gix::Repository) -> Result<(), String> {
         .map_err(|e| format!("cannot read the remote: {e}"))?;
     remote
         .connect(gix::remote::Direction::Fetch)
-        .map_err(|e| format!("cannot connect: {e}"))?
+        .map_err(|e| format!("cannot connect: {}", chain(&e)))?
         .prepare_fetch(gix::progress::Discard, Default::default())
-        .map_err(|e| format!("cannot fetch: {e}"))?
+        .map_err(|e| format!("cannot fetch: {}", chain(&e)))?
         .receive(gix::progress::Discard, &interrupt)
-        .map_err(|e| format!("cannot fetch: {e:#}"))?;
+        .map_err(|e| format!("cannot fetch: {}", chain(&e)))?;
     Ok(())
 }
 
@@ -706,6 +718,141 @@ mod tests {
         );
         assert!(!into.join("vendored").exists(), "submodule skipped");
         assert!(into.join("run.sh").is_file());
+    }
+
+    /// Runs `git http-backend` (smart HTTP) as a CGI program for one request.
+    async fn http_backend(
+        root: PathBuf,
+        request: axum::extract::Request,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let (parts, body) = request.into_parts();
+        let body = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let mut command = tokio::process::Command::new("git");
+        command
+            .arg("http-backend")
+            .env("GIT_PROJECT_ROOT", &root)
+            .env("GIT_HTTP_EXPORT_ALL", "1")
+            .env("PATH_INFO", parts.uri.path())
+            .env("REQUEST_METHOD", parts.method.as_str())
+            .env("QUERY_STRING", parts.uri.query().unwrap_or(""))
+            .env("CONTENT_LENGTH", body.len().to_string())
+            .env("REMOTE_ADDR", "127.0.0.1")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        for (name, value) in &parts.headers {
+            let value = value.to_str().unwrap_or_default();
+            if name == axum::http::header::CONTENT_TYPE {
+                command.env("CONTENT_TYPE", value);
+            }
+            // What a web server does for git: pass the protocol version through.
+            if name.as_str().eq_ignore_ascii_case("git-protocol") {
+                command.env("GIT_PROTOCOL", value);
+            }
+            command.env(
+                format!("HTTP_{}", name.as_str().to_uppercase().replace('-', "_")),
+                value,
+            );
+        }
+        let mut child = command.spawn().unwrap();
+        {
+            use tokio::io::AsyncWriteExt;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(&body).await.unwrap();
+        }
+        let out = child.wait_with_output().await.unwrap();
+        let split = out
+            .stdout
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|i| (i, 4))
+            .or_else(|| {
+                out.stdout
+                    .windows(2)
+                    .position(|w| w == b"\n\n")
+                    .map(|i| (i, 2))
+            });
+        let (end, sep) = split.unwrap();
+        let head = String::from_utf8_lossy(&out.stdout[..end]).to_string();
+        let mut response = axum::response::Response::builder();
+        for line in head.lines() {
+            let (name, value) = line.split_once(':').unwrap();
+            if name.eq_ignore_ascii_case("status") {
+                let code: u16 = value.trim()[..3].parse().unwrap();
+                response = response.status(code);
+            } else {
+                response = response.header(name.trim(), value.trim());
+            }
+        }
+        response
+            .body(axum::body::Body::from(out.stdout[end + sep..].to_vec()))
+            .unwrap()
+            .into_response()
+    }
+
+    /// A remote over smart HTTP (the transport https uses, without TLS): cloned into the
+    /// cache, then fetched again for a commit pushed after the clone.
+    #[tokio::test]
+    async fn an_http_remote_is_cloned_then_fetched() {
+        let (work, first, _second) = repo();
+        let served = tempfile::tempdir().unwrap();
+        let bare = served.path().join("infra.git");
+        git(
+            served.path(),
+            &[
+                "clone",
+                "-q",
+                "--bare",
+                work.path().to_str().unwrap(),
+                bare.to_str().unwrap(),
+            ],
+        );
+        let root = served.path().to_path_buf();
+        let app = axum::Router::new().fallback(move |request: axum::extract::Request| {
+            let root = root.clone();
+            async move { http_backend(root, request).await }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/infra.git", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+
+        let out = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(out.path().join("cache"));
+        let checkout = source
+            .checkout(
+                &pr(&format!("{url}#stacks/web")),
+                &pv(&first),
+                &out.path().join("a"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(checkout.commit, first);
+        assert_eq!(
+            std::fs::read_to_string(checkout.program_dir.join("Pulumi.yaml")).unwrap(),
+            "name: web-v1\n"
+        );
+        assert!(source.cache_path(&url).exists(), "cloned into the cache");
+
+        // A commit pushed after the clone is fetched on demand.
+        std::fs::write(work.path().join("stacks/web/Pulumi.yaml"), "name: web-v3\n").unwrap();
+        git(work.path(), &["commit", "-q", "-am", "third"]);
+        let third = git(work.path(), &["rev-parse", "HEAD"]);
+        git(
+            work.path(),
+            &["push", "-q", bare.to_str().unwrap(), "HEAD:main"],
+        );
+        let checkout = source
+            .checkout(
+                &pr(&format!("{url}#stacks/web")),
+                &pv(&third),
+                &out.path().join("b"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(checkout.program_dir.join("Pulumi.yaml")).unwrap(),
+            "name: web-v3\n"
+        );
     }
 
     /// No network here: an https remote must fail as a `Repository` error naming the URL
