@@ -389,6 +389,32 @@ async fn a_production_run_waits_for_another_identitys_approval() {
     assert_eq!(status, 200);
     let run = f.wait(&id, "Applied").await;
     assert_eq!(run["authorization"]["approvedBy"], "bob");
+
+    // The same through run control's ApprovalDecided event (here over HTTP).
+    let id = f.run("payments-prod", &f.good).await;
+    f.wait(&id, "AwaitingApproval").await;
+    let approval_id = uuid::Uuid::new_v4();
+    let event = json!({
+        "specversion": "1.0", "id": format!("approval-{approval_id}"), "source": "urn:runcontrol",
+        "type": "runcontrol.approvals.v1.approval-decided", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"approvalId": approval_id, "tenantId": "acme", "provisioningRunId": id,
+                 "decision": "approve", "decidedBy": "carol", "reason": "CAB approved"}
+    });
+    let r =
+        f.s.client
+            .post(f.s.url("/factory/events"))
+            .bearer_auth(operator("acme", "alice"))
+            .header("content-type", "application/cloudevents+json")
+            .body(event.to_string())
+            .send()
+            .await
+            .unwrap();
+    let (status, body) = response(r).await;
+    assert_eq!(status, 202, "{body}");
+    let run = f.wait(&id, "Applied").await;
+    assert_eq!(run["authorization"]["approvedBy"], "carol");
+    assert_eq!(run["approvalId"], approval_id.to_string());
     f.stop().await;
 }
 

@@ -8,10 +8,9 @@
 //!   `AZURE_STORAGE_ACCOUNT_NAME`, `GOOGLE_SERVICE_ACCOUNT`).
 //!
 //! The cloud stores need `object_store`'s `aws`, `azure` and `gcp` features, which bring a
-//! second `reqwest` and `aws-lc` (a C build) into the workspace; this build leaves them off,
-//! and a cloud URL fails at start-up with an error saying so. Enabling them is a change to
-//! `adapters/Cargo.toml` only: this code already routes those URLs through
-//! `object_store::parse_url_opts`.
+//! second `reqwest` and `aws-lc` (a C build) into the workspace; they are enabled. Cloud
+//! URLs go through `object_store::parse_url_opts` with the store's settings from the
+//! environment (`AWS_*`, `AZURE_*`, `GOOGLE_*`).
 //!
 //! [`ArtifactStore::put`] returns `artifacts:<key>`, the reference kept on the run (e.g.
 //! `logsRef`); [`ArtifactStore::get`] reads such a reference back. Keys are relative
@@ -53,9 +52,34 @@ pub struct ObjectArtifacts {
     location: String,
 }
 
+/// Whether `key` (lower case) is a setting of the cloud store `scheme`.
+fn known_setting(scheme: &ObjectStoreScheme, key: &str) -> bool {
+    use std::str::FromStr;
+    match scheme {
+        ObjectStoreScheme::AmazonS3 => object_store::aws::AmazonS3ConfigKey::from_str(key).is_ok(),
+        ObjectStoreScheme::MicrosoftAzure => {
+            object_store::azure::AzureConfigKey::from_str(key).is_ok()
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            object_store::gcp::GoogleConfigKey::from_str(key).is_ok()
+        }
+        _ => false,
+    }
+}
+
 impl ObjectArtifacts {
     /// The store at `url`, or the local folder `local_dir` (created when needed) without one.
     pub fn from_url(url: Option<&str>, local_dir: &Path) -> Result<Self, ArtifactConfigError> {
+        Self::from_url_with_options(url, local_dir, std::env::vars())
+    }
+
+    /// As [`ObjectArtifacts::from_url`], with the cloud store's settings given explicitly
+    /// (`AWS_*`, `AZURE_*`, `GOOGLE_*` names, any case) instead of read from the environment.
+    pub fn from_url_with_options(
+        url: Option<&str>,
+        local_dir: &Path,
+        options: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ArtifactConfigError> {
         let Some(url) = url.map(str::trim).filter(|u| !u.is_empty()) else {
             return Self::local(local_dir);
         };
@@ -78,9 +102,15 @@ impl ObjectArtifacts {
                     ObjectStoreScheme::MicrosoftAzure => "AZURE_",
                     _ => "GOOGLE_",
                 };
-                // Credentials come from the environment; they are handed to the builder,
-                // never logged.
-                let options = std::env::vars().filter(|(k, _)| k.starts_with(env_prefix));
+                // Credentials are handed to the builder, never logged. Only the settings the
+                // store knows are passed: an unrelated AWS_* variable (AWS_CA_BUNDLE, …) must
+                // not stop start-up.
+                let options: Vec<(String, String)> = options
+                    .into_iter()
+                    .filter(|(k, _)| k.to_ascii_uppercase().starts_with(env_prefix))
+                    .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                    .filter(|(k, _)| known_setting(&scheme, k))
+                    .collect();
                 let (store, prefix) = object_store::parse_url_opts(&parsed, options).map_err(|e| {
                     let message = e.to_string();
                     if message.contains("not enabled") {
@@ -274,14 +304,39 @@ mod tests {
         assert_eq!(memory.get(&reference).await.unwrap(), b"{}");
         assert_eq!(memory.location(), "memory:///ferry");
 
-        for url in [
-            "s3://bucket/ferry",
-            "az://container/ferry",
-            "gs://bucket/ferry",
-        ] {
-            let err = ObjectArtifacts::from_url(Some(url), dir.path()).unwrap_err();
-            assert_eq!(err.url, url);
-            assert!(err.reason.contains("not compiled into this build"), "{err}");
+        // The cloud stores are built from their settings; unrelated variables are ignored.
+        let settings = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let s3 = ObjectArtifacts::from_url_with_options(
+            Some("s3://bucket/ferry"),
+            dir.path(),
+            settings(&[
+                ("AWS_REGION", "eu-west-1"),
+                ("AWS_CA_BUNDLE", "/etc/ssl/x.pem"),
+            ]),
+        );
+        assert!(s3.is_ok(), "{s3:?}");
+        let az = ObjectArtifacts::from_url_with_options(
+            Some("az://container/ferry"),
+            dir.path(),
+            settings(&[
+                ("AZURE_STORAGE_ACCOUNT_NAME", "ferry"),
+                ("AZURE_STORAGE_ACCOUNT_KEY", "a2V5"),
+            ]),
+        );
+        assert!(az.is_ok(), "{az:?}");
+        // GCS needs credentials to be built at all: without them the error names the URL.
+        let gs = ObjectArtifacts::from_url_with_options(
+            Some("gs://bucket/ferry"),
+            dir.path(),
+            settings(&[]),
+        );
+        if let Err(e) = gs {
+            assert_eq!(e.url, "gs://bucket/ferry");
         }
         assert!(ObjectArtifacts::from_url(Some("not a url"), dir.path())
             .unwrap_err()
@@ -291,5 +346,74 @@ mod tests {
         // Blank means the local default.
         let local = ObjectArtifacts::from_url(Some("  "), dir.path()).unwrap();
         assert_eq!(local.location(), dir.path().display().to_string());
+    }
+
+    /// A real S3 API: moto's server (`pip install "moto[server]"`) on a local port.
+    #[tokio::test]
+    async fn an_s3_store_round_trips_against_an_s3_server() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = tokio::process::Command::new("moto_server")
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("moto_server (pip install \"moto[server]\") runs");
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let client = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+        // Wait for it, then create the bucket (moto accepts an unsigned request).
+        loop {
+            if let Ok(r) = client
+                .put(format!("{endpoint}/ferry-artifacts"))
+                .send()
+                .await
+            {
+                assert!(r.status().is_success(), "{}", r.status());
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "moto_server did not start"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let options = [
+            ("AWS_ENDPOINT", endpoint.as_str()),
+            ("AWS_ALLOW_HTTP", "true"),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", "ferry"),
+            ("AWS_SECRET_ACCESS_KEY", "ferry-secret"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let store = ObjectArtifacts::from_url_with_options(
+            Some("s3://ferry-artifacts/runs"),
+            dir.path(),
+            options,
+        )
+        .unwrap();
+        let reference = store
+            .put("r1/plan.log", b"plan output".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(reference, "artifacts:r1/plan.log");
+        assert_eq!(store.get(&reference).await.unwrap(), b"plan output");
+        assert!(store.get("artifacts:r1/none.log").await.is_err());
+        // The object is in the bucket under the prefix.
+        let listing = client
+            .get(format!("{endpoint}/ferry-artifacts?list-type=2"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(listing.contains("runs/r1/plan.log"), "{listing}");
+        let _ = server.kill().await;
     }
 }
