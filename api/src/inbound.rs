@@ -182,7 +182,7 @@ impl InboundHandler for FerryInbound {
                 }
             }
             other => {
-                tracing::info!(event = ?std::mem::discriminant(other), subject = %envelope.subject, "heard; promotions are not part of Ferry yet");
+                tracing::info!(event = other.name(), subject = %envelope.subject, id = %envelope.id, "heard; promotions are not part of Ferry yet");
             }
         }
         Ok(())
