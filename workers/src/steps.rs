@@ -286,6 +286,26 @@ impl Workers {
         Ok(Outcome::Failed(reason))
     }
 
+    /// The plan went stale before the runner started: the run is never applied.
+    async fn supersede(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        reason: String,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        self.command(
+            item,
+            tenant,
+            "applier",
+            RunCommand::Supersede {
+                reason: reason.clone(),
+                at: Utc::now(),
+            },
+        )
+        .await?;
+        Ok(Outcome::Failed(reason))
+    }
+
     pub(crate) async fn report_interrupted_apply(&self, item: &WorkItem, reason: &str) {
         let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
             return;
@@ -337,17 +357,7 @@ impl Workers {
                     "run {other} applied to {} after this plan was made",
                     request.environment_id
                 );
-                self.command(
-                    item,
-                    tenant,
-                    "applier",
-                    RunCommand::Supersede {
-                        reason: reason.clone(),
-                        at: Utc::now(),
-                    },
-                )
-                .await?;
-                return Ok(Outcome::Failed(reason));
+                return self.supersede(item, tenant, reason).await;
             }
         }
         let dir = self
@@ -370,17 +380,7 @@ impl Workers {
                 &plan.inputs_hash[..plan.inputs_hash.len().min(12)],
                 &inputs.hash[..12]
             );
-            self.command(
-                item,
-                tenant,
-                "applier",
-                RunCommand::Supersede {
-                    reason: reason.clone(),
-                    at: Utc::now(),
-                },
-            )
-            .await?;
-            return Ok(Outcome::Failed(reason));
+            return self.supersede(item, tenant, reason).await;
         }
         let runner = &self.ports.runner;
         let runner_version = runner
