@@ -1,13 +1,11 @@
 # Builds the ferry binary and runs it on a slim Debian.
 FROM rust:1-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends libcurl4-openssl-dev pkg-config \
-    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked --bin ferry
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates git libcurl4 \
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates git \
     && rm -rf /var/lib/apt/lists/* && useradd --system --home /var/lib/ferry ferry \
     && mkdir -p /var/lib/ferry && chown ferry /var/lib/ferry
 COPY --from=build /src/target/release/ferry /usr/local/bin/ferry

@@ -43,10 +43,12 @@ enum Command {
         /// The subject (who the caller is).
         #[arg(long)]
         sub: String,
-        /// Space-separated scopes, e.g. "factory.provisioning.read factory.provisioning.apply".
+        /// Space-separated scopes: factory.provisioning.read, factory.provisioning.apply
+        /// (people), or factory.events.publish (a service posting other services' events).
         #[arg(long, default_value = "")]
         scopes: String,
-        /// Space-separated roles: Operator, PlatformAdmin, Observer.
+        /// Space-separated roles of a person: Operator, PlatformAdmin, Observer (none for a
+        /// service).
         #[arg(long, default_value = "")]
         roles: String,
         /// Lifetime in seconds.
@@ -140,6 +142,14 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                             s.name, s.position.global_position, s.position.transaction_id, s.lag
                         ))?;
                     }
+                    if let Some(holder) =
+                        ferry_store::stream::stream_holder(&db, config.stream_hold_warn).await?
+                    {
+                        out(&format!(
+                            "\nheld back: {}",
+                            ferry_api::app::holder_problem(&holder)
+                        ))?;
+                    }
                 }
                 ProjectionsCommand::Rebuild { name } => {
                     let reports =
@@ -176,6 +186,17 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 if !matches!(*role, "Operator" | "PlatformAdmin" | "Observer") {
                     bail!("--roles: {role:?} is not Operator, PlatformAdmin or Observer");
                 }
+            }
+            for scope in &scopes {
+                if !ferry_api::auth::SCOPES.contains(scope) {
+                    bail!(
+                        "--scopes: {scope:?} is not one of {}",
+                        ferry_api::auth::SCOPES.join(", ")
+                    );
+                }
+            }
+            if scopes.contains(&ferry_api::auth::SCOPE_EVENTS_PUBLISH) && !roles.is_empty() {
+                bail!("--scopes factory.events.publish is for service identities: leave --roles empty");
             }
             let token = ferry_api::auth::issue_hs256(
                 &key,

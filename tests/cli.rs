@@ -93,6 +93,37 @@ fn token_signs_with_the_embedded_key_it_keeps() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("Boss"));
 }
 
+#[test]
+fn token_mints_a_service_identity_for_posting_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let mint = |args: &[&str]| {
+        ferry(dir.path())
+            .args(["token", "--tenant", "acme", "--sub", "svc-runcontrol"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = mint(&["--scopes", "factory.events.publish"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key = ferry_api::auth::load_or_create_key(dir.path()).unwrap();
+    let verifier = ferry_api::auth::Verifier::hs256(&key, None, None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let caller = rt
+        .block_on(verifier.verify(String::from_utf8(out.stdout).unwrap().trim()))
+        .unwrap();
+    assert!(caller.require_event_publisher().is_ok());
+    assert!(caller.require_apply().is_err());
+    // A person's role with the service scope, or an unknown scope, is refused.
+    let bad = mint(&["--scopes", "factory.events.publish", "--roles", "Operator"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("service identities"));
+    let bad = mint(&["--scopes", "factory.everything"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("factory.everything"));
+}
+
 #[tokio::test]
 async fn projections_are_inspected_and_rebuilt_while_the_server_answers() {
     let s = TestServer::start(Backend::Postgres).await;

@@ -227,15 +227,17 @@ async fn inbound_events_over_nats_and_http_have_one_effect_and_bad_ones_are_dead
     };
     assert_eq!(env["environmentClass"], "staging");
 
-    // Over HTTP: accepted, then a duplicate; a state change; a malformed one.
+    // Over HTTP (a service token): accepted, then a duplicate; a state change; a
+    // malformed one.
+    let environments = service("acme", "svc-environments");
     let post = |body: String| {
         let s = &s;
-        let alice = alice.clone();
+        let token = environments.clone();
         async move {
             let r = s
                 .client
                 .post(s.url("/factory/events"))
-                .bearer_auth(alice)
+                .bearer_auth(token)
                 .header("content-type", "application/cloudevents+json")
                 .body(body)
                 .send()

@@ -404,7 +404,7 @@ async fn a_production_run_waits_for_another_identitys_approval() {
     let r =
         f.s.client
             .post(f.s.url("/factory/events"))
-            .bearer_auth(operator("acme", "alice"))
+            .bearer_auth(service("acme", "svc-runcontrol"))
             .header("content-type", "application/cloudevents+json")
             .body(event.to_string())
             .send()

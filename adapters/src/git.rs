@@ -12,7 +12,8 @@
 //! keep their executable bit, relative symbolic links that stay inside the program are
 //! kept, submodules are skipped with a warning (their content is not in this repository).
 //!
-//! Remotes go through gix's blocking network client with the curl HTTP transport, so
+//! Remotes go through gix's blocking network client with its pure-Rust HTTP transport
+//! (reqwest with rustls: no system library needed), so
 //! `https://` and `http://` (smart HTTP), `ssh://`, `git://` and `file://` remotes clone and
 //! fetch. A remote that cannot be reached fails with a `Repository` error naming the URL.
 //!

@@ -133,15 +133,25 @@ pub fn init_tracing(config: &Config) {
 /// Opens the configured store (Postgres with `DATABASE_URL`, else SQLite in the data dir)
 /// and runs the migrations and the read-model DDL.
 pub async fn open_database(config: &Config) -> Result<Database, StartError> {
+    let options = store_options(config);
     let db = match &config.database_url {
-        Some(url) => Database::connect_postgres(url).await?,
-        None => Database::open_sqlite(&config.data_dir).await?,
+        Some(url) => Database::connect_postgres_with(url, &options).await?,
+        None => Database::open_sqlite_with(&config.data_dir, &options).await?,
     };
     db.migrate().await?;
     ferry_projections::projection::ensure_all_tables(&db)
         .await
         .map_err(StartError::Projections)?;
     Ok(db)
+}
+
+/// How the store's connections behave, from the configuration.
+pub fn store_options(config: &Config) -> ferry_store::StoreOptions {
+    ferry_store::StoreOptions {
+        acquire_timeout: config.store_acquire_timeout,
+        sqlite_busy_timeout: config.sqlite_busy_timeout,
+        idle_in_transaction_timeout: config.idle_in_transaction_timeout,
+    }
 }
 
 /// The token verifier the configuration asks for.
@@ -169,6 +179,9 @@ async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok"}))
 }
 
+/// `/readyz`: 503 when the store does not answer; otherwise 200 with `status` `ready`, or
+/// `degraded` with the `problems` an operator must look at (a subscription stuck on an event,
+/// a transaction holding the event stream back), and every subscription's position and lag.
 async fn readyz(State(state): State<AppState>) -> Response {
     if !state.db().ping().await {
         return (
@@ -179,13 +192,74 @@ async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    match stream::subscription_status(state.db()).await {
-        Ok(subscriptions) => {
-            Json(serde_json::json!({"status": "ready", "subscriptions": subscriptions}))
-                .into_response()
-        }
-        Err(e) => ApiError::from(e).into_response(),
+    let subscriptions = match stream::subscription_status(state.db()).await {
+        Ok(s) => s,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let stuck = state.db().subscription_health().problems();
+    let holder = match stream::stream_holder(state.db(), state.stream_hold_warn()).await {
+        Ok(h) => h,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let mut problems: Vec<String> = stuck
+        .iter()
+        .map(|p| {
+            format!(
+                "subscription {} is stuck (nothing skipped, {} attempts since {}): {}",
+                p.name,
+                p.attempts,
+                p.since.to_rfc3339(),
+                p.error
+            )
+        })
+        .collect();
+    if let Some(h) = &holder {
+        problems.push(holder_problem(h));
     }
+    let subscriptions: Vec<serde_json::Value> = subscriptions
+        .into_iter()
+        .map(|s| {
+            let mut v = serde_json::to_value(&s).unwrap_or_default();
+            if let Some(p) = stuck.iter().find(|p| p.name == s.name) {
+                v["stuck"] = serde_json::to_value(p).unwrap_or_default();
+            }
+            v
+        })
+        .collect();
+    let status = if problems.is_empty() {
+        "ready"
+    } else {
+        "degraded"
+    };
+    let mut body = serde_json::json!({
+        "status": status,
+        "problems": problems,
+        "subscriptions": subscriptions,
+    });
+    if let Some(h) = holder {
+        body["streamHeldBackBy"] = serde_json::to_value(h).unwrap_or_default();
+    }
+    Json(body).into_response()
+}
+
+/// One line naming the transaction that holds the event stream back.
+pub fn holder_problem(h: &ferry_store::stream::StreamHolder) -> String {
+    let who = match (&h.pid, &h.prepared_gid) {
+        (Some(pid), _) => format!("backend pid {pid}"),
+        (None, Some(gid)) => format!("prepared transaction {gid:?}"),
+        (None, None) => "a transaction".to_string(),
+    };
+    format!(
+        "{who} (database {}, {}, {}) has held the event stream back for {:.0} s; {} events wait behind it",
+        h.database.as_deref().unwrap_or("?"),
+        h.application
+            .as_deref()
+            .filter(|a| !a.is_empty())
+            .unwrap_or("no application name"),
+        h.state.as_deref().unwrap_or("unknown state"),
+        h.age_seconds,
+        h.waiting_events
+    )
 }
 
 async fn openapi() -> Response {
@@ -304,10 +378,10 @@ impl Server {
                 let relay =
                     ferry_messaging::Relay::start(db.clone(), relay_config, shutdown_rx.clone())
                         .await?;
-                let inbound = ferry_messaging::inbound::Inbound::start(
-                    db.clone(),
-                    url,
-                    handler,
+                let inbound = ferry_messaging::inbound::Inbound::start_with(
+                    ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
+                        .with_trusted_sources(config.trusted_sources.clone()),
+                    ferry_messaging::inbound::InboundConfig::new(url),
                     shutdown_rx.clone(),
                 )
                 .await?;
@@ -319,7 +393,8 @@ impl Server {
                 )
             }
             None => (
-                ferry_messaging::inbound::InboundContext::new(db.clone(), handler),
+                ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
+                    .with_trusted_sources(config.trusted_sources.clone()),
                 None,
                 None,
             ),
@@ -331,6 +406,7 @@ impl Server {
             artifacts,
             inbound,
             relay,
+            stream_hold_warn: config.stream_hold_warn,
         };
         let state = AppState::new(db.clone(), reads, services);
         let listener = tokio::net::TcpListener::bind(config.http_addr)

@@ -4,6 +4,8 @@
 //! keeps it in the data dir), or RS256 verified against a JWKS URL. Claims Ferry reads:
 //! `sub` (the actor), `tenant` (every read and write is filtered by it), `scope`
 //! (space-separated, OAuth2 style), `roles` (Operator, PlatformAdmin, Observer), `exp`.
+//!
+//! People act through roles; services through `factory.events.publish` without any role.
 
 use crate::problem::ApiError;
 use ferry_domain::{Actor, TenantId};
@@ -19,6 +21,11 @@ use tokio::sync::RwLock;
 pub const SCOPE_READ: &str = "factory.provisioning.read";
 /// Plan, apply, cancel and decide approvals.
 pub const SCOPE_APPLY: &str = "factory.provisioning.apply";
+/// Post the events of other services (approvals, environments, releases, promotions,
+/// provisioning reports) to `POST /factory/events`: for service identities only.
+pub const SCOPE_EVENTS_PUBLISH: &str = "factory.events.publish";
+/// Every scope Ferry knows.
+pub const SCOPES: [&str; 3] = [SCOPE_READ, SCOPE_APPLY, SCOPE_EVENTS_PUBLISH];
 
 /// Roles of the seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -105,6 +112,21 @@ impl Caller {
         } else {
             Err(ApiError::Forbidden(
                 "this needs the PlatformAdmin role".to_string(),
+            ))
+        }
+    }
+
+    /// Posting another service's events needs the `factory.events.publish` scope on a
+    /// service identity: a token carrying a human role (Operator, PlatformAdmin, Observer) is
+    /// a person's, and a person must not speak for run control or the environment service.
+    pub fn require_event_publisher(&self) -> Result<(), ApiError> {
+        self.require_scope(SCOPE_EVENTS_PUBLISH)?;
+        if self.roles.is_empty() {
+            Ok(())
+        } else {
+            Err(ApiError::Forbidden(
+                "events of other services are accepted only from service identities: the token carries a human role"
+                    .to_string(),
             ))
         }
     }

@@ -87,6 +87,21 @@ pub struct Config {
     /// Run the planner and applier in this process (`FERRY_WORKERS`); API-only instances
     /// set it to false.
     pub workers: bool,
+    /// CloudEvent sources trusted per inbound event (`FERRY_TRUSTED_SOURCES`); any source
+    /// when unset.
+    pub trusted_sources: ferry_messaging::TrustedSources,
+    /// Postgres ends Ferry's sessions left idle inside a transaction this long
+    /// (`FERRY_IDLE_IN_TRANSACTION_TIMEOUT_MS`).
+    pub idle_in_transaction_timeout: Duration,
+    /// How long a request waits for a store connection before answering 503
+    /// (`FERRY_STORE_ACQUIRE_TIMEOUT_MS`).
+    pub store_acquire_timeout: Duration,
+    /// How long an SQLite writer waits for the write lock before answering 503
+    /// (`FERRY_SQLITE_BUSY_TIMEOUT_MS`).
+    pub sqlite_busy_timeout: Duration,
+    /// A transaction holding the global stream back longer than this is named by `/readyz`
+    /// and `ferry projections status` (`FERRY_STREAM_HOLD_WARN_MS`).
+    pub stream_hold_warn: Duration,
 }
 
 /// Which runner adapter to use.
@@ -128,6 +143,11 @@ impl Default for Config {
             nats_url: None,
             nats_stream: "FERRY_EVENTS".to_string(),
             workers: true,
+            trusted_sources: ferry_messaging::TrustedSources::any(),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+            store_acquire_timeout: Duration::from_secs(10),
+            sqlite_busy_timeout: Duration::from_secs(15),
+            stream_hold_warn: Duration::from_secs(5),
         }
     }
 }
@@ -164,6 +184,11 @@ struct FileLayer {
     nats_url: Option<String>,
     nats_stream: Option<String>,
     workers: Option<bool>,
+    trusted_sources: Option<String>,
+    idle_in_transaction_timeout_ms: Option<u64>,
+    store_acquire_timeout_ms: Option<u64>,
+    sqlite_busy_timeout_ms: Option<u64>,
+    stream_hold_warn_ms: Option<u64>,
 }
 
 /// The documented settings: (file key, environment variable, default, meaning). The README
@@ -336,6 +361,36 @@ pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
         "FERRY_WORKERS",
         "true",
         "Run the planner and applier here; `false` for API-only instances.",
+    ),
+    (
+        "trusted_sources",
+        "FERRY_TRUSTED_SOURCES",
+        "(unset: any source)",
+        "CloudEvent sources trusted per inbound event: `<event>=<source>[,<source>…]`, `;`-separated; set, an event no entry names is refused.",
+    ),
+    (
+        "idle_in_transaction_timeout_ms",
+        "FERRY_IDLE_IN_TRANSACTION_TIMEOUT_MS",
+        "60000",
+        "Postgres ends Ferry's sessions idle inside a transaction this long, 1000 to 3600000 ms.",
+    ),
+    (
+        "store_acquire_timeout_ms",
+        "FERRY_STORE_ACQUIRE_TIMEOUT_MS",
+        "10000",
+        "How long a request waits for a store connection before answering 503, 100 to 120000 ms.",
+    ),
+    (
+        "sqlite_busy_timeout_ms",
+        "FERRY_SQLITE_BUSY_TIMEOUT_MS",
+        "15000",
+        "How long an SQLite writer waits for the lock before answering 503, 10 to 120000 ms.",
+    ),
+    (
+        "stream_hold_warn_ms",
+        "FERRY_STREAM_HOLD_WARN_MS",
+        "5000",
+        "A transaction holding the event stream back longer is named by `/readyz` and `ferry projections status`, 100 to 3600000 ms.",
     ),
 ];
 
@@ -596,6 +651,24 @@ impl Config {
                 self.baseline_programs
                     .push((class, program.to_string(), commit.to_string()));
             }
+            "trusted_sources" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                self.trusted_sources = ferry_messaging::TrustedSources::parse(&t)
+                    .map_err(|e| layer.err(key, env_name, e.to_string()))?;
+            }
+            "idle_in_transaction_timeout_ms" => {
+                self.idle_in_transaction_timeout =
+                    ms_in(int(raw)?, 1_000, 3_600_000, layer, key, env_name)?;
+            }
+            "store_acquire_timeout_ms" => {
+                self.store_acquire_timeout = ms_in(int(raw)?, 100, 120_000, layer, key, env_name)?;
+            }
+            "sqlite_busy_timeout_ms" => {
+                self.sqlite_busy_timeout = ms_in(int(raw)?, 10, 120_000, layer, key, env_name)?;
+            }
+            "stream_hold_warn_ms" => {
+                self.stream_hold_warn = ms_in(int(raw)?, 100, 3_600_000, layer, key, env_name)?;
+            }
             "workers" => {
                 self.workers = match text(raw)?.as_str() {
                     "true" | "1" | "yes" => true,
@@ -619,7 +692,7 @@ impl Config {
             source,
             by_env_name: false,
         };
-        let entries: [(&str, Option<RawValue>); 28] = [
+        let entries: [(&str, Option<RawValue>); 33] = [
             ("http_addr", f.http_addr.map(RawValue::Text)),
             ("data_dir", f.data_dir.map(RawValue::Text)),
             ("database_url", f.database_url.map(RawValue::Text)),
@@ -669,6 +742,23 @@ impl Config {
             ("nats_url", f.nats_url.map(RawValue::Text)),
             ("nats_stream", f.nats_stream.map(RawValue::Text)),
             ("workers", f.workers.map(|b| RawValue::Text(b.to_string()))),
+            ("trusted_sources", f.trusted_sources.map(RawValue::Text)),
+            (
+                "idle_in_transaction_timeout_ms",
+                f.idle_in_transaction_timeout_ms.map(RawValue::Int),
+            ),
+            (
+                "store_acquire_timeout_ms",
+                f.store_acquire_timeout_ms.map(RawValue::Int),
+            ),
+            (
+                "sqlite_busy_timeout_ms",
+                f.sqlite_busy_timeout_ms.map(RawValue::Int),
+            ),
+            (
+                "stream_hold_warn_ms",
+                f.stream_hold_warn_ms.map(RawValue::Int),
+            ),
         ];
         for (key, value) in entries {
             if let Some(value) = value {
@@ -793,6 +883,11 @@ mod tests {
         assert_eq!(e.setting, "FERRY_BASELINE_PROGRAM_STAGING");
         let e = Config::load(None, &env(&[("NATS_URL", "http://x")])).unwrap_err();
         assert_eq!(e.setting, "NATS_URL");
+        let e =
+            Config::load(None, &env(&[("FERRY_TRUSTED_SOURCES", "ApprovalDecided")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_TRUSTED_SOURCES");
+        let e = Config::load(None, &env(&[("FERRY_SQLITE_BUSY_TIMEOUT_MS", "0")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_SQLITE_BUSY_TIMEOUT_MS");
         let c = Config::load(
             None,
             &env(&[

@@ -30,8 +30,9 @@ impl From<AcceptError> for ApiError {
     }
 }
 
-/// `POST /factory/events`: one CloudEvent (structured JSON). 202 when handled (or already
-/// handled: `duplicate` is true).
+/// `POST /factory/events`: one CloudEvent (structured JSON) from a service identity (scope
+/// `factory.events.publish`, no human role). 202 when handled (or already handled:
+/// `duplicate` is true).
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn post_event(
     State(state): State<AppState>,
@@ -39,7 +40,7 @@ pub async fn post_event(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    caller.require_apply()?;
+    caller.require_event_publisher()?;
     let content_type = headers
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -50,12 +51,12 @@ pub async fn post_event(
     {
         return Err(ApiError::UnsupportedMediaType);
     }
-    let accepted = ferry_messaging::inbound::accept_cloud_event(
-        state.inbound(),
-        caller.tenant.as_str(),
-        &body,
-    )
-    .await?;
+    let poster = ferry_messaging::inbound::Poster {
+        tenant: caller.tenant.clone(),
+        actor: caller.actor.clone(),
+    };
+    let accepted =
+        ferry_messaging::inbound::accept_cloud_event(state.inbound(), &poster, &body).await?;
     tracing::info!(id = %accepted.id, event = %accepted.event, duplicate = accepted.duplicate, "event accepted");
     Ok((
         StatusCode::ACCEPTED,

@@ -7,8 +7,12 @@
 //! | `ApprovalDecided` | approves or rejects the named run awaiting approval (expired = rejected) |
 //! | `PromotionApproved`, `ReleaseReady`, `ReleaseWithdrawn`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: promotions are not part of Ferry yet |
 //!
-//! Domain refusals are permanent (the message is dead-lettered with the reason); a
-//! concurrent change or an unavailable store is transient (redelivered later).
+//! Every effect is committed with the message's "handled" mark (one transaction), and its
+//! actor is who sent the event (the token's subject over HTTP, `nats:<source>` over NATS),
+//! never a name the payload carries. A decision already recorded on the run (the same
+//! approval again, under another message id) is a duplicate, not a refusal. Domain refusals
+//! are permanent (the message is dead-lettered with the reason); a concurrent change or an
+//! unavailable store is transient (redelivered later).
 
 use chrono::Utc;
 use ferry_domain::environment::{
@@ -17,7 +21,7 @@ use ferry_domain::environment::{
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
 use ferry_domain::Actor;
 use ferry_messaging::inbound::{
-    ApprovalDecision, InboundEnvelope, InboundError, InboundEvent, InboundHandler,
+    ApprovalDecision, Handled, InboundEnvelope, InboundError, InboundEvent, InboundHandler,
 };
 use ferry_store::{CommandError, EventMetadata, Repository};
 use ferry_workers::metrics::Metrics;
@@ -47,7 +51,10 @@ fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
         CommandError::NotFound => {
             InboundError::Permanent("no such record for this tenant".to_string())
         }
-        CommandError::Conflict => InboundError::Transient("concurrent change".to_string()),
+        // Also: the claim was taken over by another delivery (the mark matched no row).
+        CommandError::Conflict => {
+            InboundError::Transient("concurrent change, or the claim was lost".to_string())
+        }
         CommandError::Unavailable(s) | CommandError::Store(s) => InboundError::Transient(s),
     }
 }
@@ -70,13 +77,9 @@ fn metadata(envelope: &InboundEnvelope, actor: Actor) -> EventMetadata {
     }
 }
 
-fn inbound_actor() -> Actor {
-    Actor::parse("system:inbound").expect("a constant actor name is valid")
-}
-
 #[async_trait::async_trait]
 impl InboundHandler for FerryInbound {
-    async fn handle(&self, envelope: InboundEnvelope) -> Result<(), InboundError> {
+    async fn handle(&self, envelope: InboundEnvelope) -> Result<Handled, InboundError> {
         let tenant = envelope.tenant_id.clone();
         match &envelope.event {
             InboundEvent::EnvironmentCreated(e) => {
@@ -98,16 +101,17 @@ impl InboundHandler for FerryInbound {
                     environment_class: e.environment_class,
                     health_url: e.health_url.clone(),
                     baseline_program,
-                    recorded_by: inbound_actor(),
+                    recorded_by: envelope.actor.clone(),
                     recorded_at: Utc::now(),
                 };
                 self.environments
-                    .execute(
+                    .execute_linked(
                         &tenant,
                         &Environment::aggregate_id(&tenant, &e.environment_id),
                         EnvironmentCommand::Register(Box::new(registration)),
-                        &metadata(&envelope, inbound_actor()),
+                        &metadata(&envelope, envelope.actor.clone()),
                         true,
+                        Some(&envelope.mark),
                     )
                     .await
                     .map_err(classify)?;
@@ -116,17 +120,19 @@ impl InboundHandler for FerryInbound {
                 let command = EnvironmentCommand::ChangeState {
                     ready: e.state.eq_ignore_ascii_case("ready"),
                     state: e.state.clone(),
-                    by: inbound_actor(),
-                    at: Utc::now(),
+                    by: envelope.actor.clone(),
+                    // Ordered by when the environment service observed it.
+                    at: envelope.time.unwrap_or_else(Utc::now),
                 };
                 let result = self
                     .environments
-                    .execute(
+                    .execute_linked(
                         &tenant,
                         &Environment::aggregate_id(&tenant, &e.environment_id),
                         command,
-                        &metadata(&envelope, inbound_actor()),
+                        &metadata(&envelope, envelope.actor.clone()),
                         false,
+                        Some(&envelope.mark),
                     )
                     .await;
                 match result {
@@ -144,8 +150,23 @@ impl InboundHandler for FerryInbound {
             InboundEvent::ApprovalDecided(a) => {
                 let Some(run_id) = a.provisioning_run_id else {
                     tracing::info!(approval = %a.approval_id, "approval decided for a promotion: not a run of Ferry's");
-                    return Ok(());
+                    return Ok(Handled::NothingToDo);
                 };
+                // The same decision under another message id took effect already.
+                if let Some((run, _)) = self
+                    .runs
+                    .load(&tenant, &run_id.to_string())
+                    .await
+                    .map_err(classify)?
+                {
+                    if run.approval().is_some_and(|recorded| {
+                        recorded.approval_id == Some(a.approval_id)
+                            && (recorded.decision == Decision::Approve)
+                                == (a.decision == ApprovalDecision::Approve)
+                    }) {
+                        return Ok(Handled::AlreadyRecorded);
+                    }
+                }
                 let (decision, reason) = match a.decision {
                     ApprovalDecision::Approve => (Decision::Approve, a.reason.clone()),
                     ApprovalDecision::Reject => (Decision::Reject, a.reason.clone()),
@@ -165,14 +186,17 @@ impl InboundHandler for FerryInbound {
                     approval_id: Some(a.approval_id),
                     at: a.decided_at.unwrap_or_else(Utc::now),
                 };
+                // The approver named in the payload is recorded on the decision; the event's
+                // actor is the service that reported it.
                 let done = self
                     .runs
-                    .execute(
+                    .execute_linked(
                         &tenant,
                         &run_id.to_string(),
                         command,
-                        &metadata(&envelope, a.decided_by.clone()),
+                        &metadata(&envelope, envelope.actor.clone()),
                         false,
+                        Some(&envelope.mark),
                     )
                     .await
                     .map_err(classify)?;
@@ -183,8 +207,9 @@ impl InboundHandler for FerryInbound {
             }
             other => {
                 tracing::info!(event = other.name(), subject = %envelope.subject, id = %envelope.id, "heard; promotions are not part of Ferry yet");
+                return Ok(Handled::NothingToDo);
             }
         }
-        Ok(())
+        Ok(Handled::Recorded)
     }
 }

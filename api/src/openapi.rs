@@ -91,6 +91,7 @@ pub fn document() -> Value {
     ];
     let read = json!([{"bearer": ["factory.provisioning.read"]}]);
     let apply = json!([{"bearer": ["factory.provisioning.apply"]}]);
+    let publish = json!([{"bearer": ["factory.events.publish"]}]);
     let run_id = path(
         "provisioningRunId",
         "The run.",
@@ -221,8 +222,8 @@ pub fn document() -> Value {
             "/factory/events": {
                 "post": {
                     "operationId": "PostEvent",
-                    "summary": "Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Redelivery of the same id has no second effect; a malformed event is dead-lettered.",
-                    "security": apply,
+                    "summary": "Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Only service identities (scope factory.events.publish, no human role) may post, from a source FERRY_TRUSTED_SOURCES trusts for the event. Redelivery of the same source and id has no second effect; a malformed event is dead-lettered.",
+                    "security": publish,
                     "requestBody": {"required": true, "content": {"application/cloudevents+json": {"schema": cloud_event}}},
                     "responses": responses(("202", json!({"description": "Handled (`duplicate` true when it was already).", "content": {"application/json": {"schema": {"type": "object", "properties": {"id": {"type": "string"}, "event": {"type": "string"}, "duplicate": {"type": "boolean"}}}}}})), &["400", "401", "403", "409", "415", "422"])
                 }

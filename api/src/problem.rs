@@ -258,6 +258,14 @@ impl From<RunError> for ApiError {
                 detail: e.to_string(),
                 field: Some("reason".to_string()),
             },
+            RunError::UnverifiedPromotionApproval => Self::Rule {
+                detail: e.to_string(),
+                field: Some("approvalId".to_string()),
+            },
+            RunError::PromotionApprovalMismatch(_) => Self::Rule {
+                detail: e.to_string(),
+                field: None,
+            },
         }
     }
 }
@@ -304,9 +312,10 @@ where
 
 impl From<ferry_projections::queries::QueryError> for ApiError {
     fn from(e: ferry_projections::queries::QueryError) -> Self {
-        match e {
-            ferry_projections::queries::QueryError::Sql(sqlx::Error::PoolTimedOut)
-            | ferry_projections::queries::QueryError::Sql(sqlx::Error::Io(_)) => {
+        match &e {
+            ferry_projections::queries::QueryError::Sql(sql)
+                if ferry_store::is_unavailable(sql) =>
+            {
                 Self::Unavailable(e.to_string())
             }
             other => Self::Internal(other.to_string()),
@@ -316,9 +325,10 @@ impl From<ferry_projections::queries::QueryError> for ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
-        match e {
-            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => Self::Unavailable(e.to_string()),
-            other => Self::Internal(other.to_string()),
+        if ferry_store::is_unavailable(&e) {
+            Self::Unavailable(e.to_string())
+        } else {
+            Self::Internal(e.to_string())
         }
     }
 }

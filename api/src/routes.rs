@@ -3,7 +3,7 @@
 
 use crate::auth::Caller;
 use crate::extract::{OptionalJson, RequestIds, ValidJson};
-use crate::problem::ApiError;
+use crate::problem::{ApiError, FieldError};
 use crate::state::AppState;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -61,13 +61,18 @@ pub struct PlanProvisioningRequest {
     pub environment_id: EnvironmentId,
     /// Baseline, Release, Reconciliation or Decommission.
     pub kind: ProvisioningKind,
-    /// The promotion asking for it.
+    /// Refused: only Ferry's promotions hand-off sets a promotion (a caller cannot
+    /// supply a promotion's approval).
     #[serde(default)]
-    pub promotion_id: Option<PromotionId>,
-    /// The promotion's approval, reused for a production apply.
+    pub promotion_id: Option<serde_json::Value>,
+    /// Refused: see `promotionId`.
     #[serde(default)]
-    pub approval_id: Option<ApprovalId>,
+    pub approval_id: Option<serde_json::Value>,
 }
+
+/// Why a caller's body can never carry a promotion or its approval.
+const HAND_OFF_ONLY: &str = "set only by Ferry when an approved promotion it holds hands over \
+its desired state; a caller cannot supply a promotion or an approval";
 
 /// Body of `POST /factory/provisioning/runs/{id}/cancel` (optional).
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -361,6 +366,19 @@ pub async fn plan_provisioning(
 ) -> Result<Response, ApiError> {
     caller.require_apply()?;
     let key = idempotency_key(&headers)?;
+    // Authority never comes from a body: an approval named here would let any Operator
+    // apply to production unapproved.
+    let forged: Vec<FieldError> = [
+        ("promotionId", body.promotion_id.is_some()),
+        ("approvalId", body.approval_id.is_some()),
+    ]
+    .into_iter()
+    .filter(|(_, present)| *present)
+    .map(|(field, _)| FieldError::new(field, HAND_OFF_ONLY))
+    .collect();
+    if !forged.is_empty() {
+        return Err(ApiError::Unprocessable(forged));
+    }
     if body.specification_version == 0 {
         return Err(ApiError::invalid_field(
             "specificationVersion",
@@ -410,6 +428,8 @@ pub async fn plan_provisioning(
         .await?
         .and_then(|(e, _)| e.class());
     let tenant = caller.tenant.as_str();
+    // The reservation belongs to this request: only it may give the key back.
+    let owner = ids.request_id.to_string();
     let run_id = match &key {
         Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k),
         None => ProvisioningRunId::new_random(),
@@ -423,6 +443,7 @@ pub async fn plan_provisioning(
             "PlanProvisioning",
             &hash,
             &run_id.to_string(),
+            &owner,
         )
         .await?
         {
@@ -463,8 +484,8 @@ pub async fn plan_provisioning(
         specification_id: body.specification_id,
         specification_version: body.specification_version,
         kind: body.kind,
-        promotion_id: body.promotion_id,
-        approval_id: body.approval_id,
+        promotion_id: None,
+        approval_id: None,
         requested_by: caller.actor.clone(),
         requested_at: Utc::now(),
     };
@@ -480,19 +501,24 @@ pub async fn plan_provisioning(
         .await;
     let view = match result {
         Ok(done) => fold(&done.history)?,
-        Err(ferry_store::CommandError::Domain(ferry_domain::run::RunError::AlreadyRequested))
-            if key.is_some() =>
-        {
-            let history = state
+        // Another request with this key created the run first (it committed before us, or
+        // concurrently): answer with that run.
+        Err(
+            e @ (ferry_store::CommandError::Domain(ferry_domain::run::RunError::AlreadyRequested)
+            | ferry_store::CommandError::Conflict),
+        ) if key.is_some() => {
+            match state
                 .runs()
                 .load_events(&caller.tenant, &run_id.to_string())
                 .await?
-                .ok_or_else(|| ApiError::internal("idempotent run vanished"))?;
-            fold(&history)?
+            {
+                Some(history) => fold(&history)?,
+                None => return Err(e.into()),
+            }
         }
         Err(e) => {
             if let Some(k) = &key {
-                idempotency::release(state.db(), tenant, k).await?;
+                idempotency::release(state.db(), tenant, k, &owner).await?;
             }
             return Err(e.into());
         }

@@ -41,6 +41,8 @@ pub struct Services {
     pub inbound: ferry_messaging::inbound::InboundContext,
     /// The NATS relay's counters, when NATS is configured: (stream, metrics).
     pub relay: Option<(String, Arc<ferry_messaging::RelayMetrics>)>,
+    /// A transaction holding the global stream back longer than this is reported.
+    pub stream_hold_warn: Duration,
 }
 
 impl AppState {
@@ -98,14 +100,43 @@ impl AppState {
     pub fn inbound(&self) -> &ferry_messaging::inbound::InboundContext {
         &self.inner.services.inbound
     }
+    /// A transaction holding the global stream back longer than this is reported.
+    pub fn stream_hold_warn(&self) -> Duration {
+        self.inner.services.stream_hold_warn
+    }
     /// Every metric of the process, as Prometheus text.
     pub fn render_metrics(&self) -> String {
         let s = &self.inner.services;
         let mut text = s.metrics.render();
+        text.push_str(&render_subscription_problems(
+            &self.inner.db.subscription_health().problems(),
+        ));
         text.push_str(&s.inbound.metrics.render());
         if let Some((stream, relay)) = &s.relay {
             text.push_str(&relay.render(stream));
         }
         text
     }
+}
+
+/// `ferry_subscription_stuck{subscription}` (1 while a subscription keeps failing on an
+/// event) and `ferry_subscription_failed_attempts{subscription}`.
+fn render_subscription_problems(problems: &[ferry_store::stream::SubscriptionProblem]) -> String {
+    let mut out = String::from(
+        "# HELP ferry_subscription_stuck 1 while a subscription keeps failing on an event (nothing is skipped).\n# TYPE ferry_subscription_stuck gauge\n",
+    );
+    for p in problems {
+        out.push_str(&format!(
+            "ferry_subscription_stuck{{subscription=\"{}\"}} 1\n",
+            p.name
+        ));
+    }
+    out.push_str("# HELP ferry_subscription_failed_attempts Consecutive failed attempts of a stuck subscription.\n# TYPE ferry_subscription_failed_attempts gauge\n");
+    for p in problems {
+        out.push_str(&format!(
+            "ferry_subscription_failed_attempts{{subscription=\"{}\"}} {}\n",
+            p.name, p.attempts
+        ));
+    }
+    out
 }

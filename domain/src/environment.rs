@@ -2,6 +2,12 @@
 //! service (its class, health URL and readiness). Recorded from `EnvironmentCreated` /
 //! `EnvironmentStateChanged`, or `PUT /factory/environments/{id}`, as events like
 //! everything else, so that every read model can be rebuilt.
+//!
+//! Lowering an environment's class (production to staging, say) takes the production rules
+//! off every run requested after it, so it is an event of its own,
+//! `EnvironmentClassLowered`, naming who did it. Runs keep the class they were requested
+//! under. Readiness changes are ordered by the time the environment service observed them:
+//! an older report arriving late never overwrites a newer one.
 
 use crate::ids::{Actor, EnvironmentId, TenantId};
 use crate::values::{EnvironmentClass, ProgramRef, ProgramVersion};
@@ -49,7 +55,7 @@ pub enum EnvironmentCommand {
     /// Record the environment, or update its class and health URL (idempotent: the same
     /// values again change nothing).
     Register(Box<EnvironmentRegistration>),
-    /// The environment's readiness changed.
+    /// The environment's readiness changed. Ignored when older than the state recorded.
     ChangeState {
         /// `true` when ready to receive changes.
         ready: bool,
@@ -57,9 +63,19 @@ pub enum EnvironmentCommand {
         state: String,
         /// Who.
         by: Actor,
-        /// When.
+        /// When the environment service observed it (the report's time).
         at: DateTime<Utc>,
     },
+}
+
+/// How much protection a class carries: production rules apply above all.
+fn rank(class: EnvironmentClass) -> u8 {
+    match class {
+        EnvironmentClass::Development => 0,
+        EnvironmentClass::Test => 1,
+        EnvironmentClass::Staging => 2,
+        EnvironmentClass::Production => 3,
+    }
 }
 
 /// Events of the environment aggregate (all version 1.0).
@@ -80,6 +96,22 @@ pub enum EnvironmentEvent {
         /// When.
         recorded_at: DateTime<Utc>,
     },
+    /// The class was lowered (e.g. production to development): an audited change of its
+    /// own, since it lifts the production rules from runs requested after it.
+    #[serde(rename_all = "camelCase")]
+    EnvironmentClassLowered {
+        /// The class before.
+        previous_class: EnvironmentClass,
+        /// The new, lower class.
+        environment_class: EnvironmentClass,
+        /// The health URL after the change.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        health_url: Option<String>,
+        /// Who lowered it.
+        lowered_by: Actor,
+        /// When.
+        lowered_at: DateTime<Utc>,
+    },
     /// Readiness changed.
     #[serde(rename_all = "camelCase")]
     EnvironmentStateChanged {
@@ -99,6 +131,7 @@ impl DomainEvent for EnvironmentEvent {
         match self {
             Self::EnvironmentRegistered(_) => "EnvironmentRegistered",
             Self::EnvironmentUpdated { .. } => "EnvironmentUpdated",
+            Self::EnvironmentClassLowered { .. } => "EnvironmentClassLowered",
             Self::EnvironmentStateChanged { .. } => "EnvironmentStateChanged",
         }
         .to_string()
@@ -125,6 +158,7 @@ pub struct Environment {
     registration: Option<EnvironmentRegistration>,
     ready: bool,
     state: Option<String>,
+    state_observed_at: Option<DateTime<Utc>>,
 }
 
 impl Environment {
@@ -179,11 +213,21 @@ impl Aggregate for Environment {
                     {
                         return Ok(());
                     }
-                    EnvironmentEvent::EnvironmentUpdated {
-                        environment_class: r.environment_class,
-                        health_url: r.health_url,
-                        recorded_by: r.recorded_by,
-                        recorded_at: r.recorded_at,
+                    if rank(r.environment_class) < rank(existing.environment_class) {
+                        EnvironmentEvent::EnvironmentClassLowered {
+                            previous_class: existing.environment_class,
+                            environment_class: r.environment_class,
+                            health_url: r.health_url,
+                            lowered_by: r.recorded_by,
+                            lowered_at: r.recorded_at,
+                        }
+                    } else {
+                        EnvironmentEvent::EnvironmentUpdated {
+                            environment_class: r.environment_class,
+                            health_url: r.health_url,
+                            recorded_by: r.recorded_by,
+                            recorded_at: r.recorded_at,
+                        }
                     }
                 }
             },
@@ -197,6 +241,10 @@ impl Aggregate for Environment {
                     return Err(EnvironmentError::NotRegistered);
                 }
                 if self.ready == ready && self.state.as_deref() == Some(state.as_str()) {
+                    return Ok(());
+                }
+                // A report observed before the one recorded arrived late: it is history.
+                if self.state_observed_at.is_some_and(|newest| at < newest) {
                     return Ok(());
                 }
                 EnvironmentEvent::EnvironmentStateChanged {
@@ -218,15 +266,26 @@ impl Aggregate for Environment {
                 environment_class,
                 health_url,
                 ..
+            }
+            | EnvironmentEvent::EnvironmentClassLowered {
+                environment_class,
+                health_url,
+                ..
             } => {
                 if let Some(r) = self.registration.as_mut() {
                     r.environment_class = environment_class;
                     r.health_url = health_url;
                 }
             }
-            EnvironmentEvent::EnvironmentStateChanged { ready, state, .. } => {
+            EnvironmentEvent::EnvironmentStateChanged {
+                ready,
+                state,
+                changed_at,
+                ..
+            } => {
                 self.ready = ready;
                 self.state = Some(state);
+                self.state_observed_at = Some(changed_at);
             }
         }
     }
@@ -268,7 +327,7 @@ mod tests {
             .then_expect_events(vec![]);
         let changed = registration(EnvironmentClass::Production);
         TestFramework::<Environment>::with(())
-            .given(given)
+            .given(given.clone())
             .when(EnvironmentCommand::Register(Box::new(changed.clone())))
             .then_expect_events(vec![EnvironmentEvent::EnvironmentUpdated {
                 environment_class: EnvironmentClass::Production,
@@ -297,5 +356,62 @@ mod tests {
             .inspect_result()
             .unwrap();
         assert_eq!(result.len(), 1);
+    }
+
+    #[test]
+    fn lowering_the_class_is_an_audited_event_of_its_own() {
+        let prod = registration(EnvironmentClass::Production);
+        let mut lowered = registration(EnvironmentClass::Development);
+        lowered.recorded_by = Actor::parse("svc-environments").unwrap();
+        TestFramework::<Environment>::with(())
+            .given(vec![EnvironmentEvent::EnvironmentRegistered(Box::new(
+                prod,
+            ))])
+            .when(EnvironmentCommand::Register(Box::new(lowered.clone())))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLowered {
+                previous_class: EnvironmentClass::Production,
+                environment_class: EnvironmentClass::Development,
+                health_url: None,
+                lowered_by: Actor::parse("svc-environments").unwrap(),
+                lowered_at: lowered.recorded_at,
+            }]);
+    }
+
+    #[test]
+    fn an_older_state_report_never_overwrites_a_newer_one() {
+        let r = registration(EnvironmentClass::Test);
+        let by = Actor::parse("system:inbound").unwrap();
+        let newer = EnvironmentEvent::EnvironmentStateChanged {
+            ready: true,
+            state: "ready".to_string(),
+            changed_by: by.clone(),
+            changed_at: DateTime::from_timestamp(1_700_000_200, 0).unwrap(),
+        };
+        let older = EnvironmentCommand::ChangeState {
+            ready: false,
+            state: "degraded".to_string(),
+            by: by.clone(),
+            at: DateTime::from_timestamp(1_700_000_100, 0).unwrap(),
+        };
+        let given = vec![EnvironmentEvent::EnvironmentRegistered(Box::new(r)), newer];
+        TestFramework::<Environment>::with(())
+            .given(given.clone())
+            .when(older)
+            .then_expect_events(vec![]);
+        let later = EnvironmentCommand::ChangeState {
+            ready: false,
+            state: "degraded".to_string(),
+            by: by.clone(),
+            at: DateTime::from_timestamp(1_700_000_300, 0).unwrap(),
+        };
+        TestFramework::<Environment>::with(())
+            .given(given)
+            .when(later)
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentStateChanged {
+                ready: false,
+                state: "degraded".to_string(),
+                changed_by: by,
+                changed_at: DateTime::from_timestamp(1_700_000_300, 0).unwrap(),
+            }]);
     }
 }

@@ -11,6 +11,11 @@
 //! Rules kept here: a plan is recorded before any apply; receipts are written once; a
 //! production apply needs the promotion's approval, a person's approval, or (baseline and
 //! reconciliation only) a policy allow with evidence; the approver is not the requester.
+//!
+//! A run carries a promotion's approval only when Ferry created it from an approved
+//! promotion it holds ([`RunCommand::RequestForPromotion`] with a
+//! [`VerifiedPromotionApproval`], which only this crate can make). An approval id in a plain
+//! request grants nothing and is refused.
 
 use crate::ids::{
     Actor, ApprovalId, EnvironmentId, ProjectId, PromotionId, ProvisioningRunId, SpecificationId,
@@ -55,6 +60,45 @@ pub struct RunRequest {
     pub requested_by: Actor,
     /// When.
     pub requested_at: DateTime<Utc>,
+}
+
+/// Proof that a promotion Ferry holds was approved, by someone other than its requester, for
+/// exactly this tenant, release and environment. Only this crate constructs it (from the
+/// promotion's own recorded approval), so no caller can make one up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifiedPromotionApproval {
+    record: PromotionApprovalRecord,
+}
+
+impl VerifiedPromotionApproval {
+    /// Built by the promotion that holds the approval.
+    #[allow(dead_code)] // the promotions context is its only maker
+    pub(crate) fn new(record: PromotionApprovalRecord) -> Self {
+        Self { record }
+    }
+
+    /// What is recorded on the run.
+    pub fn record(&self) -> &PromotionApprovalRecord {
+        &self.record
+    }
+}
+
+/// A promotion's approval as recorded on the run it authorises.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PromotionApprovalRecord {
+    /// The promotion.
+    pub promotion_id: PromotionId,
+    /// Its approval.
+    pub approval_id: ApprovalId,
+    /// The tenant it was approved for.
+    pub tenant_id: TenantId,
+    /// The environment it was approved for.
+    pub environment_id: EnvironmentId,
+    /// Who approved it.
+    pub approved_by: Actor,
+    /// When.
+    pub approved_at: DateTime<Utc>,
 }
 
 /// A person's decision on a run awaiting approval.
@@ -129,8 +173,17 @@ pub enum FailureStage {
 /// Commands of the run aggregate.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RunCommand {
-    /// PlanProvisioning: record the run in `Requested`.
+    /// PlanProvisioning: record the run in `Requested`. Refused when the request carries an
+    /// approval id: only [`RunCommand::RequestForPromotion`] attaches one.
     Request(Box<RunRequest>),
+    /// A promotion's hand-off: record the run in `Requested` with the promotion's verified
+    /// approval, which must name the request's tenant, environment, promotion and approval.
+    RequestForPromotion {
+        /// The run; its `promotion_id` and `approval_id` must be the approval's.
+        request: Box<RunRequest>,
+        /// The proof.
+        approval: Box<VerifiedPromotionApproval>,
+    },
     /// The planner's receipt.
     RecordPlan {
         /// The receipt.
@@ -223,6 +276,7 @@ impl RunCommand {
     pub fn name(&self) -> &'static str {
         match self {
             Self::Request(_) => "Request",
+            Self::RequestForPromotion { .. } => "RequestForPromotion",
             Self::RecordPlan { .. } => "RecordPlan",
             Self::FailPlanning { .. } => "FailPlanning",
             Self::RequireApproval { .. } => "RequireApproval",
@@ -242,6 +296,8 @@ impl RunCommand {
 pub enum RunEvent {
     /// The run exists, in `Requested`.
     ProvisioningRequested(Box<RunRequest>),
+    /// The promotion's verified approval is attached to the run (right after the request).
+    PromotionApprovalVerified(PromotionApprovalRecord),
     /// The plan receipt is recorded; the run is `Planned`.
     #[serde(rename_all = "camelCase")]
     ProvisioningPlanned {
@@ -333,6 +389,7 @@ impl DomainEvent for RunEvent {
     fn event_type(&self) -> String {
         match self {
             Self::ProvisioningRequested(_) => "ProvisioningRequested",
+            Self::PromotionApprovalVerified(_) => "PromotionApprovalVerified",
             Self::ProvisioningPlanned { .. } => "ProvisioningPlanned",
             Self::ApprovalRequired { .. } => "ApprovalRequired",
             Self::ApprovalGranted(_) => "ApprovalGranted",
@@ -394,12 +451,19 @@ pub enum RunError {
     /// A reason was required and was empty.
     #[error("a reason is required")]
     ReasonRequired,
+    /// A request named a promotion's approval that Ferry did not verify.
+    #[error("a run carries a promotion's approval only when Ferry creates it from an approved promotion it holds")]
+    UnverifiedPromotionApproval,
+    /// The verified approval is for another tenant, environment, promotion or approval.
+    #[error("the promotion's approval does not match the run: {0}")]
+    PromotionApprovalMismatch(&'static str),
 }
 
 /// The run's state, rebuilt from its events.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ProvisioningRun {
     request: Option<RunRequest>,
+    promotion_approval: Option<PromotionApprovalRecord>,
     state: Option<ProvisioningState>,
     plan_receipt: Option<PlanReceipt>,
     approval: Option<ApprovalRecord>,
@@ -419,6 +483,10 @@ impl ProvisioningRun {
     /// The plan receipt, once recorded.
     pub fn plan_receipt(&self) -> Option<&PlanReceipt> {
         self.plan_receipt.as_ref()
+    }
+    /// The promotion's verified approval, when a promotion handed the run over.
+    pub fn promotion_approval(&self) -> Option<&PromotionApprovalRecord> {
+        self.promotion_approval.as_ref()
     }
     /// The approval decision, if any.
     pub fn approval(&self) -> Option<&ApprovalRecord> {
@@ -468,12 +536,12 @@ impl ProvisioningRun {
         }
         let policy_wants_approval =
             policy.is_some_and(|p| p.decision == PolicyOutcome::RequireApproval);
-        if let (Some(promotion_id), Some(approval_id)) = (request.promotion_id, request.approval_id)
-        {
+        // Only an approval Ferry verified counts; ids in the request alone grant nothing.
+        if let Some(verified) = &self.promotion_approval {
             if request.kind == ProvisioningKind::Release {
                 return Ok(ApplyAuthorization::PromotionApproval {
-                    promotion_id,
-                    approval_id,
+                    promotion_id: verified.promotion_id,
+                    approval_id: verified.approval_id,
                 });
             }
         }
@@ -548,7 +616,35 @@ impl Aggregate for ProvisioningRun {
                 if self.request.is_some() {
                     return Err(RunError::AlreadyRequested);
                 }
+                if request.approval_id.is_some() {
+                    return Err(RunError::UnverifiedPromotionApproval);
+                }
                 RunEvent::ProvisioningRequested(request.clone())
+            }
+            RunCommand::RequestForPromotion { request, approval } => {
+                if self.request.is_some() {
+                    return Err(RunError::AlreadyRequested);
+                }
+                let record = approval.record();
+                let mismatch = if record.tenant_id != request.tenant_id {
+                    Some("tenant")
+                } else if record.environment_id != request.environment_id {
+                    Some("environment")
+                } else if request.promotion_id != Some(record.promotion_id) {
+                    Some("promotion")
+                } else if request.approval_id != Some(record.approval_id) {
+                    Some("approval")
+                } else if request.kind != ProvisioningKind::Release {
+                    Some("kind (a promotion hands over a Release)")
+                } else {
+                    None
+                };
+                if let Some(what) = mismatch {
+                    return Err(RunError::PromotionApprovalMismatch(what));
+                }
+                sink.write(RunEvent::ProvisioningRequested(request.clone()), self)
+                    .await;
+                RunEvent::PromotionApprovalVerified(record.clone())
             }
             RunCommand::RecordPlan {
                 receipt,
@@ -712,6 +808,7 @@ impl Aggregate for ProvisioningRun {
                 self.request = Some(*request);
                 self.state = Some(S::Requested);
             }
+            RunEvent::PromotionApprovalVerified(record) => self.promotion_approval = Some(record),
             RunEvent::ProvisioningPlanned { plan_receipt, .. } => {
                 self.plan_receipt = Some(*plan_receipt);
                 self.state = Some(S::Planned);

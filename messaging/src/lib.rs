@@ -6,7 +6,8 @@
 //!   on start what NATS lost.
 //! * [`inbound`]: [`Inbound::start`] runs durable pull consumers (explicit ack) for the
 //!   events Ferry reacts to; [`accept_cloud_event`] takes the same events over HTTP. Both
-//!   dedupe by CloudEvent id and dead-letter what is malformed.
+//!   check the source is trusted, dedupe by CloudEvent source and id (the mark committed
+//!   with the effect) and dead-letter what is malformed.
 //! * [`sse`]: [`sse_stream`] serves the live stream to `GET /factory/events/stream`.
 //! * [`schemas`]: [`published_schemas`] is the JSON Schema of every payload and the
 //!   AsyncAPI document, written to the repository's `schemas/`.
@@ -35,7 +36,8 @@
 //!
 //! # Tables (migration `0003_messaging.sql`)
 //!
-//! * `inbound_messages`: one row per (tenant, CloudEvent id) handled or being handled.
+//! * `inbound_messages`: one row per (tenant, CloudEvent source, id) handled or being
+//!   handled (migration `0004_ownership.sql` changed the key).
 //! * `inbound_dead_letters`: malformed, unknown or refused messages with their reason.
 //! * The relay's checkpoint is the `subscription_checkpoints` row `nats-relay:<stream>`.
 //!
@@ -67,8 +69,9 @@ pub mod subjects;
 
 pub use cloudevent::CloudEvent;
 pub use inbound::{
-    accept_cloud_event, AcceptError, Accepted, Inbound, InboundConfig, InboundContext,
-    InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundMetrics,
+    accept_cloud_event, AcceptError, Accepted, Handled, Inbound, InboundConfig, InboundContext,
+    InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundMetrics, Poster,
+    TrustedSources,
 };
 pub use outbound::{parse_position, position_token, to_outbound, Outbound};
 pub use relay::{Relay, RelayConfig, RelayError, RelayMetrics};

@@ -7,8 +7,8 @@ use async_nats::jetstream;
 use common::*;
 use ferry_messaging::inbound::store::dead_letters;
 use ferry_messaging::{
-    accept_cloud_event, AcceptError, Inbound, InboundConfig, InboundContext, InboundEnvelope,
-    InboundError, InboundEvent, InboundHandler, Relay, RelayConfig,
+    accept_cloud_event, AcceptError, Handled, Inbound, InboundConfig, InboundContext,
+    InboundEnvelope, InboundError, InboundEvent, InboundHandler, Poster, Relay, RelayConfig,
 };
 use ferry_store::testing::TestDatabase;
 use ferry_store::Backend;
@@ -29,7 +29,7 @@ struct Recorder {
 
 #[async_trait::async_trait]
 impl InboundHandler for Recorder {
-    async fn handle(&self, event: InboundEnvelope) -> Result<(), InboundError> {
+    async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         if self
             .transient
@@ -44,7 +44,8 @@ impl InboundHandler for Recorder {
             }
         }
         self.seen.lock().unwrap().push(event);
-        Ok(())
+        // It keeps what it saw in memory: the message is marked handled on its own.
+        Ok(Handled::NothingToDo)
     }
 }
 
@@ -56,6 +57,13 @@ impl Recorder {
             .iter()
             .map(|e| e.id.clone())
             .collect()
+    }
+}
+
+fn poster(tenant: &str) -> Poster {
+    Poster {
+        tenant: ferry_domain::TenantId::parse(tenant).unwrap(),
+        actor: ferry_domain::Actor::parse("svc-test").unwrap(),
     }
 }
 
@@ -298,22 +306,30 @@ async fn http_events(backend: Backend) {
         "acme",
         release_ready("acme", "payments"),
     ));
-    let first = accept_cloud_event(&ctx, "acme", &ok).await.unwrap();
+    let first = accept_cloud_event(&ctx, &poster("acme"), &ok)
+        .await
+        .unwrap();
     assert_eq!(
         (first.event.as_str(), first.duplicate),
         ("ReleaseReady", false)
     );
-    let again = accept_cloud_event(&ctx, "acme", &ok).await.unwrap();
+    let again = accept_cloud_event(&ctx, &poster("acme"), &ok)
+        .await
+        .unwrap();
     assert!(again.duplicate);
     assert_eq!(recorder.ids(), vec!["h-1".to_string()]);
 
     // Another tenant's event is refused and not dead-lettered.
-    let err = accept_cloud_event(&ctx, "globex", &ok).await.unwrap_err();
+    let err = accept_cloud_event(&ctx, &poster("globex"), &ok)
+        .await
+        .unwrap_err();
     assert!(matches!(err, AcceptError::Forbidden(_)), "{err:?}");
     assert_eq!(err.status(), axum::http::StatusCode::FORBIDDEN);
 
     // Malformed and unknown: dead-lettered with the reason.
-    let err = accept_cloud_event(&ctx, "acme", b"[]").await.unwrap_err();
+    let err = accept_cloud_event(&ctx, &poster("acme"), b"[]")
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
     let unknown = body(cloud_event(
         "h-2",
@@ -321,7 +337,7 @@ async fn http_events(backend: Backend) {
         "acme",
         json!({}),
     ));
-    let err = accept_cloud_event(&ctx, "acme", &unknown)
+    let err = accept_cloud_event(&ctx, &poster("acme"), &unknown)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("unknown event type"), "{err}");
@@ -333,12 +349,12 @@ async fn http_events(backend: Backend) {
         "acme",
         release_ready("acme", "blocked"),
     ));
-    let err = accept_cloud_event(&ctx, "acme", &refused)
+    let err = accept_cloud_event(&ctx, &poster("acme"), &refused)
         .await
         .unwrap_err();
     assert_eq!(err, AcceptError::Rejected("project blocked".into()));
     let calls = recorder.calls.load(Ordering::SeqCst);
-    let err = accept_cloud_event(&ctx, "acme", &refused)
+    let err = accept_cloud_event(&ctx, &poster("acme"), &refused)
         .await
         .unwrap_err();
     assert_eq!(err, AcceptError::Rejected("project blocked".into()));
@@ -358,11 +374,13 @@ async fn http_events(backend: Backend) {
                "provisioningRunId": "7f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a11",
                "decision": "approve", "decidedBy": "bob"}),
     ));
-    let err = accept_cloud_event(&ctx, "acme", &approval)
+    let err = accept_cloud_event(&ctx, &poster("acme"), &approval)
         .await
         .unwrap_err();
     assert_eq!(err.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
-    let done = accept_cloud_event(&ctx, "acme", &approval).await.unwrap();
+    let done = accept_cloud_event(&ctx, &poster("acme"), &approval)
+        .await
+        .unwrap();
     assert!(!done.duplicate);
 
     let letters = dead_letters(&t.db, 10).await.unwrap();
@@ -384,4 +402,118 @@ async fn cloud_events_over_http_on_postgres() {
 #[tokio::test]
 async fn cloud_events_over_http_on_sqlite() {
     http_events(Backend::Sqlite).await;
+}
+
+/// Records a run for each ReleaseReady it handles, committing the effect with the message's
+/// mark; before its first commit it lets another delivery take the claim over.
+struct RunRecorder {
+    db: ferry_store::Database,
+    runs: ferry_store::Repository<ferry_domain::run::ProvisioningRun>,
+    take_over_first: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl InboundHandler for RunRecorder {
+    async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
+        if self.take_over_first.swap(false, Ordering::SeqCst) {
+            // Another delivery takes over the claim while this one still works.
+            ferry_store::on_pool!(self.db, pool => sqlx::query(
+                "UPDATE inbound_messages SET claim_token = 'another-delivery'"
+            ).execute(pool).await.unwrap().rows_affected());
+        }
+        let key = format!("{} {}", event.source, event.id);
+        let id = ferry_domain::ProvisioningRunId::for_idempotency_key(&event.tenant_id, &key);
+        self.runs
+            .execute_linked(
+                &event.tenant_id,
+                &id.to_string(),
+                run_request(event.tenant_id.as_str(), id, None),
+                &meta(event.tenant_id.as_str()),
+                true,
+                Some(&event.mark),
+            )
+            .await
+            .map_err(|e| InboundError::Transient(e.to_string()))?;
+        Ok(Handled::Recorded)
+    }
+}
+
+async fn run_events(db: &ferry_store::Database) -> i64 {
+    ferry_store::on_pool!(db, pool => sqlx::query_scalar(
+        "SELECT count(*) FROM events WHERE aggregate_type = 'ProvisioningRun'"
+    ).fetch_one(pool).await.unwrap())
+}
+
+async fn effects_commit_with_their_mark(backend: Backend) {
+    let t = TestDatabase::new(backend).await;
+    let handler = Arc::new(RunRecorder {
+        db: t.db.clone(),
+        runs: ferry_store::Repository::new(t.db.clone(), ()),
+        take_over_first: std::sync::atomic::AtomicBool::new(true),
+    });
+    let ctx = InboundContext::new(t.db.clone(), handler.clone());
+    let body = serde_json::to_vec(&cloud_event(
+        "r-1",
+        "ReleaseReady",
+        "acme",
+        release_ready("acme", "payments"),
+    ))
+    .unwrap();
+
+    // The delivery that lost its claim cannot commit its effect: nothing is stored.
+    let err = accept_cloud_event(&ctx, &poster("acme"), &body)
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(run_events(&t.db).await, 0, "no effect without its mark");
+
+    // The claim taken over, then abandoned: once its lease is given back, a redelivery
+    // handles it, and the effect and the mark are stored together.
+    ferry_store::on_pool!(t.db, pool => sqlx::query(
+        "UPDATE inbound_messages SET claimed_until_ms = 0"
+    ).execute(pool).await.unwrap().rows_affected());
+    let done = accept_cloud_event(&ctx, &poster("acme"), &body)
+        .await
+        .unwrap();
+    assert!(!done.duplicate);
+    assert_eq!(run_events(&t.db).await, 1);
+    let status: String = ferry_store::on_pool!(t.db, pool => sqlx::query_scalar(
+        "SELECT status FROM inbound_messages"
+    ).fetch_one(pool).await.unwrap());
+    assert_eq!(status, "done");
+    let again = accept_cloud_event(&ctx, &poster("acme"), &body)
+        .await
+        .unwrap();
+    assert!(again.duplicate);
+    assert_eq!(run_events(&t.db).await, 1);
+
+    // CloudEvents are unique by source and id: the same id from another source is another
+    // message, not a duplicate.
+    let mut other = cloud_event(
+        "r-1",
+        "ReleaseReady",
+        "acme",
+        release_ready("acme", "payments"),
+    );
+    other["source"] = json!("urn:another-release-service");
+    let handled = accept_cloud_event(&ctx, &poster("acme"), &serde_json::to_vec(&other).unwrap())
+        .await
+        .unwrap();
+    assert!(!handled.duplicate);
+    assert_eq!(run_events(&t.db).await, 2);
+    let rows: i64 = ferry_store::on_pool!(t.db, pool => sqlx::query_scalar(
+        "SELECT count(*) FROM inbound_messages WHERE message_id = 'r-1'"
+    ).fetch_one(pool).await.unwrap());
+    assert_eq!(rows, 2, "one row per (source, id)");
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_effect_commits_with_its_mark_on_postgres() {
+    effects_commit_with_their_mark(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn an_effect_commits_with_its_mark_on_sqlite() {
+    effects_commit_with_their_mark(Backend::Sqlite).await;
 }

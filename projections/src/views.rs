@@ -70,6 +70,9 @@ pub struct RunView {
     /// The promotion's approval, or the run-control approval that decided it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<ApprovalId>,
+    /// The promotion's approval as Ferry verified it, when a promotion handed the run over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promotion_approval: Option<ferry_domain::run::PromotionApprovalRecord>,
     /// The state.
     pub state: ProvisioningState,
     /// The plan receipt, once planned.
@@ -126,6 +129,7 @@ impl RunView {
             kind: r.kind,
             promotion_id: r.promotion_id,
             approval_id: r.approval_id,
+            promotion_approval: None,
             state: ProvisioningState::Requested,
             plan_receipt: None,
             approval: None,
@@ -158,6 +162,10 @@ impl RunView {
         self.version += 1;
         let at = match event {
             RunEvent::ProvisioningRequested(r) => r.requested_at,
+            RunEvent::PromotionApprovalVerified(record) => {
+                self.promotion_approval = Some(record.clone());
+                self.updated_at
+            }
             RunEvent::ProvisioningPlanned {
                 plan_receipt,
                 logs_ref,

@@ -57,11 +57,65 @@ pub enum Pool {
     Sqlite(SqlitePool),
 }
 
-/// The store: a pool and a signal raised whenever this process commits events.
+/// The store: a pool, a signal raised whenever this process commits events, and the
+/// health of the subscriptions running in this process.
 #[derive(Clone, Debug)]
 pub struct Database {
     pool: Pool,
     committed: Arc<watch::Sender<u64>>,
+    health: Arc<crate::stream::SubscriptionHealth>,
+}
+
+/// How Ferry's connections behave when the store is slow or busy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// How long a request waits for a free connection before the store counts as
+    /// unavailable (503 with `Retry-After`).
+    pub acquire_timeout: Duration,
+    /// SQLite: how long a writer waits for the write lock before giving up.
+    pub sqlite_busy_timeout: Duration,
+    /// Postgres: sessions of Ferry's that sit idle inside a transaction longer than this are
+    /// ended by the server, so that one forgotten transaction cannot hold back every
+    /// subscription of the global stream.
+    pub idle_in_transaction_timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            acquire_timeout: Duration::from_secs(10),
+            sqlite_busy_timeout: Duration::from_secs(15),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// True when `error` says the store cannot serve the request right now (unreachable,
+/// overloaded, locked, shutting down) rather than that the request or Ferry is wrong: such
+/// errors are answered 503 with `Retry-After` and retried by workers.
+pub fn is_unavailable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code();
+            let code = code.as_deref().unwrap_or_default();
+            // SQLite: BUSY (5) and LOCKED (6), with their extended codes (x + 256·n).
+            let sqlite_busy = code.parse::<i64>().is_ok_and(|c| matches!(c & 0xff, 5 | 6));
+            // Postgres: connection exceptions (08), insufficient resources (53), operator
+            // intervention (57: shutdown, cannot connect now), lock not available (55P03).
+            let postgres = code.len() == 5
+                && (code.starts_with("08")
+                    || code.starts_with("53")
+                    || code.starts_with("57")
+                    || code == "55P03");
+            sqlite_busy || postgres
+        }
+        _ => false,
+    }
 }
 
 /// Removes the password from a URL before it is shown.
@@ -79,17 +133,30 @@ pub fn redact_url(url: &str) -> String {
 }
 
 impl Database {
-    /// Connects to Postgres at `url`.
+    /// Connects to Postgres at `url` with the default [`StoreOptions`].
     pub async fn connect_postgres(url: &str) -> Result<Self, DatabaseError> {
+        Self::connect_postgres_with(url, &StoreOptions::default()).await
+    }
+
+    /// Connects to Postgres at `url`.
+    pub async fn connect_postgres_with(
+        url: &str,
+        options: &StoreOptions,
+    ) -> Result<Self, DatabaseError> {
+        let connect_err = |source| DatabaseError::Connect {
+            target: redact_url(url),
+            source,
+        };
+        let idle_ms = options.idle_in_transaction_timeout.as_millis().to_string();
+        let connect = sqlx::postgres::PgConnectOptions::from_str(url)
+            .map_err(connect_err)?
+            .options([("idle_in_transaction_session_timeout", idle_ms.as_str())]);
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(url)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect)
             .await
-            .map_err(|source| DatabaseError::Connect {
-                target: redact_url(url),
-                source,
-            })?;
+            .map_err(connect_err)?;
         Ok(Self::from_pool(Pool::Postgres(pool)))
     }
 
@@ -102,8 +169,28 @@ impl Database {
         Self::open_sqlite_file(&data_dir.join("ferry.db")).await
     }
 
-    /// Opens (creating if needed) an SQLite database file.
+    /// Opens (creating if needed) an SQLite database file with the default [`StoreOptions`].
     pub async fn open_sqlite_file(path: &Path) -> Result<Self, DatabaseError> {
+        Self::open_sqlite_file_with(path, &StoreOptions::default()).await
+    }
+
+    /// Opens (creating if needed) `ferry.db` in `data_dir`, in WAL mode, with `options`.
+    pub async fn open_sqlite_with(
+        data_dir: &Path,
+        options: &StoreOptions,
+    ) -> Result<Self, DatabaseError> {
+        std::fs::create_dir_all(data_dir).map_err(|source| DatabaseError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+        Self::open_sqlite_file_with(&data_dir.join("ferry.db"), options).await
+    }
+
+    /// Opens (creating if needed) an SQLite database file.
+    pub async fn open_sqlite_file_with(
+        path: &Path,
+        store: &StoreOptions,
+    ) -> Result<Self, DatabaseError> {
         let target = path.display().to_string();
         let options = SqliteConnectOptions::from_str(&format!("sqlite://{target}"))
             .map_err(|source| DatabaseError::Connect {
@@ -113,10 +200,11 @@ impl Database {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(15))
+            .busy_timeout(store.sqlite_busy_timeout)
             .foreign_keys(true);
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
+            .acquire_timeout(store.acquire_timeout)
             .connect_with(options)
             .await
             .map_err(|source| DatabaseError::Connect { target, source })?;
@@ -128,7 +216,14 @@ impl Database {
         Self {
             pool,
             committed: Arc::new(watch::channel(0).0),
+            health: Arc::default(),
         }
+    }
+
+    /// What the subscriptions of this process report about themselves (e.g. stuck on an
+    /// event they cannot handle), for readiness and metrics.
+    pub fn subscription_health(&self) -> &crate::stream::SubscriptionHealth {
+        &self.health
     }
 
     /// Applies the migrations of `migrations/postgres` or `migrations/sqlite`.

@@ -1,5 +1,9 @@
 //! `Idempotency-Key` for command POSTs: the first request with a key records its body hash;
 //! a retry with the same body returns the first response; another body is refused.
+//!
+//! A reservation belongs to the request that made it (`owner`): only that request may give
+//! it back after a failure, so a concurrent retry that fails can never free the key under
+//! the first request.
 
 use crate::database::Database;
 use serde_json::Value;
@@ -20,7 +24,8 @@ pub enum KeyState {
     Mismatch,
 }
 
-/// Reserves `key` for this request or reports what it was used for.
+/// Reserves `key` for this request (`owner`, e.g. its request id) or reports what it was
+/// used for.
 pub async fn reserve(
     db: &Database,
     tenant: &str,
@@ -28,13 +33,14 @@ pub async fn reserve(
     operation: &str,
     request_hash: &str,
     resource_id: &str,
+    owner: &str,
 ) -> Result<KeyState, sqlx::Error> {
     let insert = db.sql(
-        "INSERT INTO idempotency_keys (tenant_id, idempotency_key, operation, request_hash, resource_id)
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (tenant_id, idempotency_key) DO NOTHING",
+        "INSERT INTO idempotency_keys (tenant_id, idempotency_key, operation, request_hash, resource_id, owner)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant_id, idempotency_key) DO NOTHING",
     );
     let inserted = crate::on_pool!(db, pool => sqlx::query(&insert)
-        .bind(tenant).bind(key).bind(operation).bind(request_hash).bind(resource_id)
+        .bind(tenant).bind(key).bind(operation).bind(request_hash).bind(resource_id).bind(owner)
         .execute(pool).await?.rows_affected());
     if inserted == 1 {
         return Ok(KeyState::Fresh);
@@ -64,7 +70,8 @@ pub async fn reserve(
     })
 }
 
-/// Stores the response of the first request with `key`.
+/// Stores the response of the first request with `key` (the first recorded response wins:
+/// every request that may record one ran the same command with the same body).
 pub async fn record_response(
     db: &Database,
     tenant: &str,
@@ -74,7 +81,7 @@ pub async fn record_response(
 ) -> Result<(), sqlx::Error> {
     let update = db.sql(
         "UPDATE idempotency_keys SET response_status = $3, response_body = $4
-          WHERE tenant_id = $1 AND idempotency_key = $2",
+          WHERE tenant_id = $1 AND idempotency_key = $2 AND response_status IS NULL",
     );
     crate::on_pool!(db, pool => sqlx::query(&update)
         .bind(tenant).bind(key).bind(i32::from(status)).bind(sqlx::types::Json(body))
@@ -82,11 +89,19 @@ pub async fn record_response(
     Ok(())
 }
 
-/// Frees `key` after its first request failed, so that a retry runs again.
-pub async fn release(db: &Database, tenant: &str, key: &str) -> Result<(), sqlx::Error> {
+/// Frees `key` after the request that reserved it (`owner`) failed, so that a retry runs
+/// again. A request that did not reserve the key frees nothing.
+pub async fn release(
+    db: &Database,
+    tenant: &str,
+    key: &str,
+    owner: &str,
+) -> Result<(), sqlx::Error> {
     let delete = db.sql(
-        "DELETE FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2 AND response_status IS NULL",
+        "DELETE FROM idempotency_keys
+          WHERE tenant_id = $1 AND idempotency_key = $2 AND owner = $3 AND response_status IS NULL",
     );
-    crate::on_pool!(db, pool => sqlx::query(&delete).bind(tenant).bind(key).execute(pool).await?.rows_affected());
+    crate::on_pool!(db, pool => sqlx::query(&delete).bind(tenant).bind(key).bind(owner)
+        .execute(pool).await?.rows_affected());
     Ok(())
 }

@@ -17,9 +17,9 @@ pub mod stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use database::{Backend, Database, DatabaseError};
+pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOptions};
 pub use metadata::EventMetadata;
-pub use repository::{CommandError, Executed, Repository};
+pub use repository::{CommandError, Executed, LinkedWrite, Repository};
 pub use stream::{Handler, HandlerError, Param, Position, StoredEvent, Tx};
 
 #[cfg(test)]

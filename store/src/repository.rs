@@ -3,12 +3,18 @@
 //! cqrs-es's `CqrsFramework` is not used because it cannot return the new state and it
 //! dispatches queries in-process (not durable). Instead: load through the plain persisted
 //! event store, check the tenant, handle, commit with metadata, and hand back the state.
+//!
+//! The commit is Ferry's own insert into the same table (the columns postgres-es and
+//! sqlite-es write), so that a [`LinkedWrite`] can commit in the same transaction as the
+//! events: a record that the effect happened (e.g. an inbound message marked handled)
+//! exists exactly when the effect does.
 
-use crate::database::{Database, Pool};
+use crate::database::{is_unavailable, Database, Pool};
 use crate::metadata::EventMetadata;
+use crate::stream::{Param, Tx};
 use cqrs_es::event_sink::EventSink;
-use cqrs_es::persist::{EventStoreAggregateContext, PersistedEventStore};
-use cqrs_es::{Aggregate, AggregateError, EventStore};
+use cqrs_es::persist::PersistedEventStore;
+use cqrs_es::{Aggregate, AggregateError, DomainEvent, EventStore};
 use ferry_domain::{TenantId, TenantOwned};
 use postgres_es::PostgresEventRepository;
 use sqlite_es::SqliteEventRepository;
@@ -40,21 +46,43 @@ impl<E: std::error::Error> From<AggregateError<E>> for CommandError<E> {
             AggregateError::AggregateConflict => Self::Conflict,
             AggregateError::DatabaseConnectionError(e) => Self::Unavailable(e.to_string()),
             AggregateError::DeserializationError(e) => Self::Store(e.to_string()),
-            AggregateError::UnexpectedError(e) => {
-                // sqlite-es only recognises a primary-key violation as a conflict; our
-                // (aggregate, sequence) key is a UNIQUE constraint there.
-                let unique = e
-                    .downcast_ref::<sqlx::Error>()
-                    .and_then(|e| e.as_database_error())
-                    .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation);
-                if unique {
-                    Self::Conflict
-                } else {
-                    Self::Store(e.to_string())
-                }
-            }
+            AggregateError::UnexpectedError(e) => match e.downcast_ref::<sqlx::Error>() {
+                Some(sql) => Self::from_sql(sql),
+                None => Self::Store(e.to_string()),
+            },
         }
     }
+}
+
+impl<E: std::error::Error> CommandError<E> {
+    /// Classifies a store error: a unique violation on the events table is a concurrent
+    /// command; a busy, locked or unreachable store is unavailable (retry later).
+    pub fn from_sql(error: &sqlx::Error) -> Self {
+        let unique = error
+            .as_database_error()
+            .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation);
+        if unique {
+            Self::Conflict
+        } else if is_unavailable(error) {
+            Self::Unavailable(error.to_string())
+        } else {
+            Self::Store(error.to_string())
+        }
+    }
+}
+
+/// A statement committed in the same transaction as a command's events (or alone, when the
+/// command produced none). It must affect exactly `expect_rows` rows, else the whole commit
+/// is rolled back as [`CommandError::Conflict`]: e.g. "mark this inbound message handled,
+/// if the delivery that claimed it still holds the claim".
+#[derive(Debug, Clone)]
+pub struct LinkedWrite {
+    /// The statement, with `$n` placeholders.
+    pub sql: String,
+    /// Its parameters.
+    pub params: Vec<Param>,
+    /// How many rows it must affect.
+    pub expect_rows: u64,
 }
 
 /// The result of a command that took effect.
@@ -157,18 +185,34 @@ where
         metadata: &EventMetadata,
         may_create: bool,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
+        self.execute_linked(tenant, id, command, metadata, may_create, None)
+            .await
+    }
+
+    /// As [`Repository::execute`], committing `linked` in the same transaction as the
+    /// command's events.
+    pub async fn execute_linked(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        command: A::Command,
+        metadata: &EventMetadata,
+        may_create: bool,
+        linked: Option<&LinkedWrite>,
+    ) -> Result<Executed<A>, CommandError<A::Error>> {
         match &self.store {
             Store::Postgres(s) => {
-                self.execute_in(s, tenant, id, command, metadata, may_create)
+                self.execute_in(s, tenant, id, command, metadata, may_create, linked)
                     .await
             }
             Store::Sqlite(s) => {
-                self.execute_in(s, tenant, id, command, metadata, may_create)
+                self.execute_in(s, tenant, id, command, metadata, may_create, linked)
                     .await
             }
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn execute_in<R: cqrs_es::persist::PersistedEventRepository>(
         &self,
         store: &PersistedEventStore<R, A>,
@@ -177,6 +221,7 @@ where
         command: A::Command,
         metadata: &EventMetadata,
         may_create: bool,
+        linked: Option<&LinkedWrite>,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
         // Load the events ourselves (not `load_aggregate`) so the caller also gets the
         // history, e.g. to fold the view it returns.
@@ -203,16 +248,11 @@ where
             .map_err(CommandError::Domain)?;
         let events = sink.collect().await;
         let sequence = current_sequence + events.len();
-        if !events.is_empty() {
-            let context = EventStoreAggregateContext {
-                aggregate_id: id.to_string(),
-                aggregate: aggregate.clone(),
-                current_sequence,
-                current_snapshot: None,
-            };
-            store
-                .commit(events.clone(), context, metadata.to_map())
+        if !events.is_empty() || linked.is_some() {
+            self.commit(id, current_sequence, &events, metadata, linked)
                 .await?;
+        }
+        if !events.is_empty() {
             self.db.signal_commit();
             history.extend(events.iter().cloned());
         }
@@ -222,5 +262,49 @@ where
             events,
             history,
         })
+    }
+
+    /// Inserts `events` after `current_sequence` (the columns postgres-es and sqlite-es
+    /// write; the stream columns take their defaults) and runs `linked`, in one transaction.
+    /// The events are the transaction's first write (the global stream relies on it).
+    async fn commit(
+        &self,
+        id: &str,
+        current_sequence: usize,
+        events: &[A::Event],
+        metadata: &EventMetadata,
+        linked: Option<&LinkedWrite>,
+    ) -> Result<(), CommandError<A::Error>> {
+        let sql = |e: sqlx::Error| CommandError::from_sql(&e);
+        let serialize = |e: serde_json::Error| CommandError::Store(e.to_string());
+        let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
+        let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
+        for (offset, event) in events.iter().enumerate() {
+            let sequence = i64::try_from(current_sequence + offset + 1)
+                .map_err(|e| CommandError::Store(e.to_string()))?;
+            tx.execute(
+                "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                &[
+                    Param::Text(Some(A::TYPE.to_string())),
+                    Param::Text(Some(id.to_string())),
+                    Param::Int(Some(sequence)),
+                    Param::Text(Some(event.event_type())),
+                    Param::Text(Some(event.event_version())),
+                    Param::Json(Some(serde_json::to_value(event).map_err(serialize)?)),
+                    Param::Json(Some(metadata.clone())),
+                ],
+            )
+            .await
+            .map_err(sql)?;
+        }
+        if let Some(write) = linked {
+            let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
+            if affected != write.expect_rows {
+                // Dropping the transaction rolls the events back with it.
+                return Err(CommandError::Conflict);
+            }
+        }
+        tx.commit().await.map_err(sql)
     }
 }

@@ -384,6 +384,89 @@ pub async fn subscription_status(db: &Database) -> Result<Vec<SubscriptionStatus
     Ok(out)
 }
 
+/// A transaction that holds the global stream back: on Postgres readers only take events
+/// older than the oldest running transaction, so while it runs, every event committed after
+/// it started waits, on every instance.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamHolder {
+    /// The backend's process id (`pg_terminate_backend(pid)` ends it), or `None` for a
+    /// prepared transaction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    /// The prepared transaction's id, for a prepared transaction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prepared_gid: Option<String>,
+    /// The database it runs in (any database of the server holds Ferry's stream back).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub database: Option<String>,
+    /// Its `application_name`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub application: Option<String>,
+    /// `active`, `idle in transaction`, …
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// How long its transaction has run, in seconds.
+    pub age_seconds: f64,
+    /// Events already committed that wait behind it.
+    pub waiting_events: i64,
+}
+
+/// The transaction holding the global stream back, if one has run longer than `threshold`
+/// (Postgres only; SQLite has a single writer and no such hold).
+pub async fn stream_holder(
+    db: &Database,
+    threshold: Duration,
+) -> Result<Option<StreamHolder>, sqlx::Error> {
+    let Pool::Postgres(pool) = db.pool() else {
+        return Ok(None);
+    };
+    type Row = (
+        Option<i32>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        f64,
+        i64,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "WITH horizon AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin),
+              holders AS (
+                SELECT a.pid, NULL::text AS gid, a.datname::text AS datname,
+                       a.application_name::text AS app, a.state::text AS state, a.xact_start AS since
+                  FROM pg_stat_activity a, horizon h
+                 WHERE a.backend_xid IS NOT NULL
+                   AND a.backend_xid::text::bigint = h.xmin::text::bigint % 4294967296
+                UNION ALL
+                SELECT NULL, p.gid, p.database::text, NULL, 'prepared', p.prepared
+                  FROM pg_prepared_xacts p, horizon h
+                 WHERE p.transaction::text::bigint = h.xmin::text::bigint % 4294967296)
+         SELECT pid, gid, datname, app, state,
+                EXTRACT(EPOCH FROM (now() - since))::float8 AS age,
+                (SELECT count(*) FROM events e, horizon h WHERE e.transaction_id >= h.xmin) AS waiting
+           FROM holders
+          WHERE since < now() - make_interval(secs => $1)
+          ORDER BY since LIMIT 1",
+    )
+    .bind(threshold.as_secs_f64())
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(
+        |(pid, prepared_gid, database, application, state, age_seconds, waiting_events)| {
+            StreamHolder {
+                pid,
+                prepared_gid,
+                database,
+                application,
+                state,
+                age_seconds,
+                waiting_events,
+            }
+        },
+    ))
+}
+
 /// What a subscription does with each event, inside the batch's transaction.
 #[async_trait::async_trait]
 pub trait Handler: Send + Sync {
@@ -409,6 +492,108 @@ pub enum HandlerError {
         /// Why.
         reason: String,
     },
+    /// The handler failed on this event; the batch was rolled back and nothing is skipped.
+    #[error("event {event_id} ({event_type}) at position {}: {source}", .position.global_position)]
+    AtEvent {
+        /// Where the event is.
+        position: Position,
+        /// Its id.
+        event_id: Uuid,
+        /// Its type.
+        event_type: String,
+        /// What the handler said.
+        source: Box<HandlerError>,
+    },
+}
+
+/// A subscription that keeps failing on the same event: it retries, never skips, and says
+/// so in `/readyz`, the log and the metrics until the event is handled.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubscriptionProblem {
+    /// The subscription.
+    pub name: String,
+    /// The failing event's position, when the failure is tied to one event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub position: Option<Position>,
+    /// The failing event's id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<Uuid>,
+    /// Its type.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_type: Option<String>,
+    /// The last error.
+    pub error: String,
+    /// Consecutive failed attempts.
+    pub attempts: u64,
+    /// When the first of them failed.
+    pub since: DateTime<Utc>,
+}
+
+/// The problems of the subscriptions running in this process (shared by every clone of the
+/// [`Database`]).
+#[derive(Debug, Default)]
+pub struct SubscriptionHealth {
+    problems: std::sync::Mutex<std::collections::BTreeMap<String, SubscriptionProblem>>,
+}
+
+impl SubscriptionHealth {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, SubscriptionProblem>> {
+        // A panic while holding this lock leaves a consistent map: take it over.
+        self.problems
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a failed attempt of subscription `name`; returns the problem as it stands.
+    pub fn failed(&self, name: &str, error: &HandlerError) -> SubscriptionProblem {
+        let (position, event_id, event_type) = match error {
+            HandlerError::AtEvent {
+                position,
+                event_id,
+                event_type,
+                ..
+            } => (Some(*position), Some(*event_id), Some(event_type.clone())),
+            _ => (None, None, None),
+        };
+        let mut problems = self.lock();
+        let problem = problems
+            .entry(name.to_string())
+            .and_modify(|p| {
+                if p.event_id != event_id {
+                    // A different event fails now: the count starts again.
+                    p.attempts = 0;
+                    p.since = Utc::now();
+                }
+                p.attempts += 1;
+                p.error = error.to_string();
+                p.position = position;
+                p.event_id = event_id;
+                p.event_type = event_type.clone();
+            })
+            .or_insert_with(|| SubscriptionProblem {
+                name: name.to_string(),
+                position,
+                event_id,
+                event_type: event_type.clone(),
+                error: error.to_string(),
+                attempts: 1,
+                since: Utc::now(),
+            });
+        problem.clone()
+    }
+
+    /// Subscription `name` handled a batch (or had nothing to do): it is healthy again.
+    pub fn recovered(&self, name: &str) -> Option<SubscriptionProblem> {
+        self.lock().remove(name)
+    }
+
+    /// Every current problem, by subscription name.
+    pub fn problems(&self) -> Vec<SubscriptionProblem> {
+        self.lock().values().cloned().collect()
+    }
 }
 
 /// How many events one transaction handles at most.
@@ -424,7 +609,15 @@ pub async fn run_batch(db: &Database, handler: &dyn Handler) -> Result<usize, Ha
         return Ok(0);
     };
     for event in &events {
-        handler.handle(&mut tx, event).await?;
+        handler
+            .handle(&mut tx, event)
+            .await
+            .map_err(|source| HandlerError::AtEvent {
+                position: event.position,
+                event_id: event.event_id,
+                event_type: event.event_type.clone(),
+                source: Box::new(source),
+            })?;
     }
     tx.save_checkpoint(handler.name(), last).await?;
     tx.commit().await?;
@@ -444,9 +637,26 @@ pub async fn catch_up(db: &Database, handler: &dyn Handler) -> Result<usize, Han
 }
 
 /// Runs a subscription until `shutdown` turns true: catch up, then wait for a commit signal
-/// (in-process or Postgres NOTIFY) or the poll interval. Errors are logged and retried with
-/// a growing pause, so one bad moment of the database does not stop the subscription.
+/// (in-process or Postgres NOTIFY) or the poll interval. Errors are retried with a growing
+/// pause, so one bad moment of the database does not stop the subscription; an event that
+/// keeps failing is never skipped: the subscription reports itself stuck on it (the log, the
+/// database's [`SubscriptionHealth`], hence `/readyz` and the metrics) until it goes through.
 pub async fn run_subscription(
+    db: Database,
+    handler: Arc<dyn Handler>,
+    poll: Duration,
+    shutdown: watch::Receiver<bool>,
+    progress: Option<watch::Sender<u64>>,
+) {
+    let span = tracing::info_span!("subscription", name = handler.name());
+    tracing::Instrument::instrument(
+        subscription_loop(db, handler, poll, shutdown, progress),
+        span,
+    )
+    .await
+}
+
+async fn subscription_loop(
     db: Database,
     handler: Arc<dyn Handler>,
     poll: Duration,
@@ -455,8 +665,6 @@ pub async fn run_subscription(
 ) {
     let mut commits = db.subscribe_commits();
     let mut backoff = Duration::from_millis(100);
-    let span = tracing::info_span!("subscription", name = handler.name());
-    let _guard = span.enter();
     loop {
         if *shutdown.borrow() {
             return;
@@ -464,6 +672,9 @@ pub async fn run_subscription(
         match catch_up(&db, handler.as_ref()).await {
             Ok(n) => {
                 backoff = Duration::from_millis(100);
+                if let Some(problem) = db.subscription_health().recovered(handler.name()) {
+                    tracing::info!(attempts = problem.attempts, "subscription recovered");
+                }
                 if n > 0 {
                     tracing::debug!(events = n, "handled");
                     if let Some(p) = &progress {
@@ -472,7 +683,15 @@ pub async fn run_subscription(
                 }
             }
             Err(error) => {
-                tracing::error!(%error, retry_in_ms = backoff.as_millis() as u64, "subscription batch failed");
+                let problem = db.subscription_health().failed(handler.name(), &error);
+                tracing::error!(
+                    %error,
+                    attempts = problem.attempts,
+                    event_id = ?problem.event_id,
+                    position = ?problem.position.map(|p| p.global_position),
+                    retry_in_ms = backoff.as_millis() as u64,
+                    "subscription is stuck: batch failed, nothing skipped; retrying"
+                );
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = shutdown.changed() => {}

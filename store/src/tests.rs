@@ -288,13 +288,13 @@ async fn idempotency_keys_replay_or_refuse() {
         let t = TestDatabase::new(backend).await;
         let db = &t.db;
         assert_eq!(
-            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1", "req-1")
                 .await
                 .unwrap(),
             KeyState::Fresh
         );
         assert_eq!(
-            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1", "req-1")
                 .await
                 .unwrap(),
             KeyState::Replay {
@@ -307,7 +307,7 @@ async fn idempotency_keys_replay_or_refuse() {
             .await
             .unwrap();
         assert_eq!(
-            idempotency::reserve(db, "a", "k1", "op", "h1", "r1")
+            idempotency::reserve(db, "a", "k1", "op", "h1", "r1", "req-1")
                 .await
                 .unwrap(),
             KeyState::Replay {
@@ -316,18 +316,48 @@ async fn idempotency_keys_replay_or_refuse() {
             }
         );
         assert_eq!(
-            idempotency::reserve(db, "a", "k1", "op", "h2", "r1")
+            idempotency::reserve(db, "a", "k1", "op", "h2", "r1", "req-3")
                 .await
                 .unwrap(),
             KeyState::Mismatch
         );
         // Keys are per tenant.
         assert_eq!(
-            idempotency::reserve(db, "b", "k1", "op", "h2", "r2")
+            idempotency::reserve(db, "b", "k1", "op", "h2", "r2", "req-4")
                 .await
                 .unwrap(),
             KeyState::Fresh
         );
+        t.cleanup().await;
+    }
+}
+
+#[tokio::test]
+async fn an_idempotency_reservation_belongs_to_the_request_that_made_it() {
+    for backend in BOTH {
+        let t = TestDatabase::new(backend).await;
+        let db = &t.db;
+        let reserve = |owner: &'static str, hash: &'static str| async move {
+            idempotency::reserve(db, "a", "k", "PlanProvisioning", hash, "run-1", owner)
+                .await
+                .unwrap()
+        };
+        assert_eq!(reserve("first", "h1").await, KeyState::Fresh);
+        // A concurrent retry of the same body sees the reservation, fails, and cleans up:
+        // its clean-up must not free the first request's key.
+        assert!(matches!(
+            reserve("second", "h1").await,
+            KeyState::Replay { response: None, .. }
+        ));
+        idempotency::release(db, "a", "k", "second").await.unwrap();
+        assert_eq!(
+            reserve("third", "h2").await,
+            KeyState::Mismatch,
+            "another body with the key is refused while the first request holds it"
+        );
+        // The owner may give it back after its own failure.
+        idempotency::release(db, "a", "k", "first").await.unwrap();
+        assert_eq!(reserve("fourth", "h2").await, KeyState::Fresh);
         t.cleanup().await;
     }
 }

@@ -13,6 +13,7 @@ pub const KEY: &str = "ferry-end-to-end-test-key-0123456789abcdef";
 
 pub const READ: &str = "factory.provisioning.read";
 pub const APPLY: &str = "factory.provisioning.apply";
+pub const PUBLISH: &str = "factory.events.publish";
 
 /// A Ferry server on its own database, reached over real HTTP.
 pub struct TestServer {
@@ -126,6 +127,11 @@ pub fn token(tenant: &str, sub: &str, scopes: &[&str], roles: &[&str]) -> String
         Duration::from_secs(600),
     )
     .unwrap()
+}
+
+/// A service identity that may post other services' events (no human role).
+pub fn service(tenant: &str, sub: &str) -> String {
+    token(tenant, sub, &[PUBLISH], &[])
 }
 
 /// An Operator with both scopes.

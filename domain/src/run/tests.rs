@@ -340,16 +340,96 @@ fn a_production_release_needs_the_promotions_approval() {
             "a production release apply needs the promotion's approval".to_string(),
         ));
 
-    let mut carried = prod_release();
-    carried.promotion_id = Some(PromotionId::from_uuid(uuid::Uuid::from_u128(1)));
-    carried.approval_id = Some(ApprovalId::from_uuid(uuid::Uuid::from_u128(2)));
+    let (carried, record) = handed_over();
     Fixture::with(())
-        .given(vec![requested(carried), planned(receipt(0, None))])
+        .given(vec![
+            requested(carried),
+            RunEvent::PromotionApprovalVerified(record),
+            planned(receipt(0, None)),
+        ])
         .when(RunCommand::StartApply { at: at(3) })
         .then_expect_events(vec![started(ApplyAuthorization::PromotionApproval {
             promotion_id: PromotionId::from_uuid(uuid::Uuid::from_u128(1)),
             approval_id: ApprovalId::from_uuid(uuid::Uuid::from_u128(2)),
         })]);
+}
+
+/// A release run handed over by promotion 1 with its approval 2, and that approval.
+fn handed_over() -> (RunRequest, PromotionApprovalRecord) {
+    let mut carried = prod_release();
+    carried.promotion_id = Some(PromotionId::from_uuid(uuid::Uuid::from_u128(1)));
+    carried.approval_id = Some(ApprovalId::from_uuid(uuid::Uuid::from_u128(2)));
+    let record = PromotionApprovalRecord {
+        promotion_id: PromotionId::from_uuid(uuid::Uuid::from_u128(1)),
+        approval_id: ApprovalId::from_uuid(uuid::Uuid::from_u128(2)),
+        tenant_id: carried.tenant_id.clone(),
+        environment_id: carried.environment_id.clone(),
+        approved_by: actor("bob"),
+        approved_at: at(0),
+    };
+    (carried, record)
+}
+
+#[test]
+fn a_caller_cannot_attach_a_promotions_approval_to_a_run() {
+    // Built without the API: the domain itself refuses an approval it did not verify.
+    let (forged, _) = handed_over();
+    Fixture::with(())
+        .given_no_previous_events()
+        .when(RunCommand::Request(Box::new(forged.clone())))
+        .then_expect_error(RunError::UnverifiedPromotionApproval);
+
+    // A run stored with the ids but without the verified approval (recorded before this
+    // rule, or by a bug) still waits for a person in production.
+    Fixture::with(())
+        .given(vec![requested(forged), planned(receipt(0, None))])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_error(RunError::ApprovalRequired(
+            "a production release apply needs the promotion's approval".to_string(),
+        ));
+}
+
+#[test]
+fn a_promotions_hand_off_records_its_verified_approval() {
+    let (carried, record) = handed_over();
+    Fixture::with(())
+        .given_no_previous_events()
+        .when(RunCommand::RequestForPromotion {
+            request: Box::new(carried.clone()),
+            approval: Box::new(VerifiedPromotionApproval::new(record.clone())),
+        })
+        .then_expect_events(vec![
+            requested(carried.clone()),
+            RunEvent::PromotionApprovalVerified(record.clone()),
+        ]);
+
+    // The approval must be for exactly this tenant, environment, promotion and approval.
+    type Change = fn(&mut PromotionApprovalRecord);
+    let cases: [(&str, Change); 4] = [
+        ("tenant", |r| {
+            r.tenant_id = TenantId::parse("globex").unwrap()
+        }),
+        ("environment", |r| {
+            r.environment_id = EnvironmentId::parse("other-prod").unwrap()
+        }),
+        ("promotion", |r| {
+            r.promotion_id = PromotionId::from_uuid(uuid::Uuid::from_u128(99))
+        }),
+        ("approval", |r| {
+            r.approval_id = ApprovalId::from_uuid(uuid::Uuid::from_u128(99))
+        }),
+    ];
+    for (what, change) in cases {
+        let mut other = record.clone();
+        change(&mut other);
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(RunCommand::RequestForPromotion {
+                request: Box::new(carried.clone()),
+                approval: Box::new(VerifiedPromotionApproval::new(other)),
+            })
+            .then_expect_error(RunError::PromotionApprovalMismatch(what));
+    }
 }
 
 #[test]

@@ -3,39 +3,42 @@
 //! dead-letter path for both.
 //!
 //! For each message: parse the CloudEvent, identify the event (NATS subject, or the
-//! CloudEvent `type` over HTTP: the subject or the event name), decode the typed payload,
-//! check that the payload's tenant is the envelope's, claim the message id in
-//! `inbound_messages`, call the [`InboundHandler`], and mark it `done`. A malformed or unknown
-//! message, or one the handler refuses for good, is dead-lettered with its reason and
-//! terminated (never redelivered); a transient failure gives the claim back and is retried.
+//! CloudEvent `type` over HTTP: the subject or the event name), check that its `source` is
+//! trusted for it ([`TrustedSources`]), decode the typed payload, check that the payload's
+//! tenant is the envelope's, claim (tenant, source, id) in `inbound_messages`, call the
+//! [`InboundHandler`], and mark it `done`. A malformed, unknown or untrusted message, or one
+//! the handler refuses for good, is dead-lettered with its reason and terminated (never
+//! redelivered); a transient failure gives the claim back and is retried.
 //!
-//! Exactly-once effect: the mark and the handler's commands are in different transactions,
-//! so a crash right after the handler succeeded leaves the claim `processing`; after its
-//! lease the message is handled again. Handlers must therefore be idempotent (e.g. derive
-//! command ids from [`InboundEnvelope::id`]); the table guarantees that a message marked
-//! handled never reaches the handler again and that two deliveries never run at once.
+//! Exactly-once effect: the handler commits its command together with
+//! [`InboundEnvelope::mark`] (one transaction), so the effect and the "handled" record exist
+//! together or not at all, and a delivery whose claim was taken over cannot commit. A
+//! message handled is acknowledged as a duplicate when it comes again, and so is a message
+//! whose effect the handler finds already recorded (the same approval under another id).
 
 mod events;
 mod nats;
 pub mod store;
+pub mod trust;
 
 pub use events::{
     inbound_name, ApprovalDecided, ApprovalDecision, EnvironmentCreated, EnvironmentStateChanged,
     InboundEvent, PromotionApproved, ReleaseReady, ReleaseWithdrawn, INBOUND,
 };
 pub use nats::{Inbound, InboundConfig, InboundStartError};
+pub use trust::{TrustedSources, TrustedSourcesError};
 
 use crate::cloudevent::CloudEvent;
 use chrono::{DateTime, Utc};
-use ferry_domain::TenantId;
-use ferry_store::Database;
+use ferry_domain::{Actor, TenantId};
+use ferry_store::{Database, LinkedWrite};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use store::{Claim, DeadLetter};
+use store::{Claim, DeadLetter, MessageKey};
 
 /// One inbound event handed to the integrator.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct InboundEnvelope {
     /// The CloudEvent id (unique per source); use it to derive idempotent command ids.
     pub id: String,
@@ -51,8 +54,25 @@ pub struct InboundEnvelope {
     pub correlation_id: Option<String>,
     /// `nats` or `http`.
     pub via: &'static str,
+    /// Who sent it, recorded as the actor of its effects: the token's subject over HTTP,
+    /// `nats:<source>` over NATS.
+    pub actor: Actor,
+    /// Marks the message handled: commit it in the same transaction as the effect.
+    pub mark: LinkedWrite,
     /// The typed event.
     pub event: InboundEvent,
+}
+
+/// How a handler dealt with an event it accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handled {
+    /// Its effect was committed together with [`InboundEnvelope::mark`].
+    Recorded,
+    /// It needs nothing done (e.g. an event Ferry only logs): mark it handled.
+    NothingToDo,
+    /// Its effect was already recorded (the same decision under another message id): mark
+    /// it handled and report a duplicate.
+    AlreadyRecorded,
 }
 
 /// How a handler failed.
@@ -67,12 +87,12 @@ pub enum InboundError {
     Transient(String),
 }
 
-/// What the integrator implements: apply one inbound event. Must be idempotent per
-/// [`InboundEnvelope::id`] (see the module documentation).
+/// What the integrator implements: apply one inbound event, committing its effect with
+/// [`InboundEnvelope::mark`] (see the module documentation).
 #[async_trait::async_trait]
 pub trait InboundHandler: Send + Sync {
     /// Applies the event.
-    async fn handle(&self, event: InboundEnvelope) -> Result<(), InboundError>;
+    async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError>;
 }
 
 /// Counters of inbound processing, for `/metrics` and tests.
@@ -90,6 +110,8 @@ pub struct InboundMetrics {
     pub transient_failures: AtomicU64,
     /// HTTP posts refused because their tenant is not the caller's.
     pub forbidden: AtomicU64,
+    /// Messages refused because their source is not trusted for them.
+    pub untrusted: AtomicU64,
 }
 
 impl InboundMetrics {
@@ -126,6 +148,11 @@ impl InboundMetrics {
                 "HTTP events of another tenant than the caller's.",
                 &self.forbidden,
             ),
+            (
+                "ferry_inbound_untrusted_total",
+                "Messages whose CloudEvent source is not trusted for them.",
+                &self.untrusted,
+            ),
         ];
         let mut out = String::new();
         for (name, help, value) in rows {
@@ -149,18 +176,36 @@ pub struct InboundContext {
     pub metrics: Arc<InboundMetrics>,
     /// How long one handler call may hold a message (then it counts as abandoned).
     pub lease: Duration,
+    /// The sources trusted per event.
+    pub trusted: TrustedSources,
 }
 
 impl InboundContext {
-    /// A context with a five-minute lease.
+    /// A context with a five-minute lease that trusts any source.
     pub fn new(db: Database, handler: Arc<dyn InboundHandler>) -> Self {
         Self {
             db,
             handler,
             metrics: Arc::new(InboundMetrics::default()),
             lease: Duration::from_secs(300),
+            trusted: TrustedSources::any(),
         }
     }
+
+    /// The same, trusting only `trusted`.
+    pub fn with_trusted_sources(mut self, trusted: TrustedSources) -> Self {
+        self.trusted = trusted;
+        self
+    }
+}
+
+/// The verified caller of `POST /factory/events`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poster {
+    /// The token's tenant: the event must be for it.
+    pub tenant: TenantId,
+    /// The token's subject: the actor of the event's effects.
+    pub actor: Actor,
 }
 
 /// A CloudEvent accepted over HTTP.
@@ -181,7 +226,7 @@ pub enum AcceptError {
     /// Not a valid CloudEvent or payload, or an unknown type (dead-lettered): 400.
     #[error("malformed event: {0}")]
     Malformed(String),
-    /// The CloudEvent's tenant is not the caller's: 403.
+    /// The CloudEvent's tenant is not the caller's, or its source is not trusted: 403.
     #[error("{0}")]
     Forbidden(String),
     /// A domain rule refused it (dead-lettered): 422.
@@ -229,14 +274,14 @@ pub(crate) enum Outcome {
     Transient(String),
 }
 
-/// Accepts a CloudEvent posted over HTTP (`POST /factory/events`) by a caller whose token
-/// names `tenant_from_token`: same validation, dedupe and dead-lettering as NATS.
+/// Accepts a CloudEvent posted over HTTP (`POST /factory/events`) by a verified `poster`:
+/// same validation, trust, dedupe and dead-lettering as NATS.
 pub async fn accept_cloud_event(
     ctx: &InboundContext,
-    tenant_from_token: &str,
+    poster: &Poster,
     body: &[u8],
 ) -> Result<Accepted, AcceptError> {
-    match process(ctx, "http", None, Some(tenant_from_token), body).await {
+    match process(ctx, "http", None, Some(poster), body).await {
         Outcome::Handled { id, event } => Ok(Accepted {
             id,
             event: event.to_string(),
@@ -255,17 +300,26 @@ pub async fn accept_cloud_event(
     }
 }
 
-/// Processes one message. `nats_subject` is set for NATS deliveries; `caller_tenant` for
-/// HTTP posts.
+/// The actor recorded for a NATS message's effects.
+fn nats_actor(source: &str) -> Actor {
+    let name: String = format!("nats:{source}").chars().take(256).collect();
+    Actor::parse(name).unwrap_or_else(|_| {
+        Actor::parse("nats:unnamed-source").expect("a constant actor name is valid")
+    })
+}
+
+/// Processes one message. `nats_subject` is set for NATS deliveries; `poster` for HTTP
+/// posts.
 pub(crate) async fn process(
     ctx: &InboundContext,
     via: &'static str,
     nats_subject: Option<&str>,
-    caller_tenant: Option<&str>,
+    poster: Option<&Poster>,
     body: &[u8],
 ) -> Outcome {
     ctx.metrics.received.fetch_add(1, Ordering::Relaxed);
     let fallback_subject = nats_subject.unwrap_or("http:/factory/events");
+    let caller_tenant = poster.map(|p| p.tenant.as_str());
     let dead = |subject: String, id: Option<String>, tenant: Option<String>, reason: String| async move {
         ctx.metrics.dead_lettered.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(via, %subject, id = ?id, %reason, "inbound message dead-lettered");
@@ -325,6 +379,19 @@ pub(crate) async fn process(
         dead(subject, id, tenant, reason.clone()).await;
         return Outcome::Malformed(reason);
     }
+    let canonical_subject = INBOUND
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(subject.as_str(), |(_, s)| *s);
+    if let Err(reason) = ctx.trusted.check(name, canonical_subject, &event.source) {
+        ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
+        if poster.is_some() {
+            // The caller is told; nothing to keep for an operator.
+            return Outcome::Forbidden(reason);
+        }
+        dead(subject, id, tenant, reason.clone()).await;
+        return Outcome::Rejected(reason);
+    }
     let typed = match InboundEvent::decode(name, event.data.clone()) {
         Ok(t) => t,
         Err(reason) => {
@@ -341,17 +408,13 @@ pub(crate) async fn process(
         return Outcome::Malformed(reason);
     }
     let tenant_id = typed.tenant_id().clone();
-    match store::claim(
-        &ctx.db,
-        &tenant_attr,
-        &event.id,
-        &event.source,
-        name,
-        ctx.lease,
-    )
-    .await
-    {
-        Ok(Claim::Claimed) => {}
+    let key = MessageKey {
+        tenant: &tenant_attr,
+        source: &event.source,
+        id: &event.id,
+    };
+    let token = match store::claim(&ctx.db, key, name, ctx.lease).await {
+        Ok(Claim::Claimed(token)) => token,
         Ok(Claim::Done) => {
             ctx.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
             return Outcome::Duplicate {
@@ -370,7 +433,7 @@ pub(crate) async fn process(
                 .fetch_add(1, Ordering::Relaxed);
             return Outcome::Transient(format!("store: {error}"));
         }
-    }
+    };
     let envelope = InboundEnvelope {
         id: event.id.clone(),
         source: event.source.clone(),
@@ -379,46 +442,63 @@ pub(crate) async fn process(
         time: event.time,
         correlation_id: event.correlationid.clone(),
         via,
+        actor: poster.map_or_else(|| nats_actor(&event.source), |p| p.actor.clone()),
+        mark: store::handled_mark(&ctx.db, key, &token),
         event: typed,
     };
     let result = match tokio::time::timeout(ctx.lease, ctx.handler.handle(envelope)).await {
         Ok(r) => r,
         Err(_) => Err(InboundError::Transient("the handler timed out".to_string())),
     };
+    let transient = |reason: String| {
+        ctx.metrics
+            .transient_failures
+            .fetch_add(1, Ordering::Relaxed);
+        Outcome::Transient(reason)
+    };
     match result {
-        Ok(()) => match store::finish(&ctx.db, &tenant_attr, &event.id, None).await {
-            Ok(()) => {
-                ctx.metrics.handled.fetch_add(1, Ordering::Relaxed);
-                Outcome::Handled {
-                    id: event.id,
-                    event: name,
+        Ok(Handled::Recorded) => {
+            ctx.metrics.handled.fetch_add(1, Ordering::Relaxed);
+            Outcome::Handled {
+                id: event.id,
+                event: name,
+            }
+        }
+        Ok(handled @ (Handled::NothingToDo | Handled::AlreadyRecorded)) => {
+            match store::finish(&ctx.db, key, &token, None).await {
+                Ok(true) if handled == Handled::AlreadyRecorded => {
+                    ctx.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
+                    Outcome::Duplicate {
+                        id: event.id,
+                        event: name,
+                    }
                 }
+                Ok(true) => {
+                    ctx.metrics.handled.fetch_add(1, Ordering::Relaxed);
+                    Outcome::Handled {
+                        id: event.id,
+                        event: name,
+                    }
+                }
+                // Another delivery took the claim over: it decides.
+                Ok(false) => Outcome::Busy(event.id),
+                Err(error) => transient(format!("handled, but cannot mark it: {error}")),
             }
-            Err(error) => {
-                // The effect happened; the claim stays `processing` and after its lease a
-                // redelivery reaches the (idempotent) handler again.
-                ctx.metrics
-                    .transient_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                Outcome::Transient(format!("handled, but cannot mark it: {error}"))
-            }
-        },
+        }
         Err(InboundError::Permanent(reason)) => {
-            if let Err(error) = store::finish(&ctx.db, &tenant_attr, &event.id, Some(&reason)).await
-            {
-                tracing::error!(%error, "cannot mark a refused message");
+            match store::finish(&ctx.db, key, &token, Some(&reason)).await {
+                Ok(true) => {}
+                Ok(false) => return Outcome::Busy(event.id),
+                Err(error) => tracing::error!(%error, "cannot mark a refused message"),
             }
             dead(subject, id, tenant, reason.clone()).await;
             Outcome::Rejected(reason)
         }
         Err(InboundError::Transient(reason)) => {
-            ctx.metrics
-                .transient_failures
-                .fetch_add(1, Ordering::Relaxed);
-            if let Err(error) = store::release(&ctx.db, &tenant_attr, &event.id).await {
+            if let Err(error) = store::release(&ctx.db, key, &token).await {
                 tracing::warn!(%error, "cannot release a claim; it expires with its lease");
             }
-            Outcome::Transient(reason)
+            transient(reason)
         }
     }
 }

@@ -1,17 +1,22 @@
 //! The inbound tables: processed messages (dedupe with a lease) and dead letters.
 //!
-//! A message is claimed by inserting its row as `processing` with a lease. A delivery that
-//! finds the row `done` or `rejected` has no effect; one that finds it `processing` waits
-//! unless the lease expired (the worker that claimed it died), then takes it over.
+//! A message is keyed by tenant, CloudEvent `source` and `id` (CloudEvents make the pair
+//! unique). It is claimed by inserting its row as `processing` with a lease and a fresh
+//! claim token. A delivery that finds the row `done` or `rejected` has no effect; one that
+//! finds it `processing` waits unless the lease expired (the worker that claimed it died),
+//! then takes it over with a new token. Marking the message handled
+//! ([`handled_mark`]) is conditioned on the token and committed in the same transaction as
+//! the message's effect, so an effect and its "handled" record exist together or not at all,
+//! and a delivery that lost its claim cannot commit an effect.
 
-use ferry_store::{Database, Param};
+use ferry_store::{Database, LinkedWrite, Param};
 use std::time::Duration;
 
 /// The state of one message after a claim attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// This delivery handles it now.
-    Claimed,
+    /// This delivery handles it now, holding the claim with this token.
+    Claimed(String),
     /// Handled before.
     Done,
     /// Refused before, with the reason.
@@ -39,58 +44,82 @@ async fn execute(db: &Database, sql: &str, params: &[Param]) -> Result<u64, sqlx
     )
 }
 
-/// Claims message `id` of `tenant` for `lease`.
+/// One inbound message: tenant, CloudEvent source and id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageKey<'a> {
+    /// The tenant (`tenantid`).
+    pub tenant: &'a str,
+    /// The CloudEvent `source`.
+    pub source: &'a str,
+    /// The CloudEvent `id`.
+    pub id: &'a str,
+}
+
+impl MessageKey<'_> {
+    fn params(&self) -> [Param; 3] {
+        [
+            Param::Text(Some(self.tenant.to_string())),
+            Param::Text(Some(self.source.to_string())),
+            Param::Text(Some(self.id.to_string())),
+        ]
+    }
+}
+
+/// Claims message `key` for `lease`.
 pub async fn claim(
     db: &Database,
-    tenant: &str,
-    id: &str,
-    source: &str,
+    key: MessageKey<'_>,
     event_type: &str,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
     let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX / 2);
     let until = now_ms().saturating_add(lease_ms);
-    let key = [
-        Param::Text(Some(tenant.to_string())),
-        Param::Text(Some(id.to_string())),
-    ];
+    let token = uuid::Uuid::new_v4().to_string();
+    let [tenant, source, id] = key.params();
     let inserted = execute(
         db,
-        "INSERT INTO inbound_messages (tenant_id, message_id, source, event_type, status, claimed_until_ms)
-         VALUES ($1, $2, $3, $4, 'processing', $5) ON CONFLICT (tenant_id, message_id) DO NOTHING",
+        "INSERT INTO inbound_messages (tenant_id, source, message_id, event_type, status, claimed_until_ms, claim_token)
+         VALUES ($1, $2, $3, $4, 'processing', $5, $6) ON CONFLICT (tenant_id, source, message_id) DO NOTHING",
         &[
-            key[0].clone(),
-            key[1].clone(),
-            Param::Text(Some(source.to_string())),
+            tenant.clone(),
+            source.clone(),
+            id.clone(),
             Param::Text(Some(event_type.to_string())),
             Param::Int(Some(until)),
+            Param::Text(Some(token.clone())),
         ],
     )
     .await?;
     if inserted == 1 {
-        return Ok(Claim::Claimed);
+        return Ok(Claim::Claimed(token));
     }
-    // Take over an abandoned claim; the condition makes this atomic between deliveries.
+    // Take over an abandoned claim with a new token; the condition makes this atomic
+    // between deliveries, and the old holder's mark no longer matches.
     let taken = execute(
         db,
-        "UPDATE inbound_messages SET claimed_until_ms = $3, attempts = attempts + 1
-          WHERE tenant_id = $1 AND message_id = $2 AND status = 'processing' AND claimed_until_ms < $4",
+        "UPDATE inbound_messages SET claimed_until_ms = $4, attempts = attempts + 1, claim_token = $6
+          WHERE tenant_id = $1 AND source = $2 AND message_id = $3 AND status = 'processing'
+            AND claimed_until_ms < $5",
         &[
-            key[0].clone(),
-            key[1].clone(),
+            tenant,
+            source,
+            id,
             Param::Int(Some(until)),
             Param::Int(Some(now_ms())),
+            Param::Text(Some(token.clone())),
         ],
     )
     .await?;
     if taken == 1 {
-        return Ok(Claim::Claimed);
+        return Ok(Claim::Claimed(token));
     }
     let sql = db.sql(
-        "SELECT status, outcome FROM inbound_messages WHERE tenant_id = $1 AND message_id = $2",
+        "SELECT status, outcome FROM inbound_messages
+          WHERE tenant_id = $1 AND source = $2 AND message_id = $3",
     );
     let row: Option<(String, Option<String>)> = ferry_store::on_pool!(db, pool =>
-        sqlx::query_as(&sql).bind(tenant).bind(id).fetch_optional(pool).await?);
+        sqlx::query_as(&sql).bind(key.tenant).bind(key.source).bind(key.id)
+            .fetch_optional(pool).await?);
     Ok(match row {
         Some((status, _)) if status == "done" => Claim::Done,
         Some((status, outcome)) if status == "rejected" => {
@@ -101,49 +130,61 @@ pub async fn claim(
     })
 }
 
-/// Marks a claimed message handled (`done`) or refused (`rejected`, with the reason).
+const MARK: &str = "UPDATE inbound_messages SET status = $5, outcome = $6, processed_at = {now}
+  WHERE tenant_id = $1 AND source = $2 AND message_id = $3 AND claim_token = $4
+    AND status = 'processing'";
+
+fn mark_params(key: MessageKey<'_>, token: &str, rejected: Option<&str>) -> Vec<Param> {
+    let [tenant, source, id] = key.params();
+    vec![
+        tenant,
+        source,
+        id,
+        Param::Text(Some(token.to_string())),
+        Param::Text(Some(
+            if rejected.is_some() {
+                "rejected"
+            } else {
+                "done"
+            }
+            .to_string(),
+        )),
+        Param::Text(rejected.map(str::to_string)),
+    ]
+}
+
+/// The statement that marks a claimed message handled, to commit with its effect
+/// ([`ferry_store::Repository::execute_linked`]). It affects no row, and so rolls the effect
+/// back, when this delivery no longer holds the claim.
+pub fn handled_mark(db: &Database, key: MessageKey<'_>, token: &str) -> LinkedWrite {
+    LinkedWrite {
+        sql: MARK.replace("{now}", now_sql(db)),
+        params: mark_params(key, token, None),
+        expect_rows: 1,
+    }
+}
+
+/// Marks a claimed message handled (`done`) or refused (`rejected`, with the reason) on its
+/// own, for a message whose handling wrote nothing else. False when the claim was lost.
 pub async fn finish(
     db: &Database,
-    tenant: &str,
-    id: &str,
+    key: MessageKey<'_>,
+    token: &str,
     rejected: Option<&str>,
-) -> Result<(), sqlx::Error> {
-    let sql = format!(
-        "UPDATE inbound_messages SET status = $3, outcome = $4, processed_at = {}
-          WHERE tenant_id = $1 AND message_id = $2",
-        now_sql(db)
-    );
-    execute(
-        db,
-        &sql,
-        &[
-            Param::Text(Some(tenant.to_string())),
-            Param::Text(Some(id.to_string())),
-            Param::Text(Some(
-                if rejected.is_some() {
-                    "rejected"
-                } else {
-                    "done"
-                }
-                .to_string(),
-            )),
-            Param::Text(rejected.map(str::to_string)),
-        ],
-    )
-    .await
-    .map(|_| ())
+) -> Result<bool, sqlx::Error> {
+    let sql = MARK.replace("{now}", now_sql(db));
+    Ok(execute(db, &sql, &mark_params(key, token, rejected)).await? == 1)
 }
 
 /// Gives a claim back after a transient failure, so the next delivery need not wait.
-pub async fn release(db: &Database, tenant: &str, id: &str) -> Result<(), sqlx::Error> {
+pub async fn release(db: &Database, key: MessageKey<'_>, token: &str) -> Result<(), sqlx::Error> {
+    let [tenant, source, id] = key.params();
     execute(
         db,
         "UPDATE inbound_messages SET claimed_until_ms = 0
-          WHERE tenant_id = $1 AND message_id = $2 AND status = 'processing'",
-        &[
-            Param::Text(Some(tenant.to_string())),
-            Param::Text(Some(id.to_string())),
-        ],
+          WHERE tenant_id = $1 AND source = $2 AND message_id = $3 AND claim_token = $4
+            AND status = 'processing'",
+        &[tenant, source, id, Param::Text(Some(token.to_string()))],
     )
     .await
     .map(|_| ())
