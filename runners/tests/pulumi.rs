@@ -311,7 +311,11 @@ async fn dropping_an_apply_kills_pulumi_and_the_processes_it_started() {
     let apply = tokio::spawn(async move { runner.apply(&input).await });
     let leader = wait_pid(&fake, "leader").await;
     let child = wait_pid(&fake, "child").await;
-    assert_eq!(process_state(&child), Some('S'), "the child runs before the drop");
+    assert_eq!(
+        process_state(&child),
+        Some('S'),
+        "the child runs before the drop"
+    );
     // What the workers do when they lose the lease: drop the apply's future.
     apply.abort();
     assert!(apply.await.unwrap_err().is_cancelled());

@@ -39,17 +39,17 @@ pub mod metrics;
 pub mod queue;
 mod steps;
 
+use clock::{ms, Clock, SystemClock};
 use ferry_domain::environment::{BaselineProgram, Environment};
 use ferry_domain::ports::runner::Runner;
 use ferry_domain::ports::sources::{
     ArtifactStore, ConfigSource, PolicyEngine, ProgramSource, SecretResolver,
 };
 use ferry_domain::run::ProvisioningRun;
+use ferry_domain::run::RunError;
 use ferry_domain::specification::DeploymentSpecification;
 use ferry_domain::EnvironmentClass;
 use ferry_store::stream::run_subscription;
-use clock::{ms, Clock, SystemClock};
-use ferry_domain::run::RunError;
 use ferry_store::{CommandError, Database, Repository};
 use liveness::{Life, Liveness, LivenessError};
 use metrics::Metrics;
@@ -269,7 +269,9 @@ impl Workers {
                 %fence,
                 "apply interrupted by a lost lease: its runner was stopped; the run is reported Failed once this claim is known gone"
             ),
-            Err(fence) => tracing::warn!(%fence, "step stopped: it lost its lease; recovery resumes it"),
+            Err(fence) => {
+                tracing::warn!(%fence, "step stopped: it lost its lease; recovery resumes it")
+            }
         }
         // Only now, with the runner stopped, may a recoverer see this owner gone.
         life.release().await;

@@ -37,7 +37,8 @@ const KEY: &str = "hashtextextended('ferry:apply:' || $1, 0)";
 
 fn live() -> std::sync::MutexGuard<'static, HashSet<String>> {
     // The set stays consistent even if a holder panicked (inserts and removes only).
-    LIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Failures to take, confirm or probe a liveness lock.
@@ -74,11 +75,11 @@ impl Liveness {
         match self {
             Self::Postgres(pool) => Life {
                 token: token.to_string(),
-                kind: Kind::Postgres {
+                kind: Kind::Postgres(Box::new(Lock {
                     options: pool.connect_options().as_ref().clone(),
                     conn: None,
                     wanted: false,
-                },
+                })),
             },
             Self::Sqlite => {
                 live().insert(token.to_string());
@@ -118,14 +119,17 @@ impl Liveness {
 }
 
 enum Kind {
-    Postgres {
-        options: PgConnectOptions,
-        /// The connection holding the lock, once taken.
-        conn: Option<PgConnection>,
-        /// Whether the lock is to be held (applies only).
-        wanted: bool,
-    },
+    Postgres(Box<Lock>),
     Sqlite,
+}
+
+/// A Postgres owner's advisory lock.
+struct Lock {
+    options: PgConnectOptions,
+    /// The connection holding the lock, once taken.
+    conn: Option<PgConnection>,
+    /// Whether the lock is to be held (applies only).
+    wanted: bool,
 }
 
 /// An owner's proof of life for one claim; released when dropped (a Postgres lock
@@ -139,14 +143,14 @@ impl Life {
     /// Takes the proof of life of a claimed apply: on Postgres the advisory lock, on a new
     /// connection. Nothing to do on SQLite (registered before the claim).
     pub(crate) async fn hold(&mut self) -> Result<(), LivenessError> {
-        let Kind::Postgres {
+        let Kind::Postgres(lock) = &mut self.kind else {
+            return Ok(());
+        };
+        let Lock {
             options,
             conn,
             wanted,
-        } = &mut self.kind
-        else {
-            return Ok(());
-        };
+        } = lock.as_mut();
         *wanted = true;
         let mut fresh = PgConnection::connect_with(options).await?;
         let got: bool = sqlx::query_scalar(&format!("SELECT pg_try_advisory_lock({KEY})"))
@@ -163,9 +167,10 @@ impl Life {
     /// Confirms the proof of life still holds; on Postgres, a broken lock connection is
     /// replaced and the lock taken again. Nothing to confirm where nothing was held.
     pub(crate) async fn confirm(&mut self) -> Result<(), LivenessError> {
-        let Kind::Postgres { conn, wanted, .. } = &mut self.kind else {
+        let Kind::Postgres(lock) = &mut self.kind else {
             return Ok(());
         };
+        let Lock { conn, wanted, .. } = lock.as_mut();
         if !*wanted {
             return Ok(());
         }
@@ -185,8 +190,8 @@ impl Life {
 
     /// Gives the proof of life up.
     pub(crate) async fn release(mut self) {
-        if let Kind::Postgres { conn, .. } = &mut self.kind {
-            if let Some(c) = conn.take() {
+        if let Kind::Postgres(lock) = &mut self.kind {
+            if let Some(c) = lock.conn.take() {
                 if let Err(error) = c.close().await {
                     tracing::debug!(%error, "closing the liveness lock connection");
                 }

@@ -556,9 +556,7 @@ impl Workers {
                     tracing::info!(reason = %e, "the stored result needs no recording");
                     match stored.receipt.result {
                         ApplyResult::Succeeded => Outcome::Done,
-                        ApplyResult::Failed => {
-                            Outcome::Failed(stored.reason.unwrap_or_default())
-                        }
+                        ApplyResult::Failed => Outcome::Failed(stored.reason.unwrap_or_default()),
                     }
                 }
                 Err(e) => return Err(e.into()),

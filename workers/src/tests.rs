@@ -426,7 +426,11 @@ impl World {
         match db.backend() {
             Backend::Postgres => {
                 exec(db, "DROP TRIGGER IF EXISTS test_refuse_events ON events").await;
-                exec(db, "DROP TRIGGER IF EXISTS test_refuse_renewals ON work_items").await;
+                exec(
+                    db,
+                    "DROP TRIGGER IF EXISTS test_refuse_renewals ON work_items",
+                )
+                .await;
             }
             Backend::Sqlite => {
                 exec(db, "DROP TRIGGER IF EXISTS test_refuse_events").await;
@@ -444,7 +448,11 @@ impl World {
     }
 
     /// The status, last error and attempts of one of a run's items.
-    async fn status(&self, id: ProvisioningRunId, step: Step) -> Option<(String, Option<String>, i64)> {
+    async fn status(
+        &self,
+        id: ProvisioningRunId,
+        step: Step,
+    ) -> Option<(String, Option<String>, i64)> {
         self.workers
             .queue()
             .status(&id.to_string(), step)
@@ -453,7 +461,11 @@ impl World {
     }
 
     async fn state(&self, id: ProvisioningRunId) -> Option<ProvisioningState> {
-        let (run, _) = self.runs().load(&tenant(), &id.to_string()).await.unwrap()?;
+        let (run, _) = self
+            .runs()
+            .load(&tenant(), &id.to_string())
+            .await
+            .unwrap()?;
         run.state()
     }
 
@@ -773,9 +785,7 @@ async fn an_interrupted_apply_is_reported_failed_and_never_rerun() {
             .orphaned_apply("prod", "killed-process", now_ms() - 600_000)
             .await;
         // A new process starts.
-        let restarted = w
-            .instance(w.runner.clone(), w.clock.clone(), true)
-            .await;
+        let restarted = w.instance(w.runner.clone(), w.clock.clone(), true).await;
         let run = w.wait_state(id, ProvisioningState::Failed).await;
         assert_eq!(
             run.apply_receipt().unwrap().result,
@@ -1040,7 +1050,13 @@ async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_
             w.clock.now_ms() < renewed.lease_until,
             "killed before the lease ends"
         );
-        assert_eq!(other.apply_calls.load(Ordering::SeqCst), 0);
+        if backend == Backend::Postgres {
+            // Another instance waits for the lease and the grace period to pass. (On SQLite
+            // the stopped claim is known gone at once; `overlapped` checks it waited for
+            // the processes to die.)
+            assert_eq!(w.state(first).await, Some(ProvisioningState::Applying));
+            assert_eq!(other.apply_calls.load(Ordering::SeqCst), 0);
+        }
 
         // Once the claim is known gone the run is reported Failed, and only then does the
         // environment's next apply run.
@@ -1048,7 +1064,9 @@ async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_
         w.clock.advance(Duration::from_secs(60 + 31));
         w.wait_state(first, ProvisioningState::Failed).await;
         let (status, error, _) = eventually("the first item settled", || async {
-            w.status(first, Step::Apply).await.filter(|s| s.0 != "running")
+            w.status(first, Step::Apply)
+                .await
+                .filter(|s| s.0 != "running")
         })
         .await;
         assert_eq!(status, "failed");
@@ -1059,7 +1077,10 @@ async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_
             run.state().filter(|s| s.is_terminal())
         })
         .await;
-        assert!(!overlapped.load(Ordering::SeqCst), "two runners in one environment");
+        assert!(
+            !overlapped.load(Ordering::SeqCst),
+            "two runners in one environment"
+        );
         drop(b);
         w.stop().await;
     }
@@ -1152,15 +1173,27 @@ async fn an_old_owners_late_writes_after_losing_its_claim_are_refused() {
         // can no longer finish it; the new one can, once.
         let plan_id = ProvisioningRunId::new_random();
         let mut tx = Tx::begin(&w.tdb.db).await.unwrap();
-        enqueue(&mut tx, &plan_id.to_string(), Step::Plan, "acme", "acme/dev", now_ms(), None, None)
-            .await
-            .unwrap();
+        enqueue(
+            &mut tx,
+            &plan_id.to_string(),
+            Step::Plan,
+            "acme",
+            "acme/dev",
+            now_ms(),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
         tx.commit().await.unwrap();
         let first = queue.claim("first-owner", lease).await.unwrap().unwrap();
         w.clock.advance(Duration::from_secs(61));
         assert_eq!(w.workers.recover().await.unwrap(), 1);
         let second = queue.claim("second-owner", lease).await.unwrap().unwrap();
-        assert_eq!((second.item_id.as_str(), second.attempts), (first.item_id.as_str(), 2));
+        assert_eq!(
+            (second.item_id.as_str(), second.attempts),
+            (first.item_id.as_str(), 2)
+        );
         assert!(matches!(
             queue.done(&first).await,
             Err(QueueError::ClaimLost { .. })
@@ -1196,9 +1229,10 @@ async fn a_store_error_while_recording_the_outcome_is_retried_without_running_th
             (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
         })
         .await;
-        // The store refuses the outcome when the runner returns.
+        // The store refuses the outcome when the runner returns (and a runner called again
+        // would not be held up).
         w.refuse_events().await;
-        gate.add_permits(1);
+        gate.add_permits(100);
         eventually("recording retried", || async {
             w.status(id, Step::Apply)
                 .await
@@ -1216,7 +1250,11 @@ async fn a_store_error_while_recording_the_outcome_is_retried_without_running_th
         })
         .await;
         assert_eq!(status, "done");
-        assert_eq!(w.runner.apply_calls.load(Ordering::SeqCst), 1, "the runner ran once");
+        assert_eq!(
+            w.runner.apply_calls.load(Ordering::SeqCst),
+            1,
+            "the runner ran once"
+        );
         // The environment's last apply was recorded with the result.
         let last = w.workers.queue().last_apply("acme/dev").await.unwrap();
         assert_eq!(last.unwrap().0, id.to_string());
@@ -1288,4 +1326,108 @@ async fn a_renewal_that_finds_the_claim_taken_over_cancels_the_step() {
         assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
         w.stop().await;
     }
+}
+
+/// The backend pids holding advisory locks in the world's (Postgres) database.
+async fn advisory_holders(w: &World) -> Vec<i32> {
+    let ferry_store::database::Pool::Postgres(pool) = w.tdb.db.pool() else {
+        unreachable!("Postgres only")
+    };
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_terminated_liveness_connection_is_replaced_and_keeps_recovery_away() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runner = FakeRunner {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    };
+    let w = World::new(Backend::Postgres, runner, |_| {}).await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    eventually("the apply runs", || async {
+        (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    let holders = advisory_holders(&w).await;
+    assert_eq!(holders.len(), 1, "the owner holds its liveness lock");
+    // The server ends the owner's lock session.
+    exec(
+        &w.tdb.db,
+        &format!("SELECT pg_terminate_backend({})", holders[0]),
+    )
+    .await;
+    eventually("the lock freed", || async {
+        advisory_holders(&w).await.is_empty().then_some(())
+    })
+    .await;
+    // With the next renewal the owner takes it again, on a new connection.
+    w.clock.advance(Duration::from_secs(11));
+    let again = eventually("the lock taken again", || async {
+        let h = advisory_holders(&w).await;
+        (h.len() == 1).then(|| h[0])
+    })
+    .await;
+    assert_ne!(again, holders[0]);
+    // So an instance that sees the lease lapsed still finds the owner alive.
+    let ahead = Arc::new(ShiftedClock::new());
+    ahead.advance(Duration::from_secs(600));
+    let b = w
+        .instance(Arc::new(FakeRunner::default()), ahead, false)
+        .await;
+    assert_eq!(b.workers.recover().await.unwrap(), 0);
+    assert_eq!(w.runner.cancelled.load(Ordering::SeqCst), 0);
+    gate.add_permits(1);
+    w.wait_state(id, ProvisioningState::Applied).await;
+    drop(b);
+    w.stop().await;
+}
+
+#[tokio::test]
+async fn a_renewal_that_hangs_does_not_delay_the_fence() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runner = FakeRunner {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    };
+    let w = World::new(Backend::Postgres, runner, |_| {}).await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    eventually("the apply runs", || async {
+        (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    let claimed = w.running_apply(id).await.unwrap();
+    // Another session locks the item's row: every renewal waits on it.
+    let mut blocker = Tx::begin(&w.tdb.db).await.unwrap();
+    blocker
+        .execute(
+            "SELECT 1 FROM work_items WHERE item_id = $1 AND step = 'apply' FOR UPDATE",
+            &[ferry_store::stream::Param::Text(Some(id.to_string()))],
+        )
+        .await
+        .unwrap();
+    for step in [15, 15, 11] {
+        w.clock.advance(Duration::from_secs(step));
+    }
+    eventually("the runner cancelled", || async {
+        (w.runner.cancelled.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    assert!(
+        w.clock.now_ms() < claimed.lease_until,
+        "before the lease ends"
+    );
+    drop(blocker);
+    assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
+    w.stop().await;
 }
