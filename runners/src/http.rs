@@ -11,6 +11,12 @@
 //! The request carries the program folder's files (path → base64) and the resolved
 //! configuration and secrets, so the base URL must be `https` outside a test or a trusted
 //! network; a bearer token authenticates Ferry to the runner.
+//!
+//! **Cancellation.** The protocol has no cancel operation. When the workers drop an apply
+//! (they lost its lease), the request is dropped and its connection closed; that is the only
+//! signal a remote runner gets. A remote runner should stop the run when its client goes
+//! away; one that does not may go on changing the stack after Ferry reported the apply
+//! interrupted, so at most one runner per environment holds only for runners that do.
 
 use crate::preview::parse_preview;
 use base64::Engine as _;

@@ -20,9 +20,11 @@
 //! it returns. The `work_env` given to [`PulumiRunner::new`] (backend URL, passphrase,
 //! cloud credentials) is set on the child's environment.
 //!
-//! Timeouts kill the child's whole process group (pulumi and the plugins it started),
-//! and the child itself through `kill_on_drop`. A non-zero exit is `ProgramFailed`, naming
-//! the failing resource when the JSON diagnostics or engine events carry a URN.
+//! The child runs in a process group of its own. A timeout, or dropping the `preview` or
+//! `apply` future before the child exited (the workers do when they lose the apply's lease),
+//! kills that whole group (pulumi and the plugins it started), and the child itself through
+//! `kill_on_drop`. A non-zero exit is `ProgramFailed`, naming the failing resource when the
+//! JSON diagnostics or engine events carry a URN.
 
 use crate::preview::parse_preview;
 use ferry_domain::ports::redact;
@@ -88,7 +90,7 @@ impl PulumiRunner {
         #[cfg(unix)]
         cmd.process_group(0);
         let mut child = spawn(&mut cmd, &self.binary).await?;
-        let pid = child.id();
+        let mut group = GroupGuard(child.id());
         if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
             // Written concurrently with reading the output, so a full pipe cannot deadlock;
             // a child that exits without reading is not an error of ours.
@@ -97,17 +99,19 @@ impl PulumiRunner {
                 let _ = pipe.shutdown().await;
             });
         }
-        // On timeout the future (and with it the child) is dropped: kill_on_drop kills it.
+        // On timeout, or when this future is dropped, `group` kills the process group and
+        // the dropped child is killed by kill_on_drop.
         let output = tokio::time::timeout(timeout, child.wait_with_output())
             .await
             .map_err(|_| {
-                kill_group(pid);
-                tracing::warn!(?timeout, args = ?args, "pulumi timed out; killed");
+                tracing::warn!(?timeout, args = ?args, "pulumi timed out; killing it");
                 RunnerError::TimedOut(timeout)
             })?
             .map_err(|e| {
                 RunnerError::Unavailable(format!("waiting for {}: {e}", self.binary.display()))
             })?;
+        // It exited by itself: its group id may be reused from now on, never kill it.
+        group.0 = None;
         Ok(Finished {
             status: output.status,
             stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -130,6 +134,20 @@ impl PulumiRunner {
             args.extend(["--config-file", "/dev/stdin"]);
         }
         args
+    }
+}
+
+/// Kills the process group led by the child when dropped, unless cleared once the child
+/// exited by itself: a timed-out or dropped run leaves no process behind. (A group's id is
+/// not reused while a member lives, so the kill only reaches the child's own group.)
+struct GroupGuard(Option<u32>);
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            tracing::warn!(pid, "pulumi did not finish; killing its process group");
+            kill_group(Some(pid));
+        }
     }
 }
 

@@ -262,27 +262,65 @@ async fn timeout_kills_the_processes_pulumi_started() {
         .preview(&fake.input(Duration::from_millis(500)))
         .await;
     assert!(matches!(result, Err(RunnerError::TimedOut(_))));
-    let pid = fake.read("grandchild").trim().to_string();
-    // Killed (possibly a zombie until reaped by init): no longer sleeping.
+    wait_gone(fake.read("grandchild").trim()).await;
+}
+
+/// The state letter of a process, `None` once it no longer exists.
+fn process_state(pid: &str) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// Waits (at most 3 s) until `pid` is killed: gone, or a zombie until it is reaped.
+async fn wait_gone(pid: &str) {
     let deadline = Instant::now() + Duration::from_secs(3);
     loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .chars()
-            .next();
+        let state = process_state(pid);
         if matches!(state, None | Some('Z') | Some('X')) {
-            break;
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "grandchild {pid} still running: {stat}"
+            "process {pid} still running ({state:?})"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Waits (at most 5 s) until the fake wrote a pid into `name`.
+async fn wait_pid(fake: &Fake, name: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pid = std::fs::read_to_string(fake.dir.path().join(name)).unwrap_or_default();
+        if pid.ends_with('\n') {
+            return pid.trim().to_string();
+        }
+        assert!(Instant::now() < deadline, "no pid in {name}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn dropping_an_apply_kills_pulumi_and_the_processes_it_started() {
+    // `up` starts a long child, records both pids, and waits: an apply that never ends.
+    let fake = Fake::new(
+        r#"cat > /dev/null; sleep 300 & echo $! > "$FAKE_DIR/child.tmp"; mv "$FAKE_DIR/child.tmp" "$FAKE_DIR/child"; echo $$ > "$FAKE_DIR/leader.tmp"; mv "$FAKE_DIR/leader.tmp" "$FAKE_DIR/leader"; wait"#,
+    );
+    let runner = fake.runner.clone();
+    let input = fake.input(Duration::from_secs(600));
+    let apply = tokio::spawn(async move { runner.apply(&input).await });
+    let leader = wait_pid(&fake, "leader").await;
+    let child = wait_pid(&fake, "child").await;
+    assert_eq!(
+        process_state(&child),
+        Some('S'),
+        "the child runs before the drop"
+    );
+    // What the workers do when they lose the lease: drop the apply's future.
+    apply.abort();
+    assert!(apply.await.unwrap_err().is_cancelled());
+    wait_gone(&leader).await;
+    wait_gone(&child).await;
 }
 
 #[tokio::test]

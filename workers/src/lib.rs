@@ -7,34 +7,60 @@
 //!
 //! Work comes from the global stream through the `workers` subscription ([`enqueuer`]) into
 //! a durable queue ([`queue`]) keyed by the seed's idempotency keys. Retry: the planner
-//! backs off exponentially up to a cap; the applier never retries. A process that dies
-//! mid-apply leaves a running item whose lease expires: the run is then reported Failed
-//! with the reason, never applied again blindly.
+//! backs off exponentially up to a cap; the applier never runs a runner twice for one item.
+//!
+//! **An apply runs at most once, and at most one runner per environment at any moment.**
+//!
+//! * Every claim carries a fresh fencing token; every write of the item is conditioned on it
+//!   (see [`queue`]), so an owner that lost its claim can never overwrite what recovery or
+//!   the next owner wrote.
+//! * The owner renews its lease every sixth of [`Settings::lease`] and **fences itself**:
+//!   when neither a renewal nor (Postgres) its liveness lock was confirmed for two thirds of
+//!   the lease, or a renewal finds the claim taken over, the step's future is dropped before
+//!   the lease can end. Dropping it drops the runner's future, which kills the runner (the
+//!   Pulumi runner kills its whole process group). The heartbeat measures on the queue's
+//!   [`clock::Clock`] and is not held up by a renewal that hangs.
+//! * Recovery reports an interrupted apply only when its owner is **known gone**, not when
+//!   its lease lapsed (see [`liveness`]: on Postgres an advisory lock the owner holds while
+//!   it runs the apply, plus a grace period past the lease; on SQLite, claims of this
+//!   process). It records the stored result if the runner had returned, else reports the
+//!   run Failed ("apply interrupted …"); it marks the item only after that was recorded, so
+//!   a run is never left `Applying`. The next apply in the environment can be claimed only
+//!   then.
+//! * The runner's result is stored on the item before the outcome is recorded; a retry
+//!   after a store error records the stored result and never runs the runner again.
 #![forbid(unsafe_code)]
 
+pub mod clock;
 pub mod enqueuer;
 pub mod inputs;
+pub mod liveness;
 pub mod metrics;
 pub mod queue;
 mod steps;
 
+use clock::{ms, Clock, SystemClock};
 use ferry_domain::environment::{BaselineProgram, Environment};
 use ferry_domain::ports::runner::Runner;
 use ferry_domain::ports::sources::{
     ArtifactStore, ConfigSource, PolicyEngine, ProgramSource, SecretResolver,
 };
 use ferry_domain::run::ProvisioningRun;
+use ferry_domain::run::RunError;
 use ferry_domain::specification::DeploymentSpecification;
 use ferry_domain::EnvironmentClass;
 use ferry_store::stream::run_subscription;
-use ferry_store::{Database, Repository};
+use ferry_store::{CommandError, Database, Repository};
+use liveness::{Life, Liveness, LivenessError};
 use metrics::Metrics;
-use queue::{Queue, WorkItem};
+use queue::{Queue, QueueError, Step, WorkItem};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
+use tracing::Instrument;
 
 /// The adapters the workers use.
 #[derive(Clone)]
@@ -68,8 +94,17 @@ pub struct Settings {
     pub plan_backoff: Duration,
     /// Longest planner retry delay.
     pub plan_backoff_cap: Duration,
-    /// How long a claimed item is held without a heartbeat.
+    /// How long a claimed item is held without a renewal. The owner renews every sixth of
+    /// it and stops its step when nothing was confirmed for two thirds of it.
     pub lease: Duration,
+    /// How often the heartbeat looks at the clock (renewals and the self-fencing check).
+    pub heartbeat: Duration,
+    /// On Postgres, how long past the end of its lease an apply whose owner's liveness lock
+    /// is free waits before it is reported interrupted (covers clock skew between
+    /// instances and the owner's time to stop its runner).
+    pub recovery_grace: Duration,
+    /// The clock leases and the heartbeat go by.
+    pub clock: Arc<dyn Clock>,
     /// How long an approval may wait; `None` = forever.
     pub approval_expiry: Option<Duration>,
     /// Default baseline program per environment class.
@@ -93,6 +128,9 @@ impl Settings {
             plan_backoff: Duration::from_secs(2),
             plan_backoff_cap: Duration::from_secs(300),
             lease: Duration::from_secs(60),
+            heartbeat: Duration::from_secs(1),
+            recovery_grace: Duration::from_secs(30),
+            clock: Arc::new(SystemClock),
             approval_expiry: Some(Duration::from_secs(24 * 3600)),
             baseline_programs: HashMap::new(),
             concurrency: 4,
@@ -108,6 +146,7 @@ pub struct Workers {
     ports: Ports,
     settings: Settings,
     queue: Queue,
+    liveness: Liveness,
     runs: Repository<ProvisioningRun>,
     specifications: Repository<DeploymentSpecification>,
     environments: Repository<Environment>,
@@ -118,7 +157,12 @@ impl Workers {
     /// Workers over `db`.
     pub fn new(db: Database, ports: Ports, settings: Settings, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(Self {
-            queue: Queue::new(db.clone(), settings.instance.clone()),
+            queue: Queue::with_clock(
+                db.clone(),
+                settings.instance.clone(),
+                settings.clock.clone(),
+            ),
+            liveness: Liveness::of(&db),
             runs: Repository::new(db.clone(), ()),
             specifications: Repository::new(db.clone(), ()),
             environments: Repository::new(db.clone(), ()),
@@ -162,12 +206,14 @@ impl Workers {
             }
             let mut claimed_any = false;
             while let Ok(permit) = permits.clone().try_acquire_owned() {
-                match self.queue.claim(self.settings.lease).await {
+                let token = uuid::Uuid::new_v4().to_string();
+                let life = self.liveness.reserve(&token);
+                match self.queue.claim(&token, self.settings.lease).await {
                     Ok(Some(item)) => {
                         claimed_any = true;
                         let me = self.clone();
                         tokio::spawn(async move {
-                            me.execute(item).await;
+                            me.execute(item, life).await;
                             drop(permit);
                         });
                     }
@@ -189,39 +235,129 @@ impl Workers {
         }
     }
 
-    /// Runs one claimed item with a lease heartbeat, then records how it ended.
-    async fn execute(self: Arc<Self>, item: WorkItem) {
+    /// Runs one claimed item under its lease heartbeat, then records how it ended.
+    async fn execute(self: Arc<Self>, item: WorkItem, life: Life) {
         let span = tracing::info_span!("work", item = %item.item_id, step = item.step.as_str(), attempt = item.attempts);
-        let _guard = span.enter();
-        let heartbeat = {
-            let queue = self.queue.clone();
-            let item = item.clone();
-            let lease = self.settings.lease;
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(lease / 3).await;
-                    if let Err(error) = queue.renew(&item, lease).await {
-                        tracing::warn!(%error, "cannot renew lease");
-                    }
-                }
-            })
+        self.execute_claimed(item, life).instrument(span).await;
+    }
+
+    async fn execute_claimed(&self, item: WorkItem, mut life: Life) {
+        if item.step == Step::Apply {
+            if let Err(error) = life.hold().await {
+                // Nothing ran yet: giving the item back is safe.
+                tracing::warn!(%error, "cannot take the apply's liveness lock; the item goes back to the queue");
+                let reason = format!("not started: {error}");
+                self.write_outcome(&item, steps::Outcome::Retry(reason))
+                    .await;
+                life.release().await;
+                return;
+            }
+        }
+        let ended = {
+            let step = self.step(&item);
+            let heartbeat = self.heartbeat(&item, &mut life);
+            tokio::select! {
+                biased;
+                outcome = step => Ok(outcome),
+                fence = heartbeat => Err(fence),
+            }
         };
-        let outcome = self.step(&item).await;
-        heartbeat.abort();
-        let recorded = match &outcome {
-            steps::Outcome::Done => self.queue.done(&item).await,
+        // The step's future is gone from here on, and with it any runner it started.
+        match ended {
+            Ok(outcome) => self.write_outcome(&item, outcome).await,
+            Err(fence) if item.step == Step::Apply => tracing::error!(
+                %fence,
+                "apply interrupted by a lost lease: its runner was stopped; the run is reported Failed once this claim is known gone"
+            ),
+            Err(fence) => {
+                tracing::warn!(%fence, "step stopped: it lost its lease; recovery resumes it")
+            }
+        }
+        // Only now, with the runner stopped, may a recoverer see this owner gone.
+        life.release().await;
+    }
+
+    /// Renews the lease and confirms the liveness lock until the step must stop (see the
+    /// crate doc); returns why. Never returns while the claim is confirmed.
+    async fn heartbeat(&self, item: &WorkItem, life: &mut Life) -> Fence {
+        let clock = self.queue.clock().clone();
+        let lease = self.settings.lease;
+        let lease_ms = ms(lease);
+        let margin = lease_ms / 3 * 2;
+        let renew_every = lease_ms / 6;
+        let tick = self.settings.heartbeat;
+        let claimed_at = item.lease_until.saturating_sub(lease_ms);
+        let renewed = AtomicI64::new(claimed_at);
+        let confirmed = AtomicI64::new(claimed_at);
+        let renewer = async {
+            let mut last_attempt = claimed_at;
+            loop {
+                tokio::time::sleep(tick).await;
+                let now = clock.now_ms();
+                if now.saturating_sub(last_attempt) < renew_every {
+                    continue;
+                }
+                last_attempt = now;
+                match self.queue.renew(item, lease).await {
+                    Ok(until) => renewed.store(until.saturating_sub(lease_ms), Ordering::SeqCst),
+                    Err(QueueError::ClaimLost { .. }) => return Fence::ClaimLost,
+                    Err(error) => tracing::warn!(%error, "cannot renew the lease"),
+                }
+                match life.confirm().await {
+                    Ok(()) => confirmed.store(now, Ordering::SeqCst),
+                    Err(error) => tracing::warn!(%error, "cannot confirm the liveness lock"),
+                }
+            }
+        };
+        // Separate from the renewer, so that a renewal that hangs cannot delay the fence.
+        let watchdog = async {
+            loop {
+                tokio::time::sleep(tick).await;
+                let last = renewed
+                    .load(Ordering::SeqCst)
+                    .min(confirmed.load(Ordering::SeqCst));
+                let unconfirmed = clock.now_ms().saturating_sub(last);
+                if unconfirmed >= margin {
+                    return Fence::Unconfirmed(unconfirmed);
+                }
+            }
+        };
+        tokio::select! {
+            fence = renewer => fence,
+            fence = watchdog => fence,
+        }
+    }
+
+    /// Writes how a step ended onto its item (fenced: a lost claim writes nothing).
+    async fn write_outcome(&self, item: &WorkItem, outcome: steps::Outcome) {
+        let written = match outcome {
+            steps::Outcome::Done => self.queue.done(item).await,
             steps::Outcome::Failed(reason) => {
                 tracing::warn!(%reason, "step failed");
-                self.queue.failed(&item, reason).await
+                self.queue.failed(item, &reason).await
             }
             steps::Outcome::Retry(reason) => {
                 let delay = self.backoff(item.attempts);
                 tracing::info!(%reason, retry_in_s = delay.as_secs_f64(), "step will be retried");
-                self.queue.retry(&item, reason, delay).await
+                self.queue.retry(item, &reason, delay).await
+            }
+            steps::Outcome::Abandoned(reason) => {
+                tracing::error!(%reason, "the item is left to recovery");
+                return;
+            }
+            steps::Outcome::ClaimLost => {
+                tracing::error!("the claim was lost during the step; nothing more is written");
+                return;
             }
         };
-        if let Err(error) = recorded {
-            tracing::error!(%error, "cannot record the step's outcome; its lease will expire");
+        match written {
+            Ok(()) => {}
+            Err(error @ QueueError::ClaimLost { .. }) => {
+                tracing::error!(%error, "the step's outcome is not written: whoever took the item over settles it");
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot record the step's outcome; recovery settles the item");
+            }
         }
     }
 
@@ -234,27 +370,76 @@ impl Workers {
             .min(self.settings.plan_backoff_cap)
     }
 
-    /// Items whose worker died: an apply is reported Failed (never re-run blindly); other
-    /// steps are safe to run again.
-    async fn recover(&self) -> Result<(), sqlx::Error> {
-        for item in self.queue.expired().await? {
-            match item.step {
-                queue::Step::Apply => {
-                    let reason = "apply interrupted: the Ferry process running it stopped before the runner reported; \
-                                  the infrastructure may be partly changed; the apply is not re-run, plan a new run";
-                    self.report_interrupted_apply(&item, reason).await;
-                    self.queue.failed(&item, reason).await?;
-                }
-                _ => {
-                    tracing::info!(item = %item.item_id, step = item.step.as_str(), "resuming interrupted step");
-                    self.queue
-                        .retry(&item, "interrupted; resumed", Duration::ZERO)
-                        .await?;
-                }
+    /// One recovery round over the running items: an apply whose owner is known gone is
+    /// settled (its stored result recorded, else its run reported Failed as interrupted;
+    /// never re-run blindly); another step whose lease lapsed is resumed. Returns how many
+    /// items it settled; an item it could not settle stays for the next round.
+    pub(crate) async fn recover(&self) -> Result<usize, QueueError> {
+        let now = self.queue.clock().now_ms();
+        let grace = ms(self.settings.recovery_grace);
+        let mut settled = 0;
+        for item in self.queue.running().await? {
+            let span = tracing::info_span!("recover", item = %item.item_id, step = item.step.as_str(), attempt = item.attempts);
+            match self.recover_item(&item, now, grace).instrument(span.clone()).await {
+                Ok(true) => settled += 1,
+                Ok(false) => {}
+                // Settled by someone else meanwhile.
+                Err(RecoverError::Queue(QueueError::ClaimLost { .. })) => {}
+                Err(error) => span.in_scope(|| {
+                    tracing::error!(%error, "cannot settle the interrupted item; next round tries again")
+                }),
             }
         }
-        Ok(())
+        Ok(settled)
     }
+
+    async fn recover_item(
+        &self,
+        item: &WorkItem,
+        now: i64,
+        grace: i64,
+    ) -> Result<bool, RecoverError> {
+        if item.step == Step::Apply {
+            if !self.liveness.owner_gone(item, now, grace).await? {
+                return Ok(false);
+            }
+            self.settle_interrupted_apply(item).await?;
+            return Ok(true);
+        }
+        if item.lease_until >= now {
+            return Ok(false);
+        }
+        tracing::info!("resuming interrupted step");
+        self.queue
+            .retry(item, "interrupted; resumed", Duration::ZERO)
+            .await?;
+        Ok(true)
+    }
+}
+
+/// Why a step was stopped before it ended.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Fence {
+    /// Neither the lease nor the liveness lock was confirmed for this long.
+    #[error("the claim was not confirmed for {0} ms (two thirds of the lease)")]
+    Unconfirmed(i64),
+    /// A renewal found the claim taken over.
+    #[error("a renewal found the claim taken over")]
+    ClaimLost,
+}
+
+/// Why recovery could not settle an item.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RecoverError {
+    /// The queue failed.
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// The owner's liveness could not be probed.
+    #[error(transparent)]
+    Liveness(#[from] LivenessError),
+    /// The run's outcome could not be recorded.
+    #[error("cannot record the interrupted apply's outcome: {0}")]
+    Report(#[from] CommandError<RunError>),
 }
 
 #[cfg(test)]

@@ -1,9 +1,15 @@
-//! What each step does. A step ends `Done`, `Failed` (for good) or `Retry` (planner only).
-//! Domain refusals (the run was cancelled meanwhile, a receipt already exists) end the step:
-//! the aggregate is the judge, so a step run twice never has a second effect.
+//! What each step does. A step ends `Done`, `Failed` (for good) or `Retry`. Domain refusals
+//! (the run was cancelled meanwhile, a receipt already exists) end the step: the aggregate is
+//! the judge, so a step run twice never has a second effect.
+//!
+//! An apply runs its runner at most once per item: when the runner returns, its result is
+//! stored on the item (a fenced write) before the outcome is recorded, and an item with a
+//! stored result only records it. So a `Retry` after a store error while recording never
+//! runs the runner again.
 
-use crate::queue::{Step, WorkItem};
-use crate::Workers;
+use crate::clock::ms;
+use crate::queue::{QueueError, RunnerResult, Step, WorkItem};
+use crate::{RecoverError, Workers};
 use chrono::Utc;
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::RunnerError;
@@ -13,13 +19,24 @@ use ferry_domain::run::{Decision, ProvisioningRun, RunCommand, RunError, RunRequ
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
 use ferry_store::{CommandError, EventMetadata};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// Why an interrupted apply's run is reported Failed by recovery.
+pub(crate) const INTERRUPTED: &str = "apply interrupted: the Ferry instance running it stopped, \
+    or stopped its runner after losing its lease, before the runner's result was stored; \
+    the infrastructure may be partly changed; the apply is not re-run, plan a new run";
 
 /// How a step ended.
+#[derive(Debug)]
 pub(crate) enum Outcome {
     Done,
     Failed(String),
     Retry(String),
+    /// The runner ran but its result could not be stored: the item is left running for
+    /// recovery (retrying it would run the runner again).
+    Abandoned(String),
+    /// A fenced write found the claim taken over: nothing more may be written.
+    ClaimLost,
 }
 
 /// The actor recorded for a worker's commands: `system:<worker>`.
@@ -306,31 +323,20 @@ impl Workers {
         Ok(Outcome::Failed(reason))
     }
 
-    pub(crate) async fn report_interrupted_apply(&self, item: &WorkItem, reason: &str) {
-        let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
-            return;
-        };
-        match self
-            .fail_apply(
-                item,
-                &tenant,
-                reason.to_string(),
-                None,
-                0.0,
-                "unknown".to_string(),
-            )
-            .await
-        {
-            Ok(_) | Err(CommandError::Domain(_)) => {}
-            Err(e) => tracing::error!(error = %e, "cannot report the interrupted apply"),
-        }
-    }
-
     async fn apply(
         &self,
         item: &WorkItem,
         tenant: &TenantId,
     ) -> Result<Outcome, CommandError<RunError>> {
+        let stored = self
+            .queue
+            .stored_result(item)
+            .await
+            .map_err(|e| CommandError::Store(e.to_string()))?;
+        if let Some(stored) = stored {
+            tracing::info!("the runner already ran for this item: recording its stored result");
+            return self.record_result(item, tenant, &stored).await;
+        }
         let Some((run, request, spec)) = self.load(item, tenant).await? else {
             return Ok(Outcome::Done);
         };
@@ -392,68 +398,197 @@ impl Workers {
         let seconds = started.elapsed().as_secs_f64();
         let _ = tokio::fs::remove_dir_all(&dir).await;
         self.metrics.apply_took(request.kind.as_str(), seconds);
-        match result {
-            Ok(outcome) => {
-                let log = redact(&outcome.log, inputs.secrets());
-                let logs_ref = self
-                    .ports
-                    .artifacts
-                    .put(
-                        &format!("runs/{}/apply.log", item.item_id),
-                        log.into_bytes(),
-                    )
-                    .await
-                    .ok();
-                let receipt = ApplyReceipt {
-                    outputs: outcome.outputs,
-                    duration_seconds: seconds,
-                    result: ApplyResult::Succeeded,
-                    runner_version,
-                    failing_resource: None,
+        let (outputs, apply_result, reason, resource, log) = match result {
+            Ok(outcome) => (
+                outcome.outputs,
+                ApplyResult::Succeeded,
+                None,
+                None,
+                outcome.log,
+            ),
+            Err(error) => {
+                let (reason, resource, log) = match error {
+                    RunnerError::ProgramFailed {
+                        reason,
+                        resource,
+                        log,
+                    } => (reason, resource, log),
+                    other => (other.to_string(), None, String::new()),
                 };
+                (
+                    Default::default(),
+                    ApplyResult::Failed,
+                    Some(redact(&reason, inputs.secrets())),
+                    resource,
+                    log,
+                )
+            }
+        };
+        // A failure without output has no log to keep (as a success always has one).
+        let logs_ref = if log.is_empty() && apply_result == ApplyResult::Failed {
+            None
+        } else {
+            let log = redact(&log, inputs.secrets());
+            self.ports
+                .artifacts
+                .put(
+                    &format!("runs/{}/apply.log", item.item_id),
+                    log.into_bytes(),
+                )
+                .await
+                .ok()
+        };
+        let stored = RunnerResult {
+            receipt: ApplyReceipt {
+                outputs,
+                duration_seconds: seconds,
+                result: apply_result,
+                runner_version,
+                failing_resource: resource,
+            },
+            reason,
+            logs_ref,
+        };
+        if let Err(outcome) = self.store_result(item, &stored).await {
+            return Ok(outcome);
+        }
+        tracing::info!(seconds, result = ?stored.receipt.result, "the runner finished; its result is stored");
+        self.record_result(item, tenant, &stored).await
+    }
+
+    /// Stores the runner's result on the item, retrying a store error for up to a lease
+    /// (the heartbeat stops the step first if the store stays away): `Err` is the outcome
+    /// when it cannot be stored.
+    async fn store_result(&self, item: &WorkItem, stored: &RunnerResult) -> Result<(), Outcome> {
+        let clock = self.queue.clock().clone();
+        let give_up_at = clock.now_ms().saturating_add(ms(self.settings.lease));
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let error = match self.queue.store_result(item, stored).await {
+                Ok(()) => return Ok(()),
+                Err(QueueError::ClaimLost { .. }) => {
+                    tracing::error!(result = ?stored, "lost the claim before the runner's result was stored");
+                    return Err(Outcome::ClaimLost);
+                }
+                Err(e @ QueueError::Result { .. }) => e,
+                Err(e) if clock.now_ms() >= give_up_at => e,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot store the runner's result yet; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            // Logged in full so that an operator still learns what the runner did.
+            tracing::error!(%error, result = ?stored, "cannot store the runner's result");
+            return Err(Outcome::Abandoned(format!(
+                "the runner's result could not be stored: {error}"
+            )));
+        }
+    }
+
+    /// Records a stored runner result on the run.
+    async fn record_result(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        stored: &RunnerResult,
+    ) -> Result<Outcome, CommandError<RunError>> {
+        let receipt = Box::new(stored.receipt.clone());
+        let logs_ref = stored.logs_ref.clone();
+        match stored.receipt.result {
+            ApplyResult::Succeeded => {
                 self.command(
                     item,
                     tenant,
                     "applier",
                     RunCommand::RecordApplySucceeded {
-                        receipt: Box::new(receipt),
+                        receipt,
                         logs_ref,
                         at: Utc::now(),
                     },
                 )
                 .await?;
-                self.queue
-                    .record_apply(&item.environment_key, &item.item_id)
-                    .await
-                    .map_err(|e| CommandError::Store(e.to_string()))?;
-                tracing::info!(seconds, "applied");
+                tracing::info!("applied");
                 Ok(Outcome::Done)
             }
-            Err(error) => {
-                let (reason, resource, log) = match &error {
-                    RunnerError::ProgramFailed {
-                        reason,
-                        resource,
-                        log,
-                    } => (reason.clone(), resource.clone(), log.clone()),
-                    other => (other.to_string(), None, String::new()),
-                };
-                let reason = redact(&reason, inputs.secrets());
-                if !log.is_empty() {
-                    let log = redact(&log, inputs.secrets());
-                    let _ = self
-                        .ports
-                        .artifacts
-                        .put(
-                            &format!("runs/{}/apply.log", item.item_id),
-                            log.into_bytes(),
-                        )
-                        .await;
-                }
-                self.fail_apply(item, tenant, reason, resource, seconds, runner_version)
-                    .await
+            ApplyResult::Failed => {
+                let reason = stored
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| "the apply failed".to_string());
+                self.command(
+                    item,
+                    tenant,
+                    "applier",
+                    RunCommand::RecordApplyFailed {
+                        receipt,
+                        reason: reason.clone(),
+                        logs_ref,
+                        at: Utc::now(),
+                    },
+                )
+                .await?;
+                Ok(Outcome::Failed(reason))
             }
         }
+    }
+
+    /// Settles a running apply whose owner is known gone: records its stored result if the
+    /// runner had returned, else reports the run Failed as interrupted. The item is marked
+    /// only once that is recorded (or the run is no longer Applying); otherwise the error is
+    /// returned and the item stays for the next recovery round.
+    pub(crate) async fn settle_interrupted_apply(
+        &self,
+        item: &WorkItem,
+    ) -> Result<(), RecoverError> {
+        let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
+            self.queue
+                .failed(item, &format!("bad tenant {:?}", item.tenant_id))
+                .await?;
+            return Ok(());
+        };
+        if let Some(stored) = self.queue.stored_result(item).await? {
+            tracing::info!("recording the stored result of an apply whose owner stopped");
+            let outcome = match self.record_result(item, &tenant, &stored).await {
+                Ok(outcome) => outcome,
+                Err(e @ (CommandError::Domain(_) | CommandError::NotFound)) => {
+                    tracing::info!(reason = %e, "the stored result needs no recording");
+                    match stored.receipt.result {
+                        ApplyResult::Succeeded => Outcome::Done,
+                        ApplyResult::Failed => Outcome::Failed(stored.reason.unwrap_or_default()),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            };
+            match outcome {
+                Outcome::Failed(reason) => self.queue.failed(item, &reason).await?,
+                _ => self.queue.done(item).await?,
+            }
+            return Ok(());
+        }
+        let reported = self
+            .fail_apply(
+                item,
+                &tenant,
+                INTERRUPTED.to_string(),
+                None,
+                0.0,
+                "unknown".to_string(),
+            )
+            .await;
+        let reason = match reported {
+            Ok(_) => {
+                tracing::error!("an interrupted apply was reported: the run is Failed");
+                INTERRUPTED.to_string()
+            }
+            Err(e @ (CommandError::Domain(_) | CommandError::NotFound)) => {
+                format!("{INTERRUPTED} (the run was no longer applying: {e})")
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.queue.failed(item, &reason).await?;
+        Ok(())
     }
 
     async fn baseline(

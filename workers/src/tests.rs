@@ -1,8 +1,11 @@
 //! Worker tests on real databases, with in-test doubles for the ports (the real adapters are
-//! tested in their crates and end to end).
+//! tested in their crates and end to end). Faults are injected, not reasoned about: a clock
+//! the test moves ([`ShiftedClock`]), triggers that make the real store refuse writes, a
+//! claim taken over in the database.
 
+use crate::clock::{Clock, ShiftedClock};
 use crate::metrics::Metrics;
-use crate::queue::{enqueue, now_ms, Step};
+use crate::queue::{enqueue, now_ms, QueueError, Step, WorkItem};
 use crate::{Ports, Settings, Workers};
 use chrono::Utc;
 use ferry_domain::environment::{
@@ -18,12 +21,13 @@ use ferry_domain::*;
 use ferry_store::database::Backend;
 use ferry_store::stream::Tx;
 use ferry_store::testing::{eventually, TestDatabase};
-use ferry_store::{EventMetadata, Repository};
+use ferry_store::{on_pool, Database, EventMetadata, Repository};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Semaphore;
 
 struct Programs;
 
@@ -54,15 +58,48 @@ impl ProgramSource for Programs {
     }
 }
 
+/// A check run when an apply starts.
+type Hook = Box<dyn Fn() + Send + Sync>;
+
 #[derive(Default)]
 struct FakeRunner {
     deletes: u32,
     unavailable_previews: AtomicUsize,
     fail_apply: Option<String>,
     apply_delay: Duration,
+    /// When set, an apply waits for a permit before it finishes.
+    gate: Option<Arc<Semaphore>>,
+    before_apply: Option<Hook>,
+    /// Applies called.
+    apply_calls: AtomicUsize,
+    /// Applies that finished.
     applies: AtomicUsize,
+    /// Applies whose future was dropped before they finished.
+    cancelled: AtomicUsize,
     running: Mutex<HashMap<String, usize>>,
     max_parallel_in_env: AtomicUsize,
+}
+
+/// Leaves the running count when an apply ends or is dropped, counting a drop as cancelled.
+struct Running<'a> {
+    runner: &'a FakeRunner,
+    env: String,
+    finished: bool,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        *self
+            .runner
+            .running
+            .lock()
+            .unwrap()
+            .entry(self.env.clone())
+            .or_default() -= 1;
+        if !self.finished {
+            self.runner.cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -100,6 +137,10 @@ impl Runner for FakeRunner {
         })
     }
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
+        self.apply_calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(check) = &self.before_apply {
+            check();
+        }
         let env = input.environment_id.clone();
         {
             let mut running = self.running.lock().unwrap();
@@ -107,8 +148,17 @@ impl Runner for FakeRunner {
             *n += 1;
             self.max_parallel_in_env.fetch_max(*n, Ordering::SeqCst);
         }
+        let mut guard = Running {
+            runner: self,
+            env,
+            finished: false,
+        };
         tokio::time::sleep(self.apply_delay).await;
-        *self.running.lock().unwrap().entry(env).or_default() -= 1;
+        if let Some(gate) = &self.gate {
+            gate.acquire().await.unwrap().forget();
+        }
+        guard.finished = true;
+        drop(guard);
         self.applies.fetch_add(1, Ordering::SeqCst);
         match &self.fail_apply {
             Some(resource) => Err(RunnerError::ProgramFailed {
@@ -200,8 +250,23 @@ struct World {
     runner: Arc<FakeRunner>,
     config: Arc<Config>,
     artifacts: Arc<Artifacts>,
+    /// The clock of the world's workers (and of instances given it).
+    clock: Arc<ShiftedClock>,
     stop: tokio::sync::watch::Sender<bool>,
     _dir: tempfile::TempDir,
+}
+
+/// Another Ferry instance on the world's database.
+struct Instance {
+    workers: Arc<Workers>,
+    stop: tokio::sync::watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
 }
 
 fn tenant() -> TenantId {
@@ -212,24 +277,54 @@ fn meta(actor: &str) -> EventMetadata {
     EventMetadata::for_request(tenant(), Actor::parse(actor).unwrap(), uuid::Uuid::new_v4())
 }
 
+/// The settings of test workers: fast polls and heartbeat ticks, leases on `clock`.
+fn test_settings(dir: &Path, clock: Arc<dyn Clock>) -> Settings {
+    let mut settings = Settings::new(dir);
+    settings.poll = Duration::from_millis(20);
+    settings.plan_backoff = Duration::from_millis(10);
+    settings.heartbeat = Duration::from_millis(10);
+    settings.clock = clock;
+    settings
+}
+
+/// Runs one statement outside any transaction (test setup and fault injection).
+async fn exec(db: &Database, sql: &str) {
+    on_pool!(db, pool => sqlx::query(sql).execute(pool).await.unwrap().rows_affected());
+}
+
 impl World {
     async fn new(backend: Backend, runner: FakeRunner, tune: impl FnOnce(&mut Settings)) -> Self {
+        Self::build(backend, runner, None, true, tune).await
+    }
+
+    /// A world whose workers are not started: tests drive recovery and the queue by hand.
+    async fn idle(backend: Backend) -> Self {
+        Self::build(backend, FakeRunner::default(), None, false, |_| {}).await
+    }
+
+    /// A world whose workers use `runner` instead of the fake (still kept for others).
+    async fn build(
+        backend: Backend,
+        fake: FakeRunner,
+        runner: Option<Arc<dyn Runner>>,
+        start: bool,
+        tune: impl FnOnce(&mut Settings),
+    ) -> Self {
         let tdb = TestDatabase::new(backend).await;
         let dir = tempfile::tempdir().unwrap();
-        let runner = Arc::new(runner);
+        let fake = Arc::new(fake);
+        let clock = Arc::new(ShiftedClock::new());
         let config = Arc::new(Config::default());
         let artifacts = Arc::new(Artifacts::default());
         let ports = Ports {
             programs: Arc::new(Programs),
-            runner: runner.clone(),
+            runner: runner.unwrap_or_else(|| fake.clone()),
             secrets: Arc::new(Secrets),
             config: config.clone(),
             policy: Arc::new(Policy),
             artifacts: artifacts.clone(),
         };
-        let mut settings = Settings::new(dir.path());
-        settings.poll = Duration::from_millis(20);
-        settings.plan_backoff = Duration::from_millis(10);
+        let mut settings = test_settings(dir.path(), clock.clone());
         tune(&mut settings);
         let workers = Workers::new(
             tdb.db.clone(),
@@ -238,16 +333,211 @@ impl World {
             Arc::new(Metrics::default()),
         );
         let (stop, rx) = tokio::sync::watch::channel(false);
-        workers.start(rx);
+        if start {
+            workers.start(rx);
+        }
         Self {
             tdb,
             workers,
-            runner,
+            runner: fake,
             config,
             artifacts,
+            clock,
             stop,
             _dir: dir,
         }
+    }
+
+    fn ports(&self, runner: Arc<dyn Runner>) -> Ports {
+        Ports {
+            programs: Arc::new(Programs),
+            runner,
+            secrets: Arc::new(Secrets),
+            config: self.config.clone(),
+            policy: Arc::new(Policy),
+            artifacts: self.artifacts.clone(),
+        }
+    }
+
+    /// Another instance on the same database (on Postgres with a pool of its own), with its
+    /// own runner and clock; started or not.
+    async fn instance(
+        &self,
+        runner: Arc<dyn Runner>,
+        clock: Arc<dyn Clock>,
+        start: bool,
+    ) -> Instance {
+        let db = match self.tdb.db.backend() {
+            Backend::Postgres => Database::connect_postgres(&self.tdb.location)
+                .await
+                .unwrap(),
+            Backend::Sqlite => self.tdb.db.clone(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let workers = Workers::new(
+            db,
+            self.ports(runner),
+            test_settings(dir.path(), clock),
+            Arc::new(Metrics::default()),
+        );
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        if start {
+            workers.start(rx);
+        }
+        Instance {
+            workers,
+            stop,
+            _dir: dir,
+        }
+    }
+
+    /// Makes the store refuse to record events (any command fails) until [`Self::heal`].
+    async fn refuse_events(&self) {
+        let db = &self.tdb.db;
+        match db.backend() {
+            Backend::Postgres => {
+                self.refusal_function().await;
+                exec(db, "CREATE TRIGGER test_refuse_events BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION test_refuse()").await;
+            }
+            Backend::Sqlite => exec(db, "CREATE TRIGGER test_refuse_events BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'store failure injected by the test'); END").await,
+        }
+    }
+
+    /// Makes the store refuse every write that keeps an item running (lease renewals,
+    /// storing a result) until [`Self::heal`].
+    async fn refuse_renewals(&self) {
+        let db = &self.tdb.db;
+        match db.backend() {
+            Backend::Postgres => {
+                self.refusal_function().await;
+                exec(db, "CREATE TRIGGER test_refuse_renewals BEFORE UPDATE ON work_items FOR EACH ROW WHEN (OLD.status = 'running' AND NEW.status = 'running') EXECUTE FUNCTION test_refuse()").await;
+            }
+            Backend::Sqlite => exec(db, "CREATE TRIGGER test_refuse_renewals BEFORE UPDATE ON work_items WHEN OLD.status = 'running' AND NEW.status = 'running' BEGIN SELECT RAISE(ABORT, 'store failure injected by the test'); END").await,
+        }
+    }
+
+    async fn refusal_function(&self) {
+        exec(&self.tdb.db, "CREATE OR REPLACE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'store failure injected by the test'; END $$").await;
+    }
+
+    /// Removes the injected failures.
+    async fn heal(&self) {
+        let db = &self.tdb.db;
+        match db.backend() {
+            Backend::Postgres => {
+                exec(db, "DROP TRIGGER IF EXISTS test_refuse_events ON events").await;
+                exec(
+                    db,
+                    "DROP TRIGGER IF EXISTS test_refuse_renewals ON work_items",
+                )
+                .await;
+            }
+            Backend::Sqlite => {
+                exec(db, "DROP TRIGGER IF EXISTS test_refuse_events").await;
+                exec(db, "DROP TRIGGER IF EXISTS test_refuse_renewals").await;
+            }
+        }
+    }
+
+    /// The running apply item of a run.
+    async fn running_apply(&self, id: ProvisioningRunId) -> Option<WorkItem> {
+        let running = self.workers.queue().running().await.unwrap();
+        running
+            .into_iter()
+            .find(|i| i.item_id == id.to_string() && i.step == Step::Apply)
+    }
+
+    /// The status, last error and attempts of one of a run's items.
+    async fn status(
+        &self,
+        id: ProvisioningRunId,
+        step: Step,
+    ) -> Option<(String, Option<String>, i64)> {
+        self.workers
+            .queue()
+            .status(&id.to_string(), step)
+            .await
+            .unwrap()
+    }
+
+    async fn state(&self, id: ProvisioningRunId) -> Option<ProvisioningState> {
+        let (run, _) = self
+            .runs()
+            .load(&tenant(), &id.to_string())
+            .await
+            .unwrap()?;
+        run.state()
+    }
+
+    /// A run in `Applying` whose apply item is running, claimed with `token` and a lease
+    /// ending at `lease_until`: what an owner leaves behind (the workers are not started).
+    async fn orphaned_apply(&self, env: &str, token: &str, lease_until: i64) -> ProvisioningRunId {
+        let id = self
+            .request(env, Some(EnvironmentClass::Development), "abcdef1")
+            .await;
+        let runs = self.runs();
+        let key = id.to_string();
+        // Play the planner by hand.
+        let plan = ferry_domain::receipts::PlanReceipt {
+            adds: 1,
+            changes: 0,
+            deletes: 0,
+            replaces: 0,
+            resources: vec![],
+            inputs_hash: "x".into(),
+            program_version: "abcdef1".into(),
+            runner: "fake".into(),
+            runner_version: "1".into(),
+            policy: None,
+            warnings: vec![],
+        };
+        runs.execute(
+            &tenant(),
+            &key,
+            RunCommand::RecordPlan {
+                receipt: Box::new(plan),
+                logs_ref: None,
+                at: Utc::now(),
+            },
+            &meta("system:planner"),
+            false,
+        )
+        .await
+        .unwrap();
+        runs.execute(
+            &tenant(),
+            &key,
+            RunCommand::StartApply { at: Utc::now() },
+            &meta("system:planner"),
+            false,
+        )
+        .await
+        .unwrap();
+        let mut tx = Tx::begin(&self.tdb.db).await.unwrap();
+        enqueue(
+            &mut tx,
+            &key,
+            Step::Apply,
+            "acme",
+            &format!("acme/{env}"),
+            now_ms(),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+        tx.execute(
+            "UPDATE work_items SET status = 'running', lease_until = $2, attempts = 1, claim_token = $3 WHERE item_id = $1 AND step = 'apply'",
+            &[
+                ferry_store::stream::Param::Text(Some(key.clone())),
+                ferry_store::stream::Param::Int(Some(lease_until)),
+                ferry_store::stream::Param::Text(Some(token.to_string())),
+            ],
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        id
     }
 
     fn runs(&self) -> Repository<ProvisioningRun> {
@@ -488,113 +778,33 @@ async fn a_failed_apply_names_the_failing_resource_and_is_not_retried() {
 
 #[tokio::test]
 async fn an_interrupted_apply_is_reported_failed_and_never_rerun() {
-    let w = World::new(Backend::Postgres, FakeRunner::default(), |_| {}).await;
-    // Stop the workers' effect by putting a run in Applying with an apply item whose lease
-    // expired: what a process killed mid-apply leaves behind.
-    let _ = w.stop.send(true);
-    let id = w
-        .request("prod", Some(EnvironmentClass::Development), "abcdef1")
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let w = World::idle(backend).await;
+        // A process killed mid-apply long ago (its lease and the grace period are over).
+        let id = w
+            .orphaned_apply("prod", "killed-process", now_ms() - 600_000)
+            .await;
+        // A new process starts.
+        let restarted = w.instance(w.runner.clone(), w.clock.clone(), true).await;
+        let run = w.wait_state(id, ProvisioningState::Failed).await;
+        assert_eq!(
+            run.apply_receipt().unwrap().result,
+            ferry_domain::receipts::ApplyResult::Failed
+        );
+        let (status, error, _) = eventually("the item settled", || async {
+            w.status(id, Step::Apply).await.filter(|s| s.0 != "running")
+        })
         .await;
-    let runs = w.runs();
-    let key = id.to_string();
-    // Play the planner by hand (the workers are stopped).
-    let plan = ferry_domain::receipts::PlanReceipt {
-        adds: 1,
-        changes: 0,
-        deletes: 0,
-        replaces: 0,
-        resources: vec![],
-        inputs_hash: "x".into(),
-        program_version: "abcdef1".into(),
-        runner: "fake".into(),
-        runner_version: "1".into(),
-        policy: None,
-        warnings: vec![],
-    };
-    runs.execute(
-        &tenant(),
-        &key,
-        RunCommand::RecordPlan {
-            receipt: Box::new(plan),
-            logs_ref: None,
-            at: Utc::now(),
-        },
-        &meta("system:planner"),
-        false,
-    )
-    .await
-    .unwrap();
-    runs.execute(
-        &tenant(),
-        &key,
-        RunCommand::StartApply { at: Utc::now() },
-        &meta("system:planner"),
-        false,
-    )
-    .await
-    .unwrap();
-    let mut tx = Tx::begin(&w.tdb.db).await.unwrap();
-    enqueue(
-        &mut tx,
-        &key,
-        Step::Apply,
-        "acme",
-        "acme/prod",
-        now_ms(),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    tx.execute(
-        "UPDATE work_items SET status = 'running', lease_until = $2, attempts = 1 WHERE item_id = $1 AND step = 'apply'",
-        &[ferry_store::stream::Param::Text(Some(key.clone())), ferry_store::stream::Param::Int(Some(now_ms() - 1000))],
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-
-    // A new process starts.
-    let ports = Ports {
-        programs: Arc::new(Programs),
-        runner: w.runner.clone(),
-        secrets: Arc::new(Secrets),
-        config: w.config.clone(),
-        policy: Arc::new(Policy),
-        artifacts: w.artifacts.clone(),
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let mut settings = Settings::new(dir.path());
-    settings.poll = Duration::from_millis(20);
-    let restarted = Workers::new(
-        w.tdb.db.clone(),
-        ports,
-        settings,
-        Arc::new(Metrics::default()),
-    );
-    let (stop, rx) = tokio::sync::watch::channel(false);
-    restarted.start(rx);
-    let run = w.wait_state(id, ProvisioningState::Failed).await;
-    assert_eq!(
-        run.apply_receipt().unwrap().result,
-        ferry_domain::receipts::ApplyResult::Failed
-    );
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        w.runner.applies.load(Ordering::SeqCst),
-        0,
-        "never re-run blindly"
-    );
-    let (status, error, _) = restarted
-        .queue()
-        .status(&key, Step::Apply)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(status, "failed");
-    assert!(error.unwrap().contains("interrupted"));
-    let _ = stop.send(true);
-    w.stop().await;
+        assert_eq!(status, "failed");
+        assert!(error.unwrap().contains("interrupted"));
+        assert_eq!(
+            w.runner.apply_calls.load(Ordering::SeqCst),
+            0,
+            "never re-run blindly"
+        );
+        drop(restarted);
+        w.stop().await;
+    }
 }
 
 #[tokio::test]
@@ -728,5 +938,496 @@ async fn a_new_environment_gets_its_baseline_planned() {
         run.plan_receipt().unwrap().program_version,
         format!("abcdef9{}", "0".repeat(33))
     );
+    w.stop().await;
+}
+
+/// The state letter of a process, `None` once it no longer exists.
+fn process_state(pid: &str) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// Alive: neither gone nor a zombie waiting to be reaped.
+fn alive(pid: &str) -> bool {
+    !matches!(process_state(pid), None | Some('Z') | Some('X'))
+}
+
+/// A stand-in `pulumi`: previews nothing; the first `up` starts a child, records its own
+/// and the child's pid, and waits for ever; a later `up` succeeds at once.
+const FAKE_PULUMI: &str = r#"#!/bin/sh
+case "$1" in
+  version) echo v3.0.0-test ;;
+  preview) cat > /dev/null; echo '{"steps": []}' ;;
+  up)
+    cat > /dev/null
+    if [ -e "$FAKE_DIR/child" ]; then echo '{}'; exit 0; fi
+    sleep 300 &
+    echo $! > "$FAKE_DIR/child.tmp"; mv "$FAKE_DIR/child.tmp" "$FAKE_DIR/child"
+    echo $$ > "$FAKE_DIR/leader.tmp"; mv "$FAKE_DIR/leader.tmp" "$FAKE_DIR/leader"
+    wait ;;
+  stack) echo '{}' ;;
+esac
+"#;
+
+async fn pid_in(dir: &Path, name: &str) -> String {
+    eventually(&format!("a pid in {name}"), || async {
+        let pid = std::fs::read_to_string(dir.join(name)).ok()?;
+        pid.ends_with('\n').then(|| pid.trim().to_string())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_the_lease_ends() {
+    use std::os::unix::fs::PermissionsExt;
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let fake = tempfile::tempdir().unwrap();
+        let bin = fake.path().join("pulumi");
+        std::fs::write(&bin, FAKE_PULUMI).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let pulumi = ferry_runners::PulumiRunner::new(
+            &bin,
+            BTreeMap::from([("FAKE_DIR".to_string(), fake.path().display().to_string())]),
+        );
+        let w = World::build(
+            backend,
+            FakeRunner::default(),
+            Some(Arc::new(pulumi)),
+            true,
+            |_| {},
+        )
+        .await;
+        let first = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+            .await;
+        let leader = pid_in(fake.path(), "leader").await;
+        let child = pid_in(fake.path(), "child").await;
+        assert!(alive(&leader) && alive(&child));
+
+        // A second instance, whose runner notes whether it ever starts while the first
+        // apply's processes still run; and a second run for the same environment.
+        let pids = [leader.clone(), child.clone()];
+        let overlapped = Arc::new(AtomicBool::new(false));
+        let flag = overlapped.clone();
+        let other = Arc::new(FakeRunner {
+            before_apply: Some(Box::new(move || {
+                if pids.iter().any(|p| alive(p)) {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            })),
+            ..Default::default()
+        });
+        let b = w.instance(other.clone(), w.clock.clone(), true).await;
+        let second = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef2")
+            .await;
+        eventually("the second apply waits", || async {
+            w.status(second, Step::Apply)
+                .await
+                .filter(|s| s.0 == "pending")
+        })
+        .await;
+
+        // Renewals work: a sixth of the lease later, the lease is extended.
+        let claimed = w.running_apply(first).await.unwrap();
+        w.clock.advance(Duration::from_secs(15));
+        let renewed = eventually("a renewal", || async {
+            let item = w.running_apply(first).await?;
+            (item.lease_until > claimed.lease_until).then_some(item)
+        })
+        .await;
+
+        // Then the store refuses them, for longer than two thirds of the lease.
+        w.refuse_renewals().await;
+        for step in [15, 15, 11] {
+            w.clock.advance(Duration::from_secs(step));
+        }
+        eventually("the runner's processes killed", || async {
+            (!alive(&leader) && !alive(&child)).then_some(())
+        })
+        .await;
+        assert!(
+            w.clock.now_ms() < renewed.lease_until,
+            "killed before the lease ends"
+        );
+        if backend == Backend::Postgres {
+            // Another instance waits for the lease and the grace period to pass. (On SQLite
+            // the stopped claim is known gone at once; `overlapped` checks it waited for
+            // the processes to die.)
+            assert_eq!(w.state(first).await, Some(ProvisioningState::Applying));
+            assert_eq!(other.apply_calls.load(Ordering::SeqCst), 0);
+        }
+
+        // Once the claim is known gone the run is reported Failed, and only then does the
+        // environment's next apply run.
+        w.heal().await;
+        w.clock.advance(Duration::from_secs(60 + 31));
+        w.wait_state(first, ProvisioningState::Failed).await;
+        let (status, error, _) = eventually("the first item settled", || async {
+            w.status(first, Step::Apply)
+                .await
+                .filter(|s| s.0 != "running")
+        })
+        .await;
+        assert_eq!(status, "failed");
+        assert!(error.unwrap().contains("interrupted"));
+        let runs = w.runs();
+        eventually("the second run ends", || async {
+            let (run, _) = runs.load(&tenant(), &second.to_string()).await.unwrap()?;
+            run.state().filter(|s| s.is_terminal())
+        })
+        .await;
+        assert!(
+            !overlapped.load(Ordering::SeqCst),
+            "two runners in one environment"
+        );
+        drop(b);
+        w.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_lapsed_lease_with_a_live_owner_is_neither_reported_nor_frees_the_environment() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let gate = Arc::new(Semaphore::new(0));
+        let runner = FakeRunner {
+            gate: Some(gate.clone()),
+            ..Default::default()
+        };
+        let w = World::new(backend, runner, |_| {}).await;
+        let first = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+            .await;
+        eventually("the apply runs", || async {
+            (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+        })
+        .await;
+        let second = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef2")
+            .await;
+        eventually("the second apply waits", || async {
+            w.status(second, Step::Apply)
+                .await
+                .filter(|s| s.0 == "pending")
+        })
+        .await;
+
+        // To another instance whose clock is ten minutes ahead, the lease lapsed long ago.
+        let ahead = Arc::new(ShiftedClock::new());
+        ahead.advance(Duration::from_secs(600));
+        let b = w
+            .instance(Arc::new(FakeRunner::default()), ahead, false)
+            .await;
+        assert_eq!(b.workers.recover().await.unwrap(), 0, "nothing settled");
+        assert_eq!(w.state(first).await, Some(ProvisioningState::Applying));
+        assert_eq!(w.status(first, Step::Apply).await.unwrap().0, "running");
+        let claimed = b
+            .workers
+            .queue()
+            .claim("instance-b", Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(claimed, None, "the environment's next apply is not claimed");
+
+        // The owner finishes and records its outcome.
+        gate.add_permits(2);
+        w.wait_state(first, ProvisioningState::Applied).await;
+        drop(b);
+        w.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn an_old_owners_late_writes_after_losing_its_claim_are_refused() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let w = World::idle(backend).await;
+        let queue = w.workers.queue();
+        let lease = Duration::from_secs(60);
+
+        // An apply whose owner stopped renewing: recovery reports it and marks it failed.
+        let id = w
+            .orphaned_apply("dev", "old-owner", w.clock.now_ms() + 60_000)
+            .await;
+        let old = w.running_apply(id).await.unwrap();
+        w.clock.advance(Duration::from_secs(60 + 31));
+        assert_eq!(w.workers.recover().await.unwrap(), 1);
+        assert_eq!(w.state(id).await, Some(ProvisioningState::Failed));
+        // The old owner comes back and reports success: refused, nothing overwritten.
+        assert!(matches!(
+            queue.done(&old).await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        assert!(matches!(
+            queue.renew(&old, lease).await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        assert!(matches!(
+            queue.retry(&old, "again", Duration::ZERO).await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        let (status, error, _) = w.status(id, Step::Apply).await.unwrap();
+        assert_eq!(status, "failed");
+        assert!(error.unwrap().contains("interrupted"));
+
+        // A plan re-claimed by a new owner after the old one's lease lapsed: the old owner
+        // can no longer finish it; the new one can, once.
+        let plan_id = ProvisioningRunId::new_random();
+        let mut tx = Tx::begin(&w.tdb.db).await.unwrap();
+        enqueue(
+            &mut tx,
+            &plan_id.to_string(),
+            Step::Plan,
+            "acme",
+            "acme/dev",
+            now_ms(),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let first = queue.claim("first-owner", lease).await.unwrap().unwrap();
+        w.clock.advance(Duration::from_secs(61));
+        assert_eq!(w.workers.recover().await.unwrap(), 1);
+        let second = queue.claim("second-owner", lease).await.unwrap().unwrap();
+        assert_eq!(
+            (second.item_id.as_str(), second.attempts),
+            (first.item_id.as_str(), 2)
+        );
+        assert!(matches!(
+            queue.done(&first).await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        assert!(matches!(
+            queue.failed(&first, "late").await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        assert_eq!(w.status(plan_id, Step::Plan).await.unwrap().0, "running");
+        queue.done(&second).await.unwrap();
+        assert_eq!(w.status(plan_id, Step::Plan).await.unwrap().0, "done");
+        assert!(matches!(
+            queue.done(&second).await,
+            Err(QueueError::ClaimLost { .. })
+        ));
+        w.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_store_error_while_recording_the_outcome_is_retried_without_running_the_runner_again() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let gate = Arc::new(Semaphore::new(0));
+        let runner = FakeRunner {
+            gate: Some(gate.clone()),
+            ..Default::default()
+        };
+        let w = World::new(backend, runner, |_| {}).await;
+        let id = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+            .await;
+        eventually("the apply runs", || async {
+            (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+        })
+        .await;
+        // The store refuses the outcome when the runner returns (and a runner called again
+        // would not be held up).
+        w.refuse_events().await;
+        gate.add_permits(100);
+        eventually("recording retried", || async {
+            w.status(id, Step::Apply)
+                .await
+                .filter(|(_, error, attempts)| {
+                    *attempts >= 3 && error.as_deref().is_some_and(|e| e.contains("store"))
+                })
+        })
+        .await;
+        assert_eq!(w.state(id).await, Some(ProvisioningState::Applying));
+        w.heal().await;
+        let run = w.wait_state(id, ProvisioningState::Applied).await;
+        assert_eq!(run.apply_receipt().unwrap().outputs["url"], "https://x");
+        let (status, _, _) = eventually("the item done", || async {
+            w.status(id, Step::Apply).await.filter(|s| s.0 == "done")
+        })
+        .await;
+        assert_eq!(status, "done");
+        assert_eq!(
+            w.runner.apply_calls.load(Ordering::SeqCst),
+            1,
+            "the runner ran once"
+        );
+        // The environment's last apply was recorded with the result.
+        let last = w.workers.queue().last_apply("acme/dev").await.unwrap();
+        assert_eq!(last.unwrap().0, id.to_string());
+        w.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_failed_interruption_report_keeps_the_item_for_the_next_recovery_round() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let w = World::idle(backend).await;
+        let id = w
+            .orphaned_apply("dev", "previous-process", w.clock.now_ms() - 1_000)
+            .await;
+        // Past the grace period too (it matters on Postgres only).
+        w.clock.advance(Duration::from_secs(31));
+        w.refuse_events().await;
+        assert_eq!(w.workers.recover().await.unwrap(), 0, "nothing settled");
+        assert_eq!(w.status(id, Step::Apply).await.unwrap().0, "running");
+        assert_eq!(w.state(id).await, Some(ProvisioningState::Applying));
+        w.heal().await;
+        assert_eq!(w.workers.recover().await.unwrap(), 1);
+        assert_eq!(w.state(id).await, Some(ProvisioningState::Failed));
+        let (status, error, _) = w.status(id, Step::Apply).await.unwrap();
+        assert_eq!(status, "failed");
+        assert!(error.unwrap().contains("interrupted"));
+        w.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_renewal_that_finds_the_claim_taken_over_cancels_the_step() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let gate = Arc::new(Semaphore::new(0));
+        let runner = FakeRunner {
+            gate: Some(gate.clone()),
+            ..Default::default()
+        };
+        let w = World::new(backend, runner, |_| {}).await;
+        let id = w
+            .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+            .await;
+        eventually("the apply runs", || async {
+            (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+        })
+        .await;
+        // Someone else holds the claim now.
+        exec(
+            &w.tdb.db,
+            &format!("UPDATE work_items SET claim_token = 'taken-over' WHERE item_id = '{id}' AND step = 'apply'"),
+        )
+        .await;
+        w.clock.advance(Duration::from_secs(11));
+        eventually("the runner cancelled", || async {
+            (w.runner.cancelled.load(Ordering::SeqCst) == 1).then_some(())
+        })
+        .await;
+        // The old owner wrote nothing over the new claim: it is still running under the new
+        // token, unless recovery already settled it (on SQLite a claim no process holds is
+        // settled at once) as interrupted.
+        match w.running_apply(id).await {
+            Some(item) => assert_eq!(item.claim_token, "taken-over"),
+            None => {
+                let (status, error, _) = w.status(id, Step::Apply).await.unwrap();
+                assert_eq!(status, "failed");
+                assert!(error.unwrap().contains("interrupted"));
+            }
+        }
+        assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
+        w.stop().await;
+    }
+}
+
+/// The backend pids holding advisory locks in the world's (Postgres) database.
+async fn advisory_holders(w: &World) -> Vec<i32> {
+    let ferry_store::database::Pool::Postgres(pool) = w.tdb.db.pool() else {
+        unreachable!("Postgres only")
+    };
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_terminated_liveness_connection_is_replaced_and_keeps_recovery_away() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runner = FakeRunner {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    };
+    let w = World::new(Backend::Postgres, runner, |_| {}).await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    eventually("the apply runs", || async {
+        (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    let holders = advisory_holders(&w).await;
+    assert_eq!(holders.len(), 1, "the owner holds its liveness lock");
+    // The server ends the owner's lock session.
+    exec(
+        &w.tdb.db,
+        &format!("SELECT pg_terminate_backend({})", holders[0]),
+    )
+    .await;
+    eventually("the lock freed", || async {
+        advisory_holders(&w).await.is_empty().then_some(())
+    })
+    .await;
+    // With the next renewal the owner takes it again, on a new connection.
+    w.clock.advance(Duration::from_secs(11));
+    let again = eventually("the lock taken again", || async {
+        let h = advisory_holders(&w).await;
+        (h.len() == 1).then(|| h[0])
+    })
+    .await;
+    assert_ne!(again, holders[0]);
+    // So an instance that sees the lease lapsed still finds the owner alive.
+    let ahead = Arc::new(ShiftedClock::new());
+    ahead.advance(Duration::from_secs(600));
+    let b = w
+        .instance(Arc::new(FakeRunner::default()), ahead, false)
+        .await;
+    assert_eq!(b.workers.recover().await.unwrap(), 0);
+    assert_eq!(w.runner.cancelled.load(Ordering::SeqCst), 0);
+    gate.add_permits(1);
+    w.wait_state(id, ProvisioningState::Applied).await;
+    drop(b);
+    w.stop().await;
+}
+
+#[tokio::test]
+async fn a_renewal_that_hangs_does_not_delay_the_fence() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runner = FakeRunner {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    };
+    let w = World::new(Backend::Postgres, runner, |_| {}).await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    eventually("the apply runs", || async {
+        (w.runner.apply_calls.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    let claimed = w.running_apply(id).await.unwrap();
+    // Another session locks the item's row: every renewal waits on it.
+    let mut blocker = Tx::begin(&w.tdb.db).await.unwrap();
+    blocker
+        .execute(
+            "SELECT 1 FROM work_items WHERE item_id = $1 AND step = 'apply' FOR UPDATE",
+            &[ferry_store::stream::Param::Text(Some(id.to_string()))],
+        )
+        .await
+        .unwrap();
+    for step in [15, 15, 11] {
+        w.clock.advance(Duration::from_secs(step));
+    }
+    eventually("the runner cancelled", || async {
+        (w.runner.cancelled.load(Ordering::SeqCst) == 1).then_some(())
+    })
+    .await;
+    assert!(
+        w.clock.now_ms() < claimed.lease_until,
+        "before the lease ends"
+    );
+    drop(blocker);
+    assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
     w.stop().await;
 }

@@ -9,6 +9,10 @@
 //! runner uses, so one parser serves both. `apply` re-plans, then applies step by step,
 //! writing state atomically.
 //!
+//! **Cancellation.** `apply` has no await point after it takes the data dir's apply lock:
+//! a dropped (cancelled) apply either stopped before it read or wrote any state, or ran to
+//! its end. A cancellation never leaves a half-applied state behind.
+//!
 //! **Simulation knob:** a resource whose properties contain `simulateFailure: "<message>"`
 //! fails at apply with `ProgramFailed { resource: Some(<urn>), reason: "<name>: <message>" }`;
 //! the resources applied before it stay in state (a partial apply, as a real cloud would).
