@@ -100,6 +100,8 @@ pub fn worker_settings(config: &Config) -> ferry_workers::Settings {
     settings.apply_timeout = config.apply_timeout;
     settings.approval_expiry = config.approval_expiry;
     settings.poll = config.poll_interval;
+    settings.lease = config.worker_lease;
+    settings.recovery_grace = config.worker_recovery_grace;
     for (class, program, commit) in &config.baseline_programs {
         if let (Ok(program_ref), Ok(program_version)) = (
             ferry_domain::ProgramRef::parse(program.as_str()),

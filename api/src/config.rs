@@ -102,6 +102,12 @@ pub struct Config {
     /// A transaction holding the global stream back longer than this is named by `/readyz`
     /// and `ferry projections status` (`FERRY_STREAM_HOLD_WARN_MS`).
     pub stream_hold_warn: Duration,
+    /// How long a worker's claim on a step lasts without renewal
+    /// (`FERRY_WORKER_LEASE_SECONDS`).
+    pub worker_lease: Duration,
+    /// How long past an apply's lease, with its owner's lock free, before another instance
+    /// reports it interrupted (`FERRY_WORKER_RECOVERY_GRACE_SECONDS`).
+    pub worker_recovery_grace: Duration,
 }
 
 /// Which runner adapter to use.
@@ -148,6 +154,8 @@ impl Default for Config {
             store_acquire_timeout: Duration::from_secs(10),
             sqlite_busy_timeout: Duration::from_secs(15),
             stream_hold_warn: Duration::from_secs(5),
+            worker_lease: Duration::from_secs(60),
+            worker_recovery_grace: Duration::from_secs(30),
         }
     }
 }
@@ -189,6 +197,8 @@ struct FileLayer {
     store_acquire_timeout_ms: Option<u64>,
     sqlite_busy_timeout_ms: Option<u64>,
     stream_hold_warn_ms: Option<u64>,
+    worker_lease_seconds: Option<u64>,
+    worker_recovery_grace_seconds: Option<u64>,
 }
 
 /// The documented settings: (file key, environment variable, default, meaning). The README
@@ -391,6 +401,18 @@ pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
         "FERRY_STREAM_HOLD_WARN_MS",
         "5000",
         "A transaction holding the event stream back longer is named by `/readyz` and `ferry projections status`, 100 to 3600000 ms.",
+    ),
+    (
+        "worker_lease_seconds",
+        "FERRY_WORKER_LEASE_SECONDS",
+        "60",
+        "A worker's claim on a step without renewal; the owner stops its runner at two thirds of it, 3 to 3600.",
+    ),
+    (
+        "worker_recovery_grace_seconds",
+        "FERRY_WORKER_RECOVERY_GRACE_SECONDS",
+        "30",
+        "Postgres: how long past an apply's lease, its owner's lock free, before it is reported interrupted, 0 to 3600.",
     ),
 ];
 
@@ -669,6 +691,21 @@ impl Config {
             "stream_hold_warn_ms" => {
                 self.stream_hold_warn = ms_in(int(raw)?, 100, 3_600_000, layer, key, env_name)?;
             }
+            "worker_lease_seconds" | "worker_recovery_grace_seconds" => {
+                let (min, value) = (u64::from(key == "worker_lease_seconds") * 3, int(raw)?);
+                if !(min..=3600).contains(&value) {
+                    return Err(layer.err(
+                        key,
+                        env_name,
+                        format!("must be between {min} and 3600 seconds"),
+                    ));
+                }
+                if key == "worker_lease_seconds" {
+                    self.worker_lease = Duration::from_secs(value);
+                } else {
+                    self.worker_recovery_grace = Duration::from_secs(value);
+                }
+            }
             "workers" => {
                 self.workers = match text(raw)?.as_str() {
                     "true" | "1" | "yes" => true,
@@ -692,7 +729,7 @@ impl Config {
             source,
             by_env_name: false,
         };
-        let entries: [(&str, Option<RawValue>); 33] = [
+        let entries: [(&str, Option<RawValue>); 35] = [
             ("http_addr", f.http_addr.map(RawValue::Text)),
             ("data_dir", f.data_dir.map(RawValue::Text)),
             ("database_url", f.database_url.map(RawValue::Text)),
@@ -758,6 +795,14 @@ impl Config {
             (
                 "stream_hold_warn_ms",
                 f.stream_hold_warn_ms.map(RawValue::Int),
+            ),
+            (
+                "worker_lease_seconds",
+                f.worker_lease_seconds.map(RawValue::Int),
+            ),
+            (
+                "worker_recovery_grace_seconds",
+                f.worker_recovery_grace_seconds.map(RawValue::Int),
             ),
         ];
         for (key, value) in entries {

@@ -212,7 +212,8 @@ impl Workers {
             environment_id: request.environment_id.to_string(),
             environment_class: request.environment_class,
             kind: request.kind,
-            has_promotion_approval: request.promotion_id.is_some() && request.approval_id.is_some(),
+            // Only an approval Ferry verified counts (ids in the request grant nothing).
+            has_promotion_approval: run.promotion_approval().is_some(),
             adds: plan.adds,
             changes: plan.changes,
             deletes: plan.deletes,
