@@ -1,10 +1,11 @@
 //! The Pulumi CLI runner: runs `pulumi` as a child process in the program folder, with the
-//! environment id as the stack.
+//! tenant's environment as the stack (`<stack>`: [`StackName`](ferry_domain::ports::runner::StackName), e.g. `acme.payments-prod`, so
+//! that two tenants' environments of the same name are two stacks).
 //!
-//! * plan: `pulumi preview --json --stack <env> --non-interactive`, parsed with
+//! * plan: `pulumi preview --json --stack <stack> --non-interactive`, parsed with
 //!   [`parse_preview`];
-//! * apply: `pulumi up --yes --skip-preview --json --stack <env> --non-interactive`, then
-//!   `pulumi stack output --json --show-secrets --stack <env> --non-interactive`;
+//! * apply: `pulumi up --yes --skip-preview --json --stack <stack> --non-interactive`, then
+//!   `pulumi stack output --json --show-secrets --stack <stack> --non-interactive`;
 //! * version: `pulumi version`.
 //!
 //! **Configuration and secrets** never touch the disk in clear and never appear on the
@@ -121,11 +122,7 @@ impl PulumiRunner {
         with_config: bool,
     ) -> Vec<&'a str> {
         let mut args = command.to_vec();
-        args.extend([
-            "--stack",
-            input.environment_id.as_str(),
-            "--non-interactive",
-        ]);
+        args.extend(["--stack", input.stack.as_str(), "--non-interactive"]);
         if with_config {
             args.extend(["--config-file", "/dev/stdin"]);
         }
@@ -367,7 +364,7 @@ impl Runner for PulumiRunner {
         Ok(version.trim_start_matches('v').to_string())
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let config = config_document(input)?;
         let args = Self::stack_args(&["preview", "--json"], input, config.is_some());
@@ -391,7 +388,7 @@ impl Runner for PulumiRunner {
         })
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let deadline = Instant::now() + input.timeout;
         let config = config_document(input)?;

@@ -2,8 +2,9 @@
 // Test helpers outside #[test] functions unwrap too: a failed setup is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput};
+use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
+use ferry_domain::{EnvironmentId, TenantId};
 use ferry_runners::PulumiRunner;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -45,8 +46,12 @@ impl Fake {
         }
     }
     fn input(&self, timeout: Duration) -> RunnerInput {
+        let tenant = TenantId::parse("acme").unwrap();
+        let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
         RunnerInput {
+            tenant,
             environment_id: "dev".into(),
+            stack,
             program_dir: self.dir.path().join("program"),
             config: BTreeMap::from([
                 ("region".into(), json!("eu-west-1")),
@@ -88,7 +93,7 @@ async fn preview_parses_the_cli_output_and_hands_config_over_stdin() {
     let args = fake.read("args");
     assert_eq!(
         args.trim(),
-        "preview --json --stack dev --non-interactive --config-file /dev/stdin"
+        "preview --json --stack acme.dev --non-interactive --config-file /dev/stdin"
     );
     assert!(
         !args.contains(SECRET),
@@ -129,7 +134,7 @@ async fn without_config_the_stack_file_is_used() {
     assert_eq!(out.plan.adds, 16);
     assert_eq!(
         fake.read("args").trim(),
-        "preview --json --stack dev --non-interactive"
+        "preview --json --stack acme.dev --non-interactive"
     );
 }
 
@@ -156,8 +161,8 @@ esac"#;
     );
     assert_eq!(
         fake.read("calls"),
-        "up --yes --skip-preview --json --stack dev --non-interactive --config-file /dev/stdin\n\
-         stack output --json --show-secrets --stack dev --non-interactive\n"
+        "up --yes --skip-preview --json --stack acme.dev --non-interactive --config-file /dev/stdin\n\
+         stack output --json --show-secrets --stack acme.dev --non-interactive\n"
     );
 }
 
@@ -310,8 +315,12 @@ async fn missing_binary_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-pulumi");
     let runner = PulumiRunner::new(&missing, BTreeMap::new());
+    let tenant = TenantId::parse("acme").unwrap();
+    let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
     let input = RunnerInput {
+        tenant,
         environment_id: "dev".into(),
+        stack,
         program_dir: dir.path().to_path_buf(),
         config: BTreeMap::new(),
         secrets: BTreeMap::new(),
