@@ -1,7 +1,8 @@
 //! What every handler shares: the store, the repositories, the read side, the verifier,
-//! the metrics and the artifact store.
+//! the metrics, the artifact store and the rules confining tenants' references.
 
 use crate::auth::Verifier;
+use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::ArtifactStore;
 use ferry_domain::run::ProvisioningRun;
@@ -41,6 +42,8 @@ pub struct Services {
     pub inbound: ferry_messaging::inbound::InboundContext,
     /// The NATS relay's counters, when NATS is configured: (stream, metrics).
     pub relay: Option<(String, Arc<ferry_messaging::RelayMetrics>)>,
+    /// What each tenant's references may reach.
+    pub confinement: Arc<Confinement>,
 }
 
 impl AppState {
@@ -97,6 +100,10 @@ impl AppState {
     /// Inbound event handling.
     pub fn inbound(&self) -> &ferry_messaging::inbound::InboundContext {
         &self.inner.services.inbound
+    }
+    /// The rules confining each tenant's references (checked at declaration).
+    pub fn confinement(&self) -> &Confinement {
+        &self.inner.services.confinement
     }
     /// Every metric of the process, as Prometheus text.
     pub fn render_metrics(&self) -> String {
