@@ -892,12 +892,12 @@ impl Config {
 
     /// The rules confining each tenant's references, from the `tenant_*` settings, Ferry's
     /// own paths (data dir, configuration file, policy folder, local artifact folder) and
-    /// the configured baseline programs (trusted as they are). Relative paths are taken
-    /// from the current folder, as the rest of Ferry does.
+    /// the configured baseline programs (trusted as they are). Ferry's paths are taken as
+    /// they really are (relative ones from the current folder, links resolved as far as
+    /// the path exists), so the default roots under the data dir are real paths too.
     pub fn confinement(&self) -> Result<Confinement, ConfigError> {
         use ferry_domain::confinement::{ConfinementError, ConfinementSettings, FerryFiles};
-        let absolute =
-            |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        let absolute = |p: &std::path::Path| real_path(p);
         let data_dir = absolute(&self.data_dir);
         let default_roots = || vec![format!("{}/tenants/{{tenant}}", data_dir.display())];
         let artifacts_dir = self
@@ -948,6 +948,26 @@ impl Config {
     }
 }
 
+/// `path` made absolute, with its longest existing part resolved (links followed), the
+/// rest kept as written.
+fn real_path(path: &std::path::Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
 enum RawValue {
     Text(String),
     Int(u64),
@@ -964,6 +984,7 @@ fn env_name_of(key: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -1040,6 +1061,24 @@ mod tests {
         assert!(e.reason.contains("htp_addr"), "{e}");
     }
 
+    #[cfg(unix)]
+    #[test]
+    fn ferrys_paths_are_taken_as_they_really_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir(real.join("actual")).unwrap();
+        std::os::unix::fs::symlink(real.join("actual"), real.join("link")).unwrap();
+        assert_eq!(
+            real_path(&real.join("link/data/x")),
+            real.join("actual/data/x")
+        );
+        assert_eq!(real_path(&real.join("link")), real.join("actual"));
+        assert_eq!(
+            real_path(Path::new("/nonexistent/a")),
+            Path::new("/nonexistent/a")
+        );
+    }
+
     #[test]
     fn every_confinement_setting_is_listed() {
         for setting in ferry_domain::confinement::Setting::ALL {
@@ -1055,7 +1094,7 @@ mod tests {
     #[test]
     fn tenant_settings_default_to_the_data_dir_and_are_validated() {
         let dir = tempfile::tempdir().unwrap();
-        let data = dir.path().join("data");
+        let data = std::fs::canonicalize(dir.path()).unwrap().join("data");
         let data_text = data.display().to_string();
         let c = Config::load(None, &env(&[("FERRY_DATA_DIR", &data_text)])).unwrap();
         let rules = c.confinement().unwrap();
