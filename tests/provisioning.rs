@@ -101,6 +101,10 @@ struct Fixture {
 
 /// The tenants' folders are `<root>/<tenant>`: acme's holds the repository and the secret.
 async fn start(backend: Backend) -> Fixture {
+    start_tuned(backend, |_| {}).await
+}
+
+async fn start_tuned(backend: Backend, tune: impl FnOnce(&mut ferry_api::Config)) -> Fixture {
     let root = tempfile::tempdir().unwrap();
     let (repo, good, failing) = repository(&root.path().join("acme"));
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
@@ -113,6 +117,7 @@ async fn start(backend: Backend) -> Fixture {
     let tenant_roots = vec![format!("{}/{{tenant}}", root.path().display())];
     config.tenant_file_roots = Some(tenant_roots.clone());
     config.tenant_program_roots = Some(tenant_roots);
+    tune(&mut config);
     let s = TestServer::start_with(backend, config, data).await;
     Fixture {
         s,
@@ -873,5 +878,69 @@ async fn two_tenants_apply_to_prod_and_each_sees_only_its_own_resources() {
         );
     }
     assert!(!f.s.data_dir.path().join("simulated-cloud/prod").exists());
+    f.stop().await;
+}
+
+/// The operator's baseline program lives outside every tenant's roots: it is trusted as
+/// configured (that program at that commit), for the class default and when named exactly.
+#[tokio::test]
+async fn the_operators_baseline_program_works_outside_the_tenant_roots() {
+    let operator_repos = tempfile::tempdir().unwrap();
+    let (repo, good, _) = repository(operator_repos.path());
+    let baseline = format!("{repo}#stacks/base");
+    let f = start_tuned(Backend::Sqlite, |config| {
+        config.baseline_programs = vec![(
+            ferry_domain::EnvironmentClass::Test,
+            baseline.clone(),
+            good.clone(),
+        )];
+    })
+    .await;
+    let put = |env: &str, body: Value| {
+        let request =
+            f.s.client
+                .put(f.s.url(&format!("/factory/environments/{env}")))
+                .bearer_auth(admin("acme"))
+                .json(&body);
+        async move { response(request.send().await.unwrap()).await }
+    };
+    // The class default.
+    let (status, body) = put("payments-test", json!({"environmentClass": "test"})).await;
+    assert_eq!(status, 201, "{body}");
+    // Named exactly: accepted; at another commit it is the tenant's reference and refused.
+    let (status, body) = put(
+        "payments-test-2",
+        json!({"environmentClass": "test", "baselineProgram": {"programRef": baseline, "programVersion": good}}),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = put(
+        "payments-test-3",
+        json!({"environmentClass": "test", "baselineProgram": {"programRef": baseline, "programVersion": f.failing}}),
+    )
+    .await;
+    assert_eq!(status, 422, "{body}");
+    let alice = operator("acme", "alice");
+    for env in ["payments-test", "payments-test-2"] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let id = loop {
+            let (_, page) =
+                f.s.get(
+                    &alice,
+                    &format!("/factory/provisioning/runs?kind=Baseline&environmentId={env}"),
+                )
+                .await;
+            if let Some(id) = page["items"][0]["provisioningRunId"].as_str() {
+                break id.to_string();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no baseline run for {env}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let run = f.wait(&id, "Applied").await;
+        assert_eq!(run["planReceipt"]["programVersion"], good.as_str());
+    }
     f.stop().await;
 }
