@@ -371,6 +371,13 @@ pub fn is_reserved_variable(name: &str) -> bool {
     RESERVED_PREFIXES.iter().any(|p| upper.starts_with(p))
 }
 
+/// Whether `name` is one of Ferry's own settings (`FERRY_*`, `DATABASE_URL`, `NATS_*`):
+/// kept out of the environment of the processes that run a tenant's program.
+pub fn is_ferry_variable(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    upper.starts_with("FERRY_") || upper.starts_with("NATS_") || upper == "DATABASE_URL"
+}
+
 /// The tenant as it appears in environment-variable names: letters and digits as they are
 /// (case-sensitive), `_` `.` `-` `:` as `_5F` `_2E` `_2D` `_3A`, then `__`.
 ///

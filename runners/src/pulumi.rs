@@ -19,13 +19,15 @@
 //! `Pulumi.<stack>.yaml` is not read when Ferry supplies configuration, and values arrive
 //! as plain (not `secure:`) config, so Ferry redacts every secret value from the output
 //! it returns. The `work_env` given to [`PulumiRunner::new`] (backend URL, passphrase,
-//! cloud credentials) is set on the child's environment.
+//! cloud credentials) is set on the child's environment; Ferry's own settings (`FERRY_*`,
+//! `DATABASE_URL`, `NATS_*`) are removed from it.
 //!
 //! Timeouts kill the child's whole process group (pulumi and the plugins it started),
 //! and the child itself through `kill_on_drop`. A non-zero exit is `ProgramFailed`, naming
 //! the failing resource when the JSON diagnostics or engine events carry a URN.
 
 use crate::preview::parse_preview;
+use ferry_domain::confinement::is_ferry_variable;
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
 use ferry_domain::ports::SecretValue;
@@ -73,6 +75,13 @@ impl PulumiRunner {
         timeout: Duration,
     ) -> Result<Finished, RunnerError> {
         let mut cmd = Command::new(&self.binary);
+        // The program is a tenant's: Ferry's own settings (signing key, database, Vault
+        // token) stay out of its environment.
+        for (name, _) in std::env::vars_os() {
+            if name.to_str().is_none_or(is_ferry_variable) {
+                cmd.env_remove(&name);
+            }
+        }
         cmd.args(args)
             .current_dir(dir)
             .envs(&self.work_env)

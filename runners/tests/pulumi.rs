@@ -66,6 +66,29 @@ impl Fake {
     }
 }
 
+/// The tenant's program never sees Ferry's own settings in its environment.
+#[tokio::test]
+async fn ferrys_own_variables_stay_out_of_the_programs_environment() {
+    std::env::set_var("FERRY_PULUMI_TEST_SIGNING_KEY", "ferry-own-value");
+    let script = format!(
+        r#"env > "$FAKE_DIR/env"; cat '{}'"#,
+        fixture("preview-update.json").display()
+    );
+    let fake = Fake::new(&script);
+    fake.runner
+        .preview(&fake.input(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let env = fake.read("env");
+    assert!(
+        env.contains("FAKE_DIR="),
+        "the runner's own environment is set"
+    );
+    assert!(!env.contains("ferry-own-value"), "{env}");
+    assert!(!env.contains("FERRY_"), "{env}");
+    assert!(!env.contains("DATABASE_URL="), "{env}");
+}
+
 #[tokio::test]
 async fn preview_parses_the_cli_output_and_hands_config_over_stdin() {
     let script = format!(
