@@ -532,7 +532,7 @@ impl Config {
         let template = |value: &str| {
             ferry_domain::confinement::Template::parse(value)
                 .map(|_| ())
-                .map_err(|reason| layer.err(key, env_name, reason))
+                .map_err(|e| layer.err(key, env_name, e.to_string()))
         };
         match key {
             "http_addr" => {

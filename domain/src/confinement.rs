@@ -256,23 +256,38 @@ pub struct ConfinementSettings {
     pub trusted_programs: Vec<(ProgramRef, ProgramVersion)>,
 }
 
+/// Why a template does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// A brace that is not part of `{tenant}`.
+    #[error("{template:?}: the only placeholder is {{tenant}}")]
+    Placeholder {
+        /// The template.
+        template: String,
+    },
+    /// A control character.
+    #[error("{template:?} must not contain control characters")]
+    Control {
+        /// The template.
+        template: String,
+    },
+}
+
 /// A validated template: text in which `{tenant}` stands for the tenant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Template(String);
 
 impl Template {
     /// Checks that braces only appear as `{tenant}`.
-    pub fn parse(raw: &str) -> Result<Self, String> {
-        let rest = raw.replace(TENANT_PLACEHOLDER, "");
-        if rest.contains(['{', '}']) {
-            return Err(format!(
-                "{raw:?}: the only placeholder is {TENANT_PLACEHOLDER}"
-            ));
+    pub fn parse(raw: &str) -> Result<Self, TemplateError> {
+        let template = raw.to_string();
+        if raw.replace(TENANT_PLACEHOLDER, "").contains(['{', '}']) {
+            return Err(TemplateError::Placeholder { template });
         }
         if raw.chars().any(char::is_control) {
-            return Err(format!("{raw:?} must not contain control characters"));
+            return Err(TemplateError::Control { template });
         }
-        Ok(Self(raw.to_string()))
+        Ok(Self(template))
     }
 
     /// The template as written.
@@ -874,7 +889,7 @@ fn roots(
     let fail = |reason: String| ConfinementError::Setting { setting, reason };
     raw.iter()
         .map(|raw| {
-            let template = Template::parse(raw).map_err(fail)?;
+            let template = Template::parse(raw).map_err(|e| fail(e.to_string()))?;
             let path = normalise(Path::new(raw)).map_err(fail)?;
             if path.parent().is_none() {
                 return Err(fail(format!("{raw}: the file system root is not a root")));
@@ -896,7 +911,7 @@ fn env_prefix(raw: &str) -> Result<Template, ConfinementError> {
         setting: Setting::EnvPrefix,
         reason,
     };
-    let template = Template::parse(raw).map_err(fail)?;
+    let template = Template::parse(raw).map_err(|e| fail(e.to_string()))?;
     let literal = raw.replace(TENANT_PLACEHOLDER, "");
     if raw.is_empty() {
         return Err(fail("must not be empty".to_string()));
@@ -923,7 +938,7 @@ fn vault_prefix(raw: &str) -> Result<Template, ConfinementError> {
         setting: Setting::VaultPrefix,
         reason,
     };
-    let template = Template::parse(raw).map_err(fail)?;
+    let template = Template::parse(raw).map_err(|e| fail(e.to_string()))?;
     let trimmed = raw.strip_suffix('/').unwrap_or(raw);
     if !trimmed.is_empty()
         && (trimmed
@@ -946,7 +961,7 @@ fn url_prefixes(
     let fail = |reason: String| ConfinementError::Setting { setting, reason };
     raw.iter()
         .map(|raw| {
-            let template = Template::parse(raw).map_err(fail)?;
+            let template = Template::parse(raw).map_err(|e| fail(e.to_string()))?;
             let sample = template.render("t");
             let Some((scheme, authority, path)) = split_url(&sample) else {
                 return Err(fail(format!("{raw} is not a URL")));
