@@ -3,7 +3,8 @@
 //! Prints throughput and latency percentiles per operation.
 //!
 //! ```sh
-//! FERRY_WORKERS=false cargo run --release -- serve &      # API only: measures the API and store
+//! # API only: measures the API and store; the clients declare /srv/infra#web.
+//! FERRY_WORKERS=false FERRY_TENANT_PROGRAM_ROOTS=/srv/infra cargo run --release -- serve &
 //! cargo run --release --example load -- http://127.0.0.1:8080 <token> 8 20
 //! ```
 #![forbid(unsafe_code)]

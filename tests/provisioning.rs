@@ -99,16 +99,25 @@ struct Fixture {
     _root: tempfile::TempDir,
 }
 
+/// The tenants' folders are `<root>/<tenant>`: acme's holds the repository and the secret.
 async fn start(backend: Backend) -> Fixture {
+    start_tuned(backend, |_| {}).await
+}
+
+async fn start_tuned(backend: Backend, tune: impl FnOnce(&mut ferry_api::Config)) -> Fixture {
     let root = tempfile::tempdir().unwrap();
-    let (repo, good, failing) = repository(root.path());
+    let (repo, good, failing) = repository(&root.path().join("acme"));
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());
-    let secret_file = root.path().join("db-password");
+    let secret_file = root.path().join("acme/db-password");
     std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
     let data = tempfile::tempdir().unwrap();
     let mut config = config(data.path());
     config.workers = true;
     config.approval_expiry = None;
+    let tenant_roots = vec![format!("{}/{{tenant}}", root.path().display())];
+    config.tenant_file_roots = Some(tenant_roots.clone());
+    config.tenant_program_roots = Some(tenant_roots);
+    tune(&mut config);
     let s = TestServer::start_with(backend, config, data).await;
     Fixture {
         s,
@@ -511,5 +520,427 @@ async fn a_new_environment_gets_its_baseline_planned_and_applied() {
             .await
             .unwrap();
     assert_eq!(response(r).await.0, 403);
+    f.stop().await;
+}
+
+fn admin(tenant: &str) -> String {
+    token(tenant, "platform", &[READ, APPLY], &["PlatformAdmin"])
+}
+
+/// How many events the store holds.
+async fn event_count(f: &Fixture) -> i64 {
+    use ferry_store::on_pool;
+    let db = &f.s.db.as_ref().unwrap().db;
+    on_pool!(db, pool => sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM events").fetch_one(pool).await.unwrap())
+}
+
+/// Ferry's own key file and variables, and `/etc` as a program: each refused with a 422
+/// naming the field and the rule, and nothing stored.
+#[tokio::test]
+async fn references_a_tenant_may_not_reach_are_refused_at_declaration() {
+    let f = start(Backend::Postgres).await;
+    let data = f.s.data_dir.path().display().to_string();
+    let program = format!("{}#stacks/web", f.repo);
+    let before = event_count(&f).await;
+    let cases = [
+        (
+            "secretRefs.k",
+            program.clone(),
+            format!("file://{data}/jwt-hs256.key"),
+            "token signing key",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            format!("file://{data}/secret-fingerprint.key"),
+            "secret fingerprint key",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            format!("file://{data}/ferry.db"),
+            "embedded database",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            "env://FERRY_JWT_HS256_KEY".to_string(),
+            "never resolvable",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            "env://DATABASE_URL".to_string(),
+            "never resolvable",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            "env://AWS_SECRET_ACCESS_KEY".to_string(),
+            "never resolvable",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            format!("file://{}", f.secret_file.replace("/acme/", "/globex/")),
+            "FERRY_TENANT_FILE_ROOTS",
+        ),
+        (
+            "secretRefs.k",
+            program.clone(),
+            "vault://globex/db#password".to_string(),
+            "FERRY_TENANT_VAULT_PREFIX",
+        ),
+        (
+            "programRef",
+            "/etc#".to_string(),
+            format!("file://{}", f.secret_file),
+            "FERRY_TENANT_PROGRAM_ROOTS",
+        ),
+        (
+            "programRef",
+            "https://internal.example/infra.git#web".to_string(),
+            format!("file://{}", f.secret_file),
+            "FERRY_TENANT_PROGRAM_URL_PREFIXES",
+        ),
+    ];
+    for (field, program, secret, reason) in cases {
+        let body = json!({
+            "environmentId": "payments-dev", "projectId": "payments", "kind": "Workload",
+            "programRef": program, "programVersion": f.good,
+            "secretRefs": {"k": secret}
+        });
+        let (status, problem) =
+            f.s.post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/specifications",
+                &body,
+            )
+            .await;
+        assert_eq!(status, 422, "{body}: {problem}");
+        let errors = problem["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 1, "{problem}");
+        assert_eq!(errors[0]["field"], field, "{problem}");
+        assert!(
+            errors[0]["reason"].as_str().unwrap().contains(reason),
+            "{secret}: {problem}"
+        );
+    }
+    // Configuration: a file outside the roots, a URL with no prefix configured.
+    let body = json!({
+        "environmentId": "payments-dev", "projectId": "payments", "kind": "Workload",
+        "programRef": program, "programVersion": f.good,
+        "configRefs": {"app": format!("file://{data}/work/x.yaml"), "remote": "https://config.example/app"}
+    });
+    let (status, problem) =
+        f.s.post(
+            &operator("acme", "alice"),
+            "/factory/provisioning/specifications",
+            &body,
+        )
+        .await;
+    assert_eq!(status, 422, "{problem}");
+    let fields: Vec<&str> = problem["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["configRefs.app", "configRefs.remote"], "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("FERRY_TENANT_CONFIG_URL_PREFIXES"),
+        "{problem}"
+    );
+    // Another tenant naming acme's repository and secret.
+    let body = json!({
+        "environmentId": "payments-dev", "projectId": "payments", "kind": "Workload",
+        "programRef": program, "programVersion": f.good,
+        "secretRefs": {"dbPassword": format!("file://{}", f.secret_file)}
+    });
+    let (status, problem) =
+        f.s.post(
+            &operator("globex", "mallory"),
+            "/factory/provisioning/specifications",
+            &body,
+        )
+        .await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["errors"].as_array().unwrap().len(), 2, "{problem}");
+    // A baseline program outside the roots.
+    let r =
+        f.s.client
+            .put(f.s.url("/factory/environments/payments-test"))
+            .bearer_auth(admin("acme"))
+            .json(&json!({"environmentClass": "test", "baselineProgram": {"programRef": "/etc#", "programVersion": f.good}}))
+            .send()
+            .await
+            .unwrap();
+    let (status, problem) = response(r).await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["errors"][0]["field"], "baselineProgram.programRef");
+    assert_eq!(event_count(&f).await, before, "nothing was stored");
+    // What acme may reach is still accepted.
+    f.declare("payments-dev", &f.good).await;
+    assert!(event_count(&f).await > before);
+    f.stop().await;
+}
+
+/// Specifications stored before the rules existed (written through the domain, not the
+/// API): the run fails at resolution, naming the reference, and nothing is read.
+#[tokio::test]
+async fn references_stored_before_the_rules_fail_at_resolution() {
+    use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
+    use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
+    use ferry_domain::*;
+    use ferry_store::{EventMetadata, Repository};
+    let f = start(Backend::Sqlite).await;
+    let db = f.s.db.as_ref().unwrap().db.clone();
+    let tenant = TenantId::parse("acme").unwrap();
+    let meta = EventMetadata::for_request(
+        tenant.clone(),
+        Actor::parse("alice").unwrap(),
+        uuid::Uuid::new_v4(),
+    );
+    let data = f.s.data_dir.path().display().to_string();
+    let program = format!("{}#stacks/web", f.repo);
+    let key_file = format!("file://{data}/secret-fingerprint.key");
+    let cases = [
+        (program.clone(), key_file.clone()),
+        (program.clone(), "env://FERRY_JWT_HS256_KEY".to_string()),
+        (program.clone(), "env://DATABASE_URL".to_string()),
+        (program.clone(), "env://AWS_SECRET_ACCESS_KEY".to_string()),
+        ("/etc#".to_string(), format!("file://{}", f.secret_file)),
+    ];
+    let specs: Repository<DeploymentSpecification> = Repository::new(db.clone(), ());
+    let runs: Repository<ProvisioningRun> = Repository::new(db, ());
+    let mut started = Vec::new();
+    for (i, (program, secret)) in cases.iter().enumerate() {
+        let environment = EnvironmentId::parse(format!("old-{i}")).unwrap();
+        let spec_id =
+            SpecificationId::for_environment(&tenant, &environment, SpecificationKind::Workload);
+        let declaration = Declaration {
+            specification_id: spec_id,
+            tenant_id: tenant.clone(),
+            project_id: ProjectId::parse("payments").unwrap(),
+            environment_id: environment.clone(),
+            kind: SpecificationKind::Workload,
+            program_ref: ProgramRef::parse(program.as_str()).unwrap(),
+            program_version: ProgramVersion::parse(f.good.as_str()).unwrap(),
+            release_id: None,
+            strategy: None,
+            config_refs: Default::default(),
+            secret_refs: std::collections::BTreeMap::from([(
+                "k".to_string(),
+                SecretRef::parse(secret.as_str()).unwrap(),
+            )]),
+            declared_by: Actor::parse("alice").unwrap(),
+            declared_at: chrono::Utc::now(),
+        };
+        specs
+            .execute(
+                &tenant,
+                &spec_id.to_string(),
+                SpecificationCommand::Declare(Box::new(declaration)),
+                &meta,
+                true,
+            )
+            .await
+            .unwrap();
+        let run_id = ProvisioningRunId::new_random();
+        let request = RunRequest {
+            provisioning_run_id: run_id,
+            tenant_id: tenant.clone(),
+            project_id: ProjectId::parse("payments").unwrap(),
+            environment_id: environment,
+            environment_class: Some(EnvironmentClass::Development),
+            specification_id: spec_id,
+            specification_version: 1,
+            kind: ProvisioningKind::Release,
+            promotion_id: None,
+            approval_id: None,
+            requested_by: Actor::parse("alice").unwrap(),
+            requested_at: chrono::Utc::now(),
+        };
+        runs.execute(
+            &tenant,
+            &run_id.to_string(),
+            RunCommand::Request(Box::new(request)),
+            &meta,
+            true,
+        )
+        .await
+        .unwrap();
+        started.push(run_id.to_string());
+    }
+    let key = std::fs::read_to_string(f.s.data_dir.path().join("secret-fingerprint.key"))
+        .unwrap_or_default();
+    for ((program, secret), id) in cases.iter().zip(&started) {
+        let run = f.wait(id, "Failed").await;
+        assert_eq!(run["failure"]["stage"], "plan", "{run:#}");
+        let reason = run["failure"]["reason"].as_str().unwrap();
+        let named = if program == "/etc#" { program } else { secret };
+        assert!(reason.contains(named.as_str()), "{named}: {reason}");
+        assert!(
+            reason.contains("refused")
+                || reason.contains("never resolvable")
+                || reason.contains("outside"),
+            "{reason}"
+        );
+        assert!(key.is_empty() || !reason.contains(key.trim()), "{reason}");
+    }
+    f.stop().await;
+}
+
+/// Tenants acme and globex both apply the same program to an environment named `prod`:
+/// two clouds, each holding only its tenant's resources.
+#[tokio::test]
+async fn two_tenants_apply_to_prod_and_each_sees_only_its_own_resources() {
+    let f = start(Backend::Postgres).await;
+    let root = f._root.path();
+    let (globex_repo, globex_good, _) = repository(&root.join("globex"));
+    let globex_secret = root.join("globex/db-password");
+    std::fs::write(&globex_secret, "globex-password\n").unwrap();
+    let mut applied = Vec::new();
+    for (tenant, repo, commit, secret) in [
+        (
+            "acme",
+            f.repo.clone(),
+            f.good.clone(),
+            f.secret_file.clone(),
+        ),
+        (
+            "globex",
+            globex_repo,
+            globex_good,
+            globex_secret.display().to_string(),
+        ),
+    ] {
+        let r =
+            f.s.client
+                .put(f.s.url("/factory/environments/prod"))
+                .bearer_auth(admin(tenant))
+                .json(&json!({"environmentClass": "development"}))
+                .send()
+                .await
+                .unwrap();
+        assert_eq!(response(r).await.0, 201);
+        let who = operator(tenant, "alice");
+        let body = json!({
+            "environmentId": "prod", "projectId": "payments", "kind": "Workload",
+            "programRef": format!("{repo}#stacks/web"), "programVersion": commit,
+            "secretRefs": {"dbPassword": format!("file://{secret}")}
+        });
+        let (status, spec) =
+            f.s.post(&who, "/factory/provisioning/specifications", &body)
+                .await;
+        assert_eq!(status, 201, "{spec}");
+        let body = json!({"specificationId": spec["specificationId"], "specificationVersion": 1, "environmentId": "prod", "kind": "Release"});
+        let (status, run) = f.s.post(&who, "/factory/provisioning/runs", &body).await;
+        assert_eq!(status, 201, "{run}");
+        let id = run["provisioningRunId"].as_str().unwrap().to_string();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let run = loop {
+            let (_, run) =
+                f.s.get(&who, &format!("/factory/provisioning/runs/{id}"))
+                    .await;
+            if run["state"] == "Applied" || run["state"] == "Failed" {
+                break run;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{run:#}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(run["state"], "Applied", "{run:#}");
+        // The second tenant's prod starts empty too: both resources are new to it.
+        assert_eq!(run["planReceipt"]["adds"], 2, "{tenant}: {run:#}");
+        applied.push((tenant, run));
+    }
+    let (acme_site, globex_site) = (
+        applied[0].1["applyReceipt"]["outputs"]["siteId"].clone(),
+        applied[1].1["applyReceipt"]["outputs"]["siteId"].clone(),
+    );
+    assert_ne!(acme_site, globex_site, "two clouds mint two ids");
+    for (tenant, _) in &applied {
+        let path =
+            f.s.data_dir
+                .path()
+                .join(format!("simulated-cloud/{tenant}/prod/state.json"));
+        let state: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(state["tenantId"], *tenant);
+        let urns: Vec<&String> = state["resources"].as_object().unwrap().keys().collect();
+        assert_eq!(urns.len(), 2, "{urns:?}");
+        assert!(
+            urns.iter()
+                .all(|u| u.starts_with(&format!("urn:pulumi:{tenant}.prod::web::"))),
+            "{urns:?}"
+        );
+    }
+    assert!(!f.s.data_dir.path().join("simulated-cloud/prod").exists());
+    f.stop().await;
+}
+
+/// The operator's baseline program lives outside every tenant's roots: it is trusted as
+/// configured (that program at that commit), for the class default and when named exactly.
+#[tokio::test]
+async fn the_operators_baseline_program_works_outside_the_tenant_roots() {
+    let operator_repos = tempfile::tempdir().unwrap();
+    let (repo, good, _) = repository(operator_repos.path());
+    let baseline = format!("{repo}#stacks/base");
+    let f = start_tuned(Backend::Sqlite, |config| {
+        config.baseline_programs = vec![(
+            ferry_domain::EnvironmentClass::Test,
+            baseline.clone(),
+            good.clone(),
+        )];
+    })
+    .await;
+    let put = |env: &str, body: Value| {
+        let request =
+            f.s.client
+                .put(f.s.url(&format!("/factory/environments/{env}")))
+                .bearer_auth(admin("acme"))
+                .json(&body);
+        async move { response(request.send().await.unwrap()).await }
+    };
+    // The class default.
+    let (status, body) = put("payments-test", json!({"environmentClass": "test"})).await;
+    assert_eq!(status, 201, "{body}");
+    // Named exactly: accepted; at another commit it is the tenant's reference and refused.
+    let (status, body) = put(
+        "payments-test-2",
+        json!({"environmentClass": "test", "baselineProgram": {"programRef": baseline, "programVersion": good}}),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = put(
+        "payments-test-3",
+        json!({"environmentClass": "test", "baselineProgram": {"programRef": baseline, "programVersion": f.failing}}),
+    )
+    .await;
+    assert_eq!(status, 422, "{body}");
+    let alice = operator("acme", "alice");
+    for env in ["payments-test", "payments-test-2"] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let id = loop {
+            let (_, page) =
+                f.s.get(
+                    &alice,
+                    &format!("/factory/provisioning/runs?kind=Baseline&environmentId={env}"),
+                )
+                .await;
+            if let Some(id) = page["items"][0]["provisioningRunId"].as_str() {
+                break id.to_string();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no baseline run for {env}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let run = f.wait(&id, "Applied").await;
+        assert_eq!(run["planReceipt"]["programVersion"], good.as_str());
+    }
     f.stop().await;
 }

@@ -7,20 +7,29 @@
 //! * HTTP answers by content type (`json`, `yaml`), otherwise JSON then YAML; requests
 //!   time out after 10 seconds.
 //!
+//! Every reference is first checked for its tenant with the live rules
+//! ([`ferry_domain::confinement`]): a file must really (links resolved) be in the tenant's
+//! file roots, a URL under the tenant's allowed prefixes; redirects are not followed. A
+//! refused reference fails the resolution naming it and the rule, and never degrades.
+//!
 //! Degrade: every value read successfully is stored as the *last known good* (LKG) value in
-//! `last_known_good_dir/<environmentId>/<name>.json`, with the reference and the time it
-//! was stored. When a source fails later, the LKG value is used — only if it was stored
+//! `last_known_good_dir/<tenant>/<environmentId>/<name>.json`, with the reference and the
+//! time it was stored. When a source fails later, the LKG value is used — only if it was stored
 //! for the same reference, so that changing a reference never silently serves the old
 //! source — and a warning names the reference, the error and when the LKG was stored.
 //! With no usable LKG the resolution fails with a [`ConfigError`] naming the name, the
 //! reference and the reason.
 
+use crate::confined;
 use chrono::{DateTime, SecondsFormat, Utc};
+use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::{ConfigError, ConfigSource, ResolvedConfig};
 use ferry_domain::values::ConfigRef;
+use ferry_domain::TenantId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long an HTTP configuration source may take.
@@ -31,6 +40,7 @@ const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct ConfigSources {
     last_known_good_dir: PathBuf,
     http: reqwest::Client,
+    confinement: Arc<Confinement>,
 }
 
 /// What is stored for a last known good value.
@@ -52,31 +62,38 @@ enum Format {
 }
 
 impl ConfigSources {
-    /// Stores last known good values under `last_known_good_dir` (created when needed).
-    pub fn new(last_known_good_dir: impl Into<PathBuf>) -> Self {
+    /// Stores last known good values under `last_known_good_dir` (created when needed);
+    /// `confinement` says what each tenant may reach.
+    pub fn new(last_known_good_dir: impl Into<PathBuf>, confinement: Arc<Confinement>) -> Self {
         let http = reqwest::Client::builder()
             .timeout(HTTP_TIMEOUT)
+            // A redirect would leave the allowed prefixes.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             // Only fails when TLS cannot initialise; requests then report the error.
             .unwrap_or_default();
         Self {
             last_known_good_dir: last_known_good_dir.into(),
             http,
+            confinement,
         }
     }
 
-    fn lkg_path(&self, environment_id: &str, name: &str) -> PathBuf {
+    fn lkg_path(&self, tenant: &TenantId, environment_id: &str, name: &str) -> PathBuf {
         self.last_known_good_dir
+            .join(path_safe(tenant.as_str()))
             .join(path_safe(environment_id))
             .join(format!("{}.json", path_safe(name)))
     }
 
     /// Reads one source.
-    async fn fetch(&self, reference: &str) -> Result<serde_json::Value, String> {
+    async fn fetch(&self, tenant: &TenantId, reference: &str) -> Result<serde_json::Value, String> {
         if let Some(path) = reference.strip_prefix("file://") {
-            let text = tokio::fs::read_to_string(path)
+            let (rules, who, at) = (self.confinement.clone(), tenant.clone(), path.to_string());
+            let text = tokio::task::spawn_blocking(move || confined::read_file(&rules, &who, &at))
                 .await
-                .map_err(|e| format!("cannot read {path}: {e}"))?;
+                .map_err(|e| format!("the read task failed: {e}"))?
+                .map_err(|e| e.to_string())?;
             let format = match Path::new(path).extension().and_then(|e| e.to_str()) {
                 Some("json") => Format::Json,
                 Some("yaml" | "yml") => Format::Yaml,
@@ -92,6 +109,9 @@ impl ConfigSources {
                 .await
                 .map_err(|e| format!("unreachable: {}", e.without_url()))?;
             let status = response.status();
+            if status.is_redirection() {
+                return Err(format!("HTTP {status}: redirects are not followed"));
+            }
             if !status.is_success() {
                 return Err(format!("HTTP {status}"));
             }
@@ -119,12 +139,13 @@ impl ConfigSources {
 
     async fn store_lkg(
         &self,
+        tenant: &TenantId,
         environment_id: &str,
         name: &str,
         reference: &str,
         value: &serde_json::Value,
     ) {
-        let path = self.lkg_path(environment_id, name);
+        let path = self.lkg_path(tenant, environment_id, name);
         let record = LastKnownGood {
             reference: reference.to_string(),
             stored_at: Utc::now(),
@@ -138,11 +159,12 @@ impl ConfigSources {
 
     async fn load_lkg(
         &self,
+        tenant: &TenantId,
         environment_id: &str,
         name: &str,
         reference: &str,
     ) -> Option<LastKnownGood> {
-        let path = self.lkg_path(environment_id, name);
+        let path = self.lkg_path(tenant, environment_id, name);
         let bytes = tokio::fs::read(&path).await.ok()?;
         match serde_json::from_slice::<LastKnownGood>(&bytes) {
             Ok(record) if record.reference == reference => Some(record),
@@ -156,17 +178,28 @@ impl ConfigSources {
 
     async fn resolve_one(
         &self,
+        tenant: &TenantId,
         environment_id: &str,
         name: &str,
-        reference: &str,
+        reference: &ConfigRef,
     ) -> Result<(serde_json::Value, Option<String>), ConfigError> {
-        match self.fetch(reference).await {
+        // Refused is final: no last known good value of a source the tenant may not read.
+        if let Err(refusal) = self.confinement.check_config(tenant, reference) {
+            tracing::warn!(%tenant, environment_id, name, reference = reference.as_str(), %refusal, "configuration reference refused");
+            return Err(ConfigError {
+                name: name.to_string(),
+                reference: reference.to_string(),
+                reason: refusal.to_string(),
+            });
+        }
+        let reference = reference.as_str();
+        match self.fetch(tenant, reference).await {
             Ok(value) => {
-                self.store_lkg(environment_id, name, reference, &value)
+                self.store_lkg(tenant, environment_id, name, reference, &value)
                     .await;
                 Ok((value, None))
             }
-            Err(reason) => match self.load_lkg(environment_id, name, reference).await {
+            Err(reason) => match self.load_lkg(tenant, environment_id, name, reference).await {
                 Some(lkg) => {
                     let warning = format!(
                         "{name}: {reference} failed ({reason}); using the last known good values stored at {}",
@@ -189,13 +222,14 @@ impl ConfigSources {
 impl ConfigSource for ConfigSources {
     async fn resolve(
         &self,
+        tenant: &TenantId,
         environment_id: &str,
         refs: &BTreeMap<String, ConfigRef>,
     ) -> Result<ResolvedConfig, ConfigError> {
         // Concurrently: a plan should wait for its slowest source, not for their sum.
         let results =
             futures::future::join_all(refs.iter().map(|(name, reference)| {
-                self.resolve_one(environment_id, name, reference.as_str())
+                self.resolve_one(tenant, environment_id, name, reference)
             }))
             .await;
         let mut resolved = ResolvedConfig::default();
@@ -262,6 +296,7 @@ async fn write_atomically(path: &Path, record: &LastKnownGood) -> Result<(), Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::confined::testing::rules;
     use axum::http::header;
     use axum::routing::get;
     use axum::Router;
@@ -274,28 +309,38 @@ mod tests {
             .collect()
     }
 
+    fn acme() -> TenantId {
+        TenantId::parse("acme").unwrap()
+    }
+
+    fn globex() -> TenantId {
+        TenantId::parse("globex").unwrap()
+    }
+
+    /// Sources whose tenants may read files under `files` and URLs under `urls`.
+    fn sources(lkg: &Path, files: &[&Path], urls: &[&str]) -> ConfigSources {
+        let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+        let urls: Vec<String> = urls.iter().map(|u| u.to_string()).collect();
+        ConfigSources::new(lkg, rules(&files, &[], &urls))
+    }
+
     #[tokio::test]
     async fn files_in_json_and_yaml() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("app.json"),
-            r#"{"replicas": 3, "region": "eu"}"#,
-        )
-        .unwrap();
-        std::fs::write(
-            dir.path().join("db.yaml"),
-            "host: db.internal\nport: 5432\n",
-        )
-        .unwrap();
-        std::fs::write(dir.path().join("plain"), "- a\n- b\n").unwrap();
-        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let root = dir.path().join("acme");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(root.join("app.json"), r#"{"replicas": 3, "region": "eu"}"#).unwrap();
+        std::fs::write(root.join("db.yaml"), "host: db.internal\nport: 5432\n").unwrap();
+        std::fs::write(root.join("plain"), "- a\n- b\n").unwrap();
+        let sources = sources(&dir.path().join("lkg"), &[&root], &[]);
         let resolved = sources
             .resolve(
+                &acme(),
                 "env-1",
                 &refs(&[
-                    ("app", &format!("file://{}/app.json", dir.path().display())),
-                    ("db", &format!("file://{}/db.yaml", dir.path().display())),
-                    ("list", &format!("file://{}/plain", dir.path().display())),
+                    ("app", &format!("file://{}/app.json", root.display())),
+                    ("db", &format!("file://{}/db.yaml", root.display())),
+                    ("list", &format!("file://{}/plain", root.display())),
                 ]),
             )
             .await
@@ -310,7 +355,7 @@ mod tests {
         );
         assert_eq!(resolved.values["list"], json!(["a", "b"]));
         assert!(resolved.warnings.is_empty());
-        assert!(dir.path().join("lkg/env-1/app.json").is_file());
+        assert!(dir.path().join("lkg/acme/env-1/app.json").is_file());
     }
 
     #[tokio::test]
@@ -318,15 +363,72 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("bad.json"), "{not json").unwrap();
         let reference = format!("file://{}/bad.json", dir.path().display());
-        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let sources = sources(&dir.path().join("lkg"), &[dir.path()], &[]);
         let err = sources
-            .resolve("env-1", &refs(&[("app", &reference)]))
+            .resolve(&acme(), "env-1", &refs(&[("app", &reference)]))
             .await
             .unwrap_err();
         assert_eq!(err.name, "app");
         assert_eq!(err.reference, reference);
         assert!(err.reason.contains("invalid JSON"), "{err}");
         assert!(err.reason.contains("no last known good"), "{err}");
+    }
+
+    /// A refused reference fails naming the rule, even with a last known good value stored
+    /// for it under earlier rules; links out of a root are followed, then refused.
+    #[tokio::test]
+    async fn refused_references_fail_and_never_degrade() {
+        let dir = tempfile::tempdir().unwrap();
+        let (acme_root, outside) = (dir.path().join("acme"), dir.path().join("outside"));
+        std::fs::create_dir(&acme_root).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("app.json"), r#"{"leaked": true}"#).unwrap();
+        let lkg = dir.path().join("lkg");
+        let reference = format!("file://{}/app.json", outside.display());
+        let wanted = refs(&[("app", &reference)]);
+        // Earlier rules allowed it: a last known good value exists.
+        let broad = sources(&lkg, &[dir.path()], &[]);
+        broad.resolve(&acme(), "env-1", &wanted).await.unwrap();
+
+        let narrow = sources(&lkg, &[&acme_root], &[]);
+        let err = narrow.resolve(&acme(), "env-1", &wanted).await.unwrap_err();
+        assert_eq!(
+            (err.name.as_str(), err.reference.as_str()),
+            ("app", reference.as_str())
+        );
+        assert!(
+            err.reason
+                .contains("outside this tenant's roots (FERRY_TENANT_FILE_ROOTS"),
+            "{err}"
+        );
+        assert!(!err.reason.contains("last known good"), "{err}");
+
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(outside.join("app.json"), acme_root.join("app.json"))
+                .unwrap();
+            let linked = format!("file://{}/app.json", acme_root.display());
+            let err = narrow
+                .resolve(&acme(), "env-1", &refs(&[("app", &linked)]))
+                .await
+                .unwrap_err();
+            assert!(err.reason.contains("outside this tenant's roots"), "{err}");
+        }
+
+        // No URL prefixes configured: http(s) sources are refused, naming the setting.
+        let err = narrow
+            .resolve(
+                &acme(),
+                "env-1",
+                &refs(&[("app", "http://127.0.0.1:9/app")]),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.reason
+                .contains("FERRY_TENANT_CONFIG_URL_PREFIXES: none configured"),
+            "{err}"
+        );
     }
 
     async fn server() -> (
@@ -352,6 +454,15 @@ mod tests {
                         "host: db\nport: 1\n",
                     )
                 }),
+            )
+            .route(
+                "/moved",
+                get(|| async {
+                    (
+                        axum::http::StatusCode::FOUND,
+                        [(header::LOCATION, "http://169.254.169.254/latest/meta-data")],
+                    )
+                }),
             );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = format!("http://{}", listener.local_addr().unwrap());
@@ -371,20 +482,31 @@ mod tests {
     async fn http_sources_then_degrade_when_the_server_is_gone() {
         let dir = tempfile::tempdir().unwrap();
         let (address, stop, handle) = server().await;
-        let sources = ConfigSources::new(dir.path().join("lkg"));
+        let sources = sources(&dir.path().join("lkg"), &[], &[&format!("{address}/")]);
         let wanted = refs(&[
             ("app", &format!("{address}/app")),
             ("db", &format!("{address}/db")),
         ]);
-        let first = sources.resolve("prod-1", &wanted).await.unwrap();
+        let first = sources.resolve(&acme(), "prod-1", &wanted).await.unwrap();
         assert_eq!(first.values["app"], json!({"replicas": 2}));
         assert_eq!(first.values["db"], json!({"host": "db", "port": 1}));
         assert!(first.warnings.is_empty());
 
+        // Redirects are not followed: they would leave the allowed prefixes.
+        let err = sources
+            .resolve(
+                &acme(),
+                "prod-1",
+                &refs(&[("meta", &format!("{address}/moved"))]),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.reason.contains("redirects are not followed"), "{err}");
+
         stop.send(()).unwrap();
         handle.await.unwrap();
 
-        let degraded = sources.resolve("prod-1", &wanted).await.unwrap();
+        let degraded = sources.resolve(&acme(), "prod-1", &wanted).await.unwrap();
         assert_eq!(degraded.values, first.values);
         assert_eq!(degraded.warnings.len(), 2, "{:?}", degraded.warnings);
         let app_warning = degraded
@@ -403,14 +525,24 @@ mod tests {
         );
 
         // Another environment has no last known good values: error naming name and reference.
-        let err = sources.resolve("prod-2", &wanted).await.unwrap_err();
+        let err = sources
+            .resolve(&acme(), "prod-2", &wanted)
+            .await
+            .unwrap_err();
         assert_eq!(err.name, "app");
         assert_eq!(err.reference, format!("{address}/app"));
         assert!(err.reason.contains("unreachable"), "{err}");
 
+        // Nor has another tenant's environment of the same name, with the same reference.
+        let err = sources
+            .resolve(&globex(), "prod-1", &wanted)
+            .await
+            .unwrap_err();
+        assert!(err.reason.contains("no last known good"), "{err}");
+
         // A changed reference does not inherit the old reference's values.
         let moved = refs(&[("app", &format!("{address}/app-v2"))]);
-        assert!(sources.resolve("prod-1", &moved).await.is_err());
+        assert!(sources.resolve(&acme(), "prod-1", &moved).await.is_err());
     }
 
     #[test]

@@ -4,8 +4,16 @@
 //!
 //! * a local path or a `file://` URL is opened in place (nothing is copied but the tree);
 //! * any other URL (`https://`, `ssh://`, `git://`) is cloned once into
-//!   `cache_dir/<sha256 of the URL>` and fetched again whenever the requested commit is not
-//!   there yet, so a commit pushed after the first clone is still found.
+//!   `cache_dir/<tenant>/<sha256 of the URL>` and fetched again whenever the requested commit
+//!   is not there yet, so a commit pushed after the first clone is still found. The cache is
+//!   per tenant: naming another tenant's remote never serves that tenant's clone.
+//!
+//! Every checkout is for a tenant, checked with the live rules
+//! ([`ferry_domain::confinement`]) before anything is read: a remote URL must be under the
+//! tenant's allowed prefixes; a local repository must really (links resolved) be in the
+//! tenant's program roots, and so must its Git folders, and it may not borrow objects from
+//! elsewhere (`objects/info/alternates`). An operator-configured baseline program at its
+//! commit is trusted as it is.
 //!
 //! The folder (optional; the repository root when absent) is read at the requested commit
 //! (`programVersion`, a full or abbreviated id) and written into the caller's folder: files
@@ -19,8 +27,11 @@
 //!
 //! gix is blocking, so every checkout runs in `tokio::task::spawn_blocking`.
 
+use crate::confined::{self, ReadError};
+use ferry_domain::confinement::{Confinement, Refusal, RootKind};
 use ferry_domain::ports::sources::{Checkout, ProgramSource, SourceError};
 use ferry_domain::values::{ProgramRef, ProgramVersion};
+use ferry_domain::TenantId;
 use sha2::{Digest, Sha256};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -33,6 +44,7 @@ pub struct GitProgramSource {
     /// Serialises clones and fetches into the cache: two runs of the same repository must
     /// not clone into the same folder at once.
     remote_lock: Arc<Mutex<()>>,
+    confinement: Arc<Confinement>,
 }
 
 /// Where a repository lives, as parsed from the reference.
@@ -45,26 +57,42 @@ enum Location {
 }
 
 impl GitProgramSource {
-    /// A source that clones remote repositories into `cache_dir` (created when needed).
-    pub fn new(cache_dir: impl Into<PathBuf>) -> Self {
+    /// A source that clones remote repositories into `cache_dir` (created when needed);
+    /// `confinement` says what each tenant may reach.
+    pub fn new(cache_dir: impl Into<PathBuf>, confinement: Arc<Confinement>) -> Self {
         Self {
             cache_dir: cache_dir.into(),
             remote_lock: Arc::new(Mutex::new(())),
+            confinement,
         }
     }
 
-    /// The folder a remote repository is cached in.
-    pub fn cache_path(&self, url: &str) -> PathBuf {
+    /// The folder a remote repository of a tenant is cached in.
+    pub fn cache_path(&self, tenant: &TenantId, url: &str) -> PathBuf {
         self.cache_dir
+            .join(tenant.path_component())
             .join(hex::encode(Sha256::digest(url.as_bytes())))
     }
 
     fn checkout_blocking(
         &self,
-        program: &str,
-        version: &str,
+        tenant: &TenantId,
+        program: &ProgramRef,
+        version: &ProgramVersion,
         into: &Path,
     ) -> Result<Checkout, SourceError> {
+        let refused = |refusal: Refusal| {
+            tracing::warn!(%tenant, program = program.as_str(), %refusal, "program refused");
+            SourceError::Refused {
+                reference: program.to_string(),
+                refusal,
+            }
+        };
+        self.confinement
+            .check_program(tenant, program, version)
+            .map_err(refused)?;
+        let trusted = self.confinement.is_trusted_program(program, version);
+        let (program, version) = (program.as_str(), version.as_str());
         let (repository, folder) = split_program_ref(program);
         let repo_err = |reason: String| SourceError::Repository {
             repository: repository.to_string(),
@@ -72,8 +100,43 @@ impl GitProgramSource {
         };
         let folder = normalise_folder(folder).map_err(repo_err)?;
         let repo = match parse_location(repository) {
-            Location::Local(path) => open_local(&path).map_err(repo_err)?,
-            Location::Remote(url) => self.remote_with_commit(&url, version)?,
+            Location::Local(path) => {
+                // The operator's baselines may be anywhere but in Ferry's own files.
+                let kind = (!trusted).then_some(RootKind::Programs);
+                let check = |path: &Path| {
+                    confined::check_real(&self.confinement, tenant, path, kind).map_err(|e| match e
+                    {
+                        ReadError::Refused(r) => refused(r),
+                        ReadError::Io { reason, .. } => repo_err(format!(
+                            "cannot open {} as a Git repository: {reason}",
+                            path.display()
+                        )),
+                    })
+                };
+                let real = check(&path)?;
+                let repo = open_local(&real).map_err(repo_err)?;
+                // A `.git` file or linked folders may lead elsewhere: every folder Git
+                // reads must be inside the roots too, and no alternates may add objects.
+                for dir in [
+                    repo.git_dir().to_path_buf(),
+                    repo.common_dir().to_path_buf(),
+                    repo.common_dir().join("objects"),
+                ] {
+                    check(&dir)?;
+                }
+                let info = repo.common_dir().join("objects/info");
+                if !trusted
+                    && ["alternates", "http-alternates"]
+                        .iter()
+                        .any(|f| std::fs::symlink_metadata(info.join(f)).is_ok())
+                {
+                    return Err(refused(Refusal::Malformed(format!(
+                        "{repository} borrows objects from other repositories (objects/info/alternates), which is refused"
+                    ))));
+                }
+                repo
+            }
+            Location::Remote(url) => self.remote_with_commit(tenant, &url, version)?,
         };
 
         let commit = resolve_commit(&repo, version).ok_or_else(|| SourceError::CommitNotFound {
@@ -127,7 +190,12 @@ impl GitProgramSource {
 
     /// Opens (cloning when needed) the cached copy of `url` and fetches when `version` is not
     /// in it yet.
-    fn remote_with_commit(&self, url: &str, version: &str) -> Result<gix::Repository, SourceError> {
+    fn remote_with_commit(
+        &self,
+        tenant: &TenantId,
+        url: &str,
+        version: &str,
+    ) -> Result<gix::Repository, SourceError> {
         let repo_err = |reason: String| SourceError::Repository {
             repository: url.to_string(),
             reason,
@@ -138,7 +206,7 @@ impl GitProgramSource {
             .remote_lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let path = self.cache_path(url);
+        let path = self.cache_path(tenant, url);
         let repo = match open_local(&path) {
             Ok(repo) => repo,
             Err(_) => {
@@ -148,8 +216,10 @@ impl GitProgramSource {
                         repo_err(format!("cannot clear the cache {}: {e}", path.display()))
                     })?;
                 }
-                std::fs::create_dir_all(&self.cache_dir)
-                    .map_err(|e| repo_err(format!("cannot create the cache folder: {e}")))?;
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| repo_err(format!("cannot create the cache folder: {e}")))?;
+                }
                 tracing::info!(repository = url, cache = %path.display(), "cloning program repository");
                 return clone(url, &path).map_err(repo_err);
             }
@@ -172,21 +242,25 @@ impl GitProgramSource {
 impl ProgramSource for GitProgramSource {
     async fn checkout(
         &self,
+        tenant: &TenantId,
         program: &ProgramRef,
         version: &ProgramVersion,
         into: &Path,
     ) -> Result<Checkout, SourceError> {
         let this = self.clone();
-        let program = program.as_str().to_string();
-        let version = version.as_str().to_string();
+        let tenant = tenant.clone();
+        let program = program.clone();
+        let version = version.clone();
         let into = into.to_path_buf();
-        let repository = split_program_ref(&program).0.to_string();
-        tokio::task::spawn_blocking(move || this.checkout_blocking(&program, &version, &into))
-            .await
-            .map_err(|e| SourceError::Repository {
-                repository,
-                reason: format!("the checkout task failed: {e}"),
-            })?
+        let repository = split_program_ref(program.as_str()).0.to_string();
+        tokio::task::spawn_blocking(move || {
+            this.checkout_blocking(&tenant, &program, &version, &into)
+        })
+        .await
+        .map_err(|e| SourceError::Repository {
+            repository,
+            reason: format!("the checkout task failed: {e}"),
+        })?
     }
 }
 
@@ -410,7 +484,24 @@ fn write_link(target: &Path, rel_dir: &Path, link: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::confined::testing::rules;
     use std::process::Command;
+
+    fn acme() -> TenantId {
+        TenantId::parse("acme").unwrap()
+    }
+
+    fn globex() -> TenantId {
+        TenantId::parse("globex").unwrap()
+    }
+
+    /// Rules whose program root is the temporary folder (where every test repository is),
+    /// with these remote URL prefixes.
+    fn in_temp(url_prefixes: &[&str]) -> Arc<Confinement> {
+        let temp = std::env::temp_dir().display().to_string();
+        let urls: Vec<String> = url_prefixes.iter().map(|u| u.to_string()).collect();
+        rules(&[], &[temp], &urls)
+    }
 
     fn git(dir: &Path, args: &[&str]) -> String {
         let out = Command::new("git")
@@ -473,11 +564,14 @@ mod tests {
         let (repo, first, second) = repo();
         let cache = tempfile::tempdir().unwrap();
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(cache.path());
+        let source = GitProgramSource::new(cache.path(), in_temp(&[]));
         let program = pr(&format!("{}#stacks/web", repo.path().display()));
 
         let into = out.path().join("a");
-        let c = source.checkout(&program, &pv(&first), &into).await.unwrap();
+        let c = source
+            .checkout(&acme(), &program, &pv(&first), &into)
+            .await
+            .unwrap();
         assert_eq!(c.commit, first);
         assert_eq!(c.program_dir, into);
         assert_eq!(
@@ -488,7 +582,7 @@ mod tests {
 
         let into = out.path().join("b");
         let c = source
-            .checkout(&program, &pv(&second[..8]), &into)
+            .checkout(&acme(), &program, &pv(&second[..8]), &into)
             .await
             .unwrap();
         assert_eq!(c.commit, second, "the full id is returned for a short one");
@@ -519,10 +613,10 @@ mod tests {
         let (repo, _first, second) = repo();
         let cache = tempfile::tempdir().unwrap();
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(cache.path());
+        let source = GitProgramSource::new(cache.path(), in_temp(&[]));
         let program = pr(&format!("file://{}", repo.path().display()));
         let c = source
-            .checkout(&program, &pv(&second), out.path())
+            .checkout(&acme(), &program, &pv(&second), out.path())
             .await
             .unwrap();
         assert_eq!(c.commit, second);
@@ -545,10 +639,11 @@ mod tests {
     async fn unknown_commit_names_the_reference() {
         let (repo, _, _) = repo();
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(out.path().join("cache"));
+        let source = GitProgramSource::new(out.path().join("cache"), in_temp(&[]));
         let repository = repo.path().display().to_string();
         let err = source
             .checkout(
+                &acme(),
                 &pr(&format!("{repository}#stacks/web")),
                 &pv("deadbeefdeadbeef"),
                 &out.path().join("x"),
@@ -569,10 +664,11 @@ mod tests {
     async fn folder_missing_at_that_commit_names_the_reference() {
         let (repo, first, _) = repo();
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(out.path().join("cache"));
+        let source = GitProgramSource::new(out.path().join("cache"), in_temp(&[]));
         let repository = repo.path().display().to_string();
         let err = source
             .checkout(
+                &acme(),
                 &pr(&format!("{repository}#stacks/api")),
                 &pv(&first),
                 &out.path().join("x"),
@@ -590,6 +686,7 @@ mod tests {
         // A file is not a folder either.
         let err = source
             .checkout(
+                &acme(),
                 &pr(&format!("{repository}#stacks/web/Pulumi.yaml")),
                 &pv(&first),
                 &out.path().join("y"),
@@ -600,22 +697,28 @@ mod tests {
         // Climbing out of the repository is refused before anything is read.
         let err = source
             .checkout(
+                &acme(),
                 &pr(&format!("{repository}#../etc")),
                 &pv(&first),
                 &out.path().join("z"),
             )
             .await
             .unwrap_err();
-        assert!(matches!(err, SourceError::Repository { .. }), "{err:?}");
+        assert!(matches!(err, SourceError::Refused { .. }), "{err:?}");
     }
 
     #[tokio::test]
     async fn not_a_repository_is_a_repository_error() {
         let dir = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(dir.path().join("cache"));
+        let source = GitProgramSource::new(dir.path().join("cache"), in_temp(&[]));
         let missing = dir.path().join("nothing-here").display().to_string();
         let err = source
-            .checkout(&pr(&missing), &pv("abcdef1"), &dir.path().join("x"))
+            .checkout(
+                &acme(),
+                &pr(&missing),
+                &pv("abcdef1"),
+                &dir.path().join("x"),
+            )
             .await
             .unwrap_err();
         match err {
@@ -629,9 +732,10 @@ mod tests {
         let (repo, first, _) = repo();
         let out = tempfile::tempdir().unwrap();
         std::fs::write(out.path().join("stale"), "x").unwrap();
-        let source = GitProgramSource::new(out.path().join("cache"));
+        let source = GitProgramSource::new(out.path().join("cache"), in_temp(&[]));
         let err = source
             .checkout(
+                &acme(),
                 &pr(&repo.path().display().to_string()),
                 &pv(&first),
                 out.path(),
@@ -647,25 +751,49 @@ mod tests {
     fn remote_clone_then_fetch_for_a_new_commit() {
         let (repo, first, _second) = repo();
         let cache = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(cache.path().join("cache"));
+        let source = GitProgramSource::new(cache.path().join("cache"), in_temp(&[]));
         let url = format!("file://{}", repo.path().display());
 
-        let cached = source.remote_with_commit(&url, &first).unwrap();
+        let cached = source.remote_with_commit(&acme(), &url, &first).unwrap();
         assert!(resolve_commit(&cached, &first).is_some());
         assert!(source
-            .cache_path(&url)
+            .cache_path(&acme(), &url)
             .starts_with(cache.path().join("cache")));
 
         std::fs::write(repo.path().join("third.txt"), "3").unwrap();
         git(repo.path(), &["add", "."]);
         git(repo.path(), &["commit", "-q", "-m", "third"]);
         let third = git(repo.path(), &["rev-parse", "HEAD"]);
-        assert!(resolve_commit(&open_local(&source.cache_path(&url)).unwrap(), &third).is_none());
-        let fetched = source.remote_with_commit(&url, &third).unwrap();
+        assert!(resolve_commit(
+            &open_local(&source.cache_path(&acme(), &url)).unwrap(),
+            &third
+        )
+        .is_none());
+        let fetched = source.remote_with_commit(&acme(), &url, &third).unwrap();
         assert_eq!(
             resolve_commit(&fetched, &third).map(|id| id.to_string()),
             Some(third)
         );
+
+        // The cache is acme's own: with the remote gone, acme still reads its clone, and
+        // globex, naming the same remote, gets no copy of it.
+        assert_eq!(
+            source.cache_path(&acme(), &url),
+            cache
+                .path()
+                .join("cache/acme")
+                .join(hex::encode(Sha256::digest(url.as_bytes())))
+        );
+        drop(repo);
+        assert!(source.remote_with_commit(&acme(), &url, &first).is_ok());
+        let err = source
+            .remote_with_commit(&globex(), &url, &first)
+            .unwrap_err();
+        assert!(
+            matches!(&err, SourceError::Repository { reason, .. } if reason.contains("cannot clone")),
+            "{err:?}"
+        );
+        assert!(!source.cache_path(&globex(), &url).exists());
     }
 
     #[cfg(unix)]
@@ -691,10 +819,11 @@ mod tests {
         let head = git(d, &["rev-parse", "HEAD"]);
 
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(out.path().join("cache"));
+        let source = GitProgramSource::new(out.path().join("cache"), in_temp(&[]));
         let into = out.path().join("p");
         source
             .checkout(
+                &acme(),
                 &pr(&format!("{}#stacks/web", d.display())),
                 &pv(&head.to_uppercase()),
                 &into,
@@ -814,13 +943,16 @@ mod tests {
             async move { http_backend(root, request).await }
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/infra.git", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let host = format!("http://{}", listener.local_addr().unwrap());
+        let url = format!("{host}/infra.git");
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
         let out = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(out.path().join("cache"));
+        let allowed = format!("{host}/");
+        let source = GitProgramSource::new(out.path().join("cache"), in_temp(&[&allowed]));
         let checkout = source
             .checkout(
+                &acme(),
                 &pr(&format!("{url}#stacks/web")),
                 &pv(&first),
                 &out.path().join("a"),
@@ -832,7 +964,10 @@ mod tests {
             std::fs::read_to_string(checkout.program_dir.join("Pulumi.yaml")).unwrap(),
             "name: web-v1\n"
         );
-        assert!(source.cache_path(&url).exists(), "cloned into the cache");
+        assert!(
+            source.cache_path(&acme(), &url).exists(),
+            "cloned into the cache"
+        );
 
         // A commit pushed after the clone is fetched on demand.
         std::fs::write(work.path().join("stacks/web/Pulumi.yaml"), "name: web-v3\n").unwrap();
@@ -844,6 +979,7 @@ mod tests {
         );
         let checkout = source
             .checkout(
+                &acme(),
                 &pr(&format!("{url}#stacks/web")),
                 &pv(&third),
                 &out.path().join("b"),
@@ -854,6 +990,169 @@ mod tests {
             std::fs::read_to_string(checkout.program_dir.join("Pulumi.yaml")).unwrap(),
             "name: web-v3\n"
         );
+
+        // The cache is acme's: with the server gone, acme still reads its cached clone, and
+        // globex, naming the same remote, gets no copy of it.
+        server.abort();
+        let _ = server.await;
+        let cached = source
+            .checkout(
+                &acme(),
+                &pr(&format!("{url}#stacks/web")),
+                &pv(&first),
+                &out.path().join("c"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(cached.commit, first);
+        let err = source
+            .checkout(
+                &globex(),
+                &pr(&format!("{url}#stacks/web")),
+                &pv(&first),
+                &out.path().join("d"),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, SourceError::Repository { reason, .. } if reason.contains("cannot clone")),
+            "{err:?}"
+        );
+        assert_ne!(
+            source.cache_path(&acme(), &url),
+            source.cache_path(&globex(), &url)
+        );
+        assert!(!source.cache_path(&globex(), &url).exists());
+    }
+
+    /// Remote URLs outside the tenant's allowed prefixes are refused before any connection.
+    #[tokio::test]
+    async fn remote_urls_outside_the_allowed_prefixes_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = GitProgramSource::new(
+            dir.path().join("cache"),
+            in_temp(&["https://git.example.com/{tenant}/"]),
+        );
+        for url in [
+            "https://git.example.com/globex/infra.git",
+            "http://169.254.169.254/latest/meta-data",
+            "ssh://git.example.com/acme/infra.git",
+            "https://git.example.com/acme/../globex/infra.git",
+        ] {
+            let err = source
+                .checkout(&acme(), &pr(url), &pv("abcdef1"), &dir.path().join("x"))
+                .await
+                .unwrap_err();
+            match &err {
+                SourceError::Refused { reference, .. } => assert_eq!(reference, url),
+                other => panic!("{url}: unexpected {other:?}"),
+            }
+            assert!(!source.cache_path(&acme(), url).exists());
+        }
+        let none = GitProgramSource::new(dir.path().join("cache"), in_temp(&[]));
+        let err = none
+            .checkout(
+                &acme(),
+                &pr("https://git.example.com/acme/infra.git"),
+                &pv("abcdef1"),
+                &dir.path().join("x"),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("FERRY_TENANT_PROGRAM_URL_PREFIXES: none configured"),
+            "{err}"
+        );
+    }
+
+    /// Local repositories must really be in the tenant's roots: not elsewhere, not through
+    /// a link, not borrowing another repository's objects.
+    #[tokio::test]
+    async fn local_repositories_are_confined_to_the_program_roots() {
+        let (repo, first, _) = repo();
+        let roots = tempfile::tempdir().unwrap();
+        std::fs::create_dir(roots.path().join("acme")).unwrap();
+        std::fs::create_dir(roots.path().join("globex")).unwrap();
+        let template = format!("{}/{{tenant}}", roots.path().display());
+        let source =
+            GitProgramSource::new(roots.path().join("cache"), rules(&[], &[template], &[]));
+        let out = tempfile::tempdir().unwrap();
+        let checkout = |tenant: TenantId, program: String, into: &'static str| {
+            let source = source.clone();
+            let (first, into) = (first.clone(), out.path().join(into));
+            async move {
+                source
+                    .checkout(&tenant, &pr(&program), &pv(&first), &into)
+                    .await
+            }
+        };
+        // Outside every root.
+        let outside = format!("{}#stacks/web", repo.path().display());
+        let err = checkout(acme(), outside, "a").await.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("outside this tenant's roots (FERRY_TENANT_PROGRAM_ROOTS"),
+            "{err}"
+        );
+        let err = checkout(acme(), "/etc#".to_string(), "a")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, SourceError::Refused { .. }), "{err:?}");
+
+        // In acme's root: acme reads it, globex does not.
+        let acme_repo = roots.path().join("acme/infra");
+        git(
+            roots.path(),
+            &[
+                "clone",
+                "-q",
+                repo.path().to_str().unwrap(),
+                acme_repo.to_str().unwrap(),
+            ],
+        );
+        let ours = format!("{}#stacks/web", acme_repo.display());
+        assert!(checkout(acme(), ours.clone(), "b").await.is_ok());
+        let err = checkout(globex(), ours, "c").await.unwrap_err();
+        assert!(matches!(err, SourceError::Refused { .. }), "{err:?}");
+
+        #[cfg(unix)]
+        {
+            // A link in globex's root to acme's repository.
+            let link = roots.path().join("globex/infra");
+            std::os::unix::fs::symlink(&acme_repo, &link).unwrap();
+            let err = checkout(globex(), format!("{}#stacks/web", link.display()), "d")
+                .await
+                .unwrap_err();
+            assert!(
+                err.to_string().contains("outside this tenant's roots"),
+                "{err}"
+            );
+            // A repository in globex's root whose Git folder is a link into acme's.
+            let sneaky = roots.path().join("globex/sneaky");
+            std::fs::create_dir(&sneaky).unwrap();
+            std::os::unix::fs::symlink(acme_repo.join(".git"), sneaky.join(".git")).unwrap();
+            let err = checkout(globex(), format!("{}#stacks/web", sneaky.display()), "e")
+                .await
+                .unwrap_err();
+            assert!(
+                err.to_string().contains("outside this tenant's roots"),
+                "{err}"
+            );
+        }
+
+        // A repository in globex's root that borrows acme's objects.
+        let borrower = roots.path().join("globex/borrower");
+        git(roots.path(), &["init", "-q", borrower.to_str().unwrap()]);
+        std::fs::write(
+            borrower.join(".git/objects/info/alternates"),
+            format!("{}\n", acme_repo.join(".git/objects").display()),
+        )
+        .unwrap();
+        let err = checkout(globex(), format!("{}#stacks/web", borrower.display()), "f")
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("alternates"), "{err}");
     }
 
     /// No network here: an https remote must fail as a `Repository` error naming the URL
@@ -861,10 +1160,12 @@ mod tests {
     #[tokio::test]
     async fn https_remote_failure_is_a_repository_error() {
         let dir = tempfile::tempdir().unwrap();
-        let source = GitProgramSource::new(dir.path().join("cache"));
+        let source =
+            GitProgramSource::new(dir.path().join("cache"), in_temp(&["https://git.invalid/"]));
         let url = "https://git.invalid/infra.git";
         let err = source
             .checkout(
+                &acme(),
                 &pr(&format!("{url}#stacks/web")),
                 &pv("abcdef1"),
                 &dir.path().join("x"),
@@ -879,7 +1180,7 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         assert!(
-            !source.cache_path(url).exists(),
+            !source.cache_path(&acme(), url).exists(),
             "a failed clone leaves no cache"
         );
     }

@@ -9,11 +9,15 @@
 //! * [`policy`]: [`RegoPolicy`], OPA Rego via `regorus`, a built-in policy set plus a folder.
 //! * [`artifacts`]: [`ObjectArtifacts`], logs and state snapshots through `object_store`.
 //!
-//! Every adapter returns the port's typed errors and never logs a secret value.
+//! Git, secrets and configuration resolve for a tenant: each re-checks the reference with
+//! the live rules of `ferry_domain::confinement`, with real paths (links resolved), and
+//! fails naming the reference. Every adapter returns the port's typed errors and never logs
+//! a secret value.
 #![forbid(unsafe_code)]
 
 pub mod artifacts;
 pub mod config;
+mod confined;
 pub mod git;
 pub mod policy;
 pub mod secrets;

@@ -8,15 +8,24 @@
 //! * env and file: `hmac:<hex HMAC-SHA256 of the value>` keyed with the service's
 //!   fingerprint key; without the key the fingerprint cannot be used to test guesses.
 //!
+//! Every reference is checked for its tenant first, with the live rules
+//! ([`ferry_domain::confinement`]): its prefix for `env://` (and never a variable Ferry
+//! reads), its file roots for `file://` (the real path, links resolved), its Vault prefix
+//! for `vault://`. A refusal fails the resolution naming the reference and the rule.
+//!
 //! Errors name the reference and the reason, never the value (nor a Vault response body,
 //! which may hold other secrets), and nothing here logs a value.
 
+use crate::confined;
+use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::{ResolvedSecret, SecretError, SecretResolver};
 use ferry_domain::ports::SecretValue;
 use ferry_domain::values::SecretRef;
+use ferry_domain::TenantId;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Where Vault is and the token to read it with.
@@ -43,6 +52,7 @@ pub struct SecretResolvers {
     fingerprint_key: SecretValueBytes,
     vault: Option<VaultConfig>,
     http: reqwest::Client,
+    confinement: Arc<Confinement>,
 }
 
 /// The fingerprint key, kept out of `Debug`.
@@ -59,10 +69,17 @@ impl fmt::Debug for SecretResolvers {
 }
 
 impl SecretResolvers {
-    /// `fingerprint_key` keys the HMAC of env and file values; `vault` enables `vault://`.
-    pub fn new(fingerprint_key: Vec<u8>, vault: Option<VaultConfig>) -> Self {
+    /// `fingerprint_key` keys the HMAC of env and file values; `vault` enables `vault://`;
+    /// `confinement` says what each tenant may reach.
+    pub fn new(
+        fingerprint_key: Vec<u8>,
+        vault: Option<VaultConfig>,
+        confinement: Arc<Confinement>,
+    ) -> Self {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
+            // A redirect could lead the token to another server.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             // Building only fails when the TLS backend cannot initialise; the default
             // client then still serves plain HTTP and reports TLS errors per request.
@@ -71,6 +88,7 @@ impl SecretResolvers {
             fingerprint_key: SecretValueBytes(fingerprint_key),
             vault,
             http,
+            confinement,
         }
     }
 
@@ -151,12 +169,21 @@ impl SecretResolvers {
 
 #[async_trait::async_trait]
 impl SecretResolver for SecretResolvers {
-    async fn resolve(&self, reference: &SecretRef) -> Result<ResolvedSecret, SecretError> {
+    async fn resolve(
+        &self,
+        tenant: &TenantId,
+        reference: &SecretRef,
+    ) -> Result<ResolvedSecret, SecretError> {
+        let checked = self.confinement.check_secret(tenant, reference);
         let reference = reference.as_str();
         let fail = |reason: String| SecretError {
             reference: reference.to_string(),
             reason,
         };
+        if let Err(refusal) = checked {
+            tracing::warn!(%tenant, reference, %refusal, "secret reference refused");
+            return Err(fail(refusal.to_string()));
+        }
         if let Some(name) = reference.strip_prefix("env://") {
             let value = std::env::var(name).map_err(|e| {
                 fail(match e {
@@ -175,10 +202,13 @@ impl SecretResolver for SecretResolvers {
             });
         }
         if let Some(path) = reference.strip_prefix("file://") {
-            let mut value = tokio::fs::read_to_string(path).await.map_err(|e| {
-                // io::Error's message never quotes the file's content.
-                fail(format!("cannot read {path}: {e}"))
-            })?;
+            let (rules, who, at) = (self.confinement.clone(), tenant.clone(), path.to_string());
+            // io::Error's message never quotes the file's content.
+            let mut value =
+                tokio::task::spawn_blocking(move || confined::read_file(&rules, &who, &at))
+                    .await
+                    .map_err(|e| fail(format!("the read task failed: {e}")))?
+                    .map_err(|e| fail(e.to_string()))?;
             // Files written by `echo` or editors end with one newline that is not part of
             // the secret.
             if value.ends_with('\n') {
@@ -205,24 +235,51 @@ impl SecretResolver for SecretResolvers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::confined::testing::{rules, DATA_DIR};
     use axum::extract::Path as AxPath;
     use axum::http::{HeaderMap, StatusCode};
     use axum::routing::get;
     use axum::{Json, Router};
 
     const VALUE: &str = "s3cr3t-Value-42";
+    const GLOBEX_VALUE: &str = "globex-0nly-Value";
 
     fn sref(s: &str) -> SecretRef {
         SecretRef::parse(s).unwrap()
     }
 
+    fn acme() -> TenantId {
+        TenantId::parse("acme").unwrap()
+    }
+
+    fn globex() -> TenantId {
+        TenantId::parse("globex").unwrap()
+    }
+
+    /// Resolvers whose tenants' file roots are `<root>/{tenant}`.
+    fn resolvers(
+        key: &[u8],
+        vault: Option<VaultConfig>,
+        root: &std::path::Path,
+    ) -> SecretResolvers {
+        let roots = [format!("{}/{{tenant}}", root.display())];
+        SecretResolvers::new(key.to_vec(), vault, rules(&roots, &[], &[]))
+    }
+
+    fn no_root() -> std::path::PathBuf {
+        std::path::PathBuf::from("/nonexistent/tenant-roots")
+    }
+
     #[tokio::test]
     async fn env_secrets_resolve_with_an_hmac_fingerprint() {
         // A name no other test uses: the environment is process-wide.
-        std::env::set_var("FERRY_ADAPTERS_TEST_ENV_SECRET", VALUE);
-        let r = SecretResolvers::new(b"key-1".to_vec(), None);
+        std::env::set_var("TENANT_acme__ADAPTERS_TEST_ENV_SECRET", VALUE);
+        let r = resolvers(b"key-1", None, &no_root());
         let s = r
-            .resolve(&sref("env://FERRY_ADAPTERS_TEST_ENV_SECRET"))
+            .resolve(
+                &acme(),
+                &sref("env://TENANT_acme__ADAPTERS_TEST_ENV_SECRET"),
+            )
             .await
             .unwrap();
         assert_eq!(s.value.expose(), VALUE);
@@ -231,30 +288,34 @@ mod tests {
         assert!(!s.version.contains(VALUE));
         // Same value and key: same fingerprint; another key: another one.
         let again = r
-            .resolve(&sref("env://FERRY_ADAPTERS_TEST_ENV_SECRET"))
+            .resolve(
+                &acme(),
+                &sref("env://TENANT_acme__ADAPTERS_TEST_ENV_SECRET"),
+            )
             .await
             .unwrap();
         assert_eq!(again.version, s.version);
-        let other_key = SecretResolvers::new(b"key-2".to_vec(), None);
+        let other_key = resolvers(b"key-2", None, &no_root());
         assert_ne!(other_key.fingerprint(VALUE).unwrap(), s.version);
         assert_ne!(r.fingerprint("another value").unwrap(), s.version);
 
         let err = r
-            .resolve(&sref("env://FERRY_ADAPTERS_TEST_UNSET_VAR"))
+            .resolve(&acme(), &sref("env://TENANT_acme__ADAPTERS_TEST_UNSET_VAR"))
             .await
             .unwrap_err();
-        assert_eq!(err.reference, "env://FERRY_ADAPTERS_TEST_UNSET_VAR");
+        assert_eq!(err.reference, "env://TENANT_acme__ADAPTERS_TEST_UNSET_VAR");
         assert!(err.reason.contains("not set"), "{err}");
     }
 
     #[tokio::test]
     async fn file_secrets_trim_one_newline() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db");
+        std::fs::create_dir(dir.path().join("acme")).unwrap();
+        let path = dir.path().join("acme/db");
         std::fs::write(&path, format!("{VALUE}\n")).unwrap();
-        let r = SecretResolvers::new(b"k".to_vec(), None);
+        let r = resolvers(b"k", None, dir.path());
         let s = r
-            .resolve(&sref(&format!("file://{}", path.display())))
+            .resolve(&acme(), &sref(&format!("file://{}", path.display())))
             .await
             .unwrap();
         assert_eq!(s.value.expose(), VALUE);
@@ -262,7 +323,7 @@ mod tests {
 
         std::fs::write(&path, format!("{VALUE}\n\n")).unwrap();
         let s = r
-            .resolve(&sref(&format!("file://{}", path.display())))
+            .resolve(&acme(), &sref(&format!("file://{}", path.display())))
             .await
             .unwrap();
         assert_eq!(
@@ -271,13 +332,14 @@ mod tests {
             "only one newline is trimmed"
         );
 
-        let missing = format!("file://{}", dir.path().join("nope").display());
-        let err = r.resolve(&sref(&missing)).await.unwrap_err();
+        let missing = format!("file://{}", dir.path().join("acme/nope").display());
+        let err = r.resolve(&acme(), &sref(&missing)).await.unwrap_err();
         assert_eq!(err.reference, missing);
         assert!(err.reason.contains("cannot read"), "{err}");
     }
 
-    /// A fake Vault KV v2: `kv/payments/db` holds `password` at version 3.
+    /// A fake Vault KV v2: `acme/payments/db` holds `password` at version 3, and
+    /// `globex/payments/db` holds globex's.
     async fn fake_vault() -> String {
         async fn read(
             AxPath((mount, path)): AxPath<(String, String)>,
@@ -289,17 +351,21 @@ mod tests {
                     Json(serde_json::json!({"errors": ["permission denied"]})),
                 );
             }
-            if mount != "kv" || path != "payments/db" {
-                return (
-                    StatusCode::NOT_FOUND,
-                    Json(serde_json::json!({"errors": []})),
-                );
-            }
+            let value = match (mount.as_str(), path.as_str()) {
+                ("acme", "payments/db") => VALUE,
+                ("globex", "payments/db") => GLOBEX_VALUE,
+                _ => {
+                    return (
+                        StatusCode::NOT_FOUND,
+                        Json(serde_json::json!({"errors": []})),
+                    )
+                }
+            };
             (
                 StatusCode::OK,
                 Json(serde_json::json!({
                     "data": {
-                        "data": {"password": VALUE, "port": 5432},
+                        "data": {"password": value, "port": 5432},
                         "metadata": {"version": 3, "created_time": "2026-12-01T00:00:00Z"}
                     }
                 })),
@@ -313,12 +379,13 @@ mod tests {
     }
 
     fn vault(address: &str, token: &str) -> SecretResolvers {
-        SecretResolvers::new(
-            b"k".to_vec(),
+        resolvers(
+            b"k",
             Some(VaultConfig {
                 address: address.to_string(),
                 token: SecretValue::new(token),
             }),
+            &no_root(),
         )
     }
 
@@ -327,76 +394,190 @@ mod tests {
         let address = fake_vault().await;
         let r = vault(&address, "root-token");
         let s = r
-            .resolve(&sref("vault://kv/payments/db#password"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#password"))
             .await
             .unwrap();
         assert_eq!(s.value.expose(), VALUE);
         assert_eq!(s.version, "vault:v3");
         let port = r
-            .resolve(&sref("vault://kv/payments/db#port"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#port"))
             .await
             .unwrap();
         assert_eq!(port.value.expose(), "5432");
 
         let err = r
-            .resolve(&sref("vault://kv/payments/db#missing"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#missing"))
             .await
             .unwrap_err();
         assert!(err.reason.contains("key missing not found"), "{err}");
         let err = r
-            .resolve(&sref("vault://kv/payments/other#password"))
+            .resolve(&acme(), &sref("vault://acme/payments/other#password"))
             .await
             .unwrap_err();
         assert!(err.reason.contains("404"), "{err}");
 
         let wrong = vault(&address, "wrong-token");
         let err = wrong
-            .resolve(&sref("vault://kv/payments/db#password"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#password"))
             .await
             .unwrap_err();
-        assert_eq!(err.reference, "vault://kv/payments/db#password");
+        assert_eq!(err.reference, "vault://acme/payments/db#password");
         assert!(err.reason.contains("403"), "{err}");
 
-        let none = SecretResolvers::new(b"k".to_vec(), None);
+        let none = resolvers(b"k", None, &no_root());
         let err = none
-            .resolve(&sref("vault://kv/payments/db#password"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#password"))
             .await
             .unwrap_err();
         assert!(err.reason.contains("no Vault"), "{err}");
+    }
+
+    /// Tenant globex names each of acme's secrets, by every scheme: each is refused naming
+    /// the reference and the rule, and no value comes back.
+    #[tokio::test]
+    async fn a_tenant_cannot_resolve_another_tenants_secrets() {
+        let address = fake_vault().await;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("acme")).unwrap();
+        std::fs::create_dir(dir.path().join("globex")).unwrap();
+        let acme_file = dir.path().join("acme/db");
+        std::fs::write(&acme_file, VALUE).unwrap();
+        std::env::set_var("TENANT_acme__ADAPTERS_TEST_CROSS", VALUE);
+        let r = resolvers(
+            b"k",
+            Some(VaultConfig {
+                address,
+                token: SecretValue::new("root-token"),
+            }),
+            dir.path(),
+        );
+        let acme_refs = [
+            "env://TENANT_acme__ADAPTERS_TEST_CROSS".to_string(),
+            format!("file://{}", acme_file.display()),
+            "vault://acme/payments/db#password".to_string(),
+        ];
+        for (reference, rule) in acme_refs.iter().zip([
+            "FERRY_TENANT_ENV_PREFIX",
+            "FERRY_TENANT_FILE_ROOTS",
+            "FERRY_TENANT_VAULT_PREFIX",
+        ]) {
+            // acme reaches its own.
+            let own = r.resolve(&acme(), &sref(reference)).await.unwrap();
+            assert_eq!(own.value.expose(), VALUE);
+            let err = r.resolve(&globex(), &sref(reference)).await.unwrap_err();
+            assert_eq!(&err.reference, reference);
+            assert!(err.reason.contains(rule), "{reference}: {err}");
+            assert!(!format!("{err:?}").contains(VALUE));
+        }
+        // globex reaches its own Vault path, and only that.
+        let theirs = r
+            .resolve(&globex(), &sref("vault://globex/payments/db#password"))
+            .await
+            .unwrap();
+        assert_eq!(theirs.value.expose(), GLOBEX_VALUE);
+        // A link inside globex's root to acme's file is followed, then refused.
+        #[cfg(unix)]
+        {
+            let link = dir.path().join("globex/stolen");
+            std::os::unix::fs::symlink(&acme_file, &link).unwrap();
+            let reference = format!("file://{}", link.display());
+            let err = r.resolve(&globex(), &sref(&reference)).await.unwrap_err();
+            assert_eq!(err.reference, reference);
+            assert!(
+                err.reason.contains(&format!(
+                    "{} is outside this tenant's roots",
+                    std::fs::canonicalize(&acme_file).unwrap().display()
+                )),
+                "{err}"
+            );
+        }
+    }
+
+    /// Ferry's own key file and variables, as a specification stored before the rules could
+    /// carry them: refused at resolution, whatever the tenant's roots.
+    #[tokio::test]
+    async fn ferrys_own_secrets_are_refused_at_resolution() {
+        std::env::set_var("FERRY_ADAPTERS_TEST_OWN", VALUE);
+        let r = resolvers(b"k", None, &no_root());
+        for reference in [
+            format!("file://{DATA_DIR}/jwt-hs256.key"),
+            format!("file://{DATA_DIR}/secret-fingerprint.key"),
+            "env://FERRY_ADAPTERS_TEST_OWN".to_string(),
+            "env://FERRY_JWT_HS256_KEY".to_string(),
+            "env://DATABASE_URL".to_string(),
+            "env://AWS_SECRET_ACCESS_KEY".to_string(),
+        ] {
+            let err = r.resolve(&acme(), &sref(&reference)).await.unwrap_err();
+            assert_eq!(err.reference, reference);
+            assert!(err.reason.contains("never resolvable"), "{err}");
+        }
+        // A link in the tenant's root to Ferry's key file is refused as Ferry's.
+        #[cfg(unix)]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            let data = tempfile::tempdir().unwrap();
+            let key = data.path().join("jwt-hs256.key");
+            std::fs::write(&key, VALUE).unwrap();
+            std::fs::create_dir(dir.path().join("acme")).unwrap();
+            let link = dir.path().join("acme/key");
+            std::os::unix::fs::symlink(&key, &link).unwrap();
+            let confinement = Confinement::new(ferry_domain::confinement::ConfinementSettings {
+                ferry: ferry_domain::confinement::FerryFiles {
+                    data_dir: data.path().to_path_buf(),
+                    ..Default::default()
+                },
+                file_roots: vec![format!("{}/{{tenant}}", dir.path().display())],
+                env_prefix: "TENANT_{tenant}".into(),
+                ..Default::default()
+            })
+            .unwrap();
+            let r = SecretResolvers::new(b"k".to_vec(), None, Arc::new(confinement));
+            let reference = format!("file://{}", link.display());
+            let err = r.resolve(&acme(), &sref(&reference)).await.unwrap_err();
+            assert!(err.reason.contains("token signing key"), "{err}");
+        }
     }
 
     #[tokio::test]
     async fn values_never_show_in_debug_or_errors() {
         let address = fake_vault().await;
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s");
+        std::fs::create_dir(dir.path().join("acme")).unwrap();
+        let path = dir.path().join("acme/s");
         std::fs::write(&path, VALUE).unwrap();
-        std::env::set_var("FERRY_ADAPTERS_TEST_DEBUG_SECRET", VALUE);
-        let r = vault(&address, VALUE);
+        std::env::set_var("TENANT_acme__ADAPTERS_TEST_DEBUG_SECRET", VALUE);
+        let r = resolvers(
+            b"k",
+            Some(VaultConfig {
+                address: address.clone(),
+                token: SecretValue::new(VALUE),
+            }),
+            dir.path(),
+        );
         let mut shown = format!("{r:?}");
         for reference in [
-            "env://FERRY_ADAPTERS_TEST_DEBUG_SECRET".to_string(),
+            "env://TENANT_acme__ADAPTERS_TEST_DEBUG_SECRET".to_string(),
             format!("file://{}", path.display()),
         ] {
-            let resolved = r.resolve(&sref(&reference)).await.unwrap();
+            let resolved = r.resolve(&acme(), &sref(&reference)).await.unwrap();
             assert_eq!(resolved.value.expose(), VALUE);
             shown.push_str(&format!("{resolved:?}"));
         }
         // The token is the secret value here: Vault refuses it, and the error must not echo it.
         let err = r
-            .resolve(&sref("vault://kv/payments/db#password"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#password"))
             .await
             .unwrap_err();
         shown.push_str(&format!("{err:?} {err}"));
         let good = vault(&address, "root-token");
         shown.push_str(&format!(
             "{:?}",
-            good.resolve(&sref("vault://kv/payments/db#password"))
+            good.resolve(&acme(), &sref("vault://acme/payments/db#password"))
                 .await
                 .unwrap()
         ));
         let err = good
-            .resolve(&sref("vault://kv/payments/db#nope"))
+            .resolve(&acme(), &sref("vault://acme/payments/db#nope"))
             .await
             .unwrap_err();
         shown.push_str(&format!("{err:?} {err}"));

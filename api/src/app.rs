@@ -51,9 +51,14 @@ pub enum StartError {
     /// The artifact store URL.
     #[error("FERRY_ARTIFACTS_URL")]
     Artifacts(#[from] ferry_adapters::artifacts::ArtifactConfigError),
+    /// A setting that cannot be used (e.g. a tenant root holding Ferry's files).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
-/// The adapters the configuration asks for. A policy that does not compile stops here.
+/// The adapters the configuration asks for, each confining references to what the run's
+/// tenant may reach ([`Config::confinement`]). A policy that does not compile, or a tenant
+/// setting that cannot be used, stops here.
 pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
     use ferry_adapters::{
         ConfigSources, GitProgramSource, ObjectArtifacts, RegoPolicy, SecretResolvers, VaultConfig,
@@ -61,6 +66,7 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
     use ferry_domain::ports::runner::Runner;
     use std::sync::Arc;
     let data = &config.data_dir;
+    let confinement = Arc::new(config.confinement()?);
     let runner: Arc<dyn Runner> = match config.runner {
         RunnerKind::Simulated => Arc::new(ferry_runners::SimulatedRunner::new(data.clone())),
         RunnerKind::Pulumi => Arc::new(ferry_runners::PulumiRunner::new(
@@ -79,13 +85,20 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
         ),
     });
     Ok(ferry_workers::Ports {
-        programs: Arc::new(GitProgramSource::new(data.join("git-cache"))),
+        programs: Arc::new(GitProgramSource::new(
+            data.join("git-cache"),
+            confinement.clone(),
+        )),
         runner,
         secrets: Arc::new(SecretResolvers::new(
             crate::auth::load_or_create_key_file(data, "secret-fingerprint.key")?,
             vault,
+            confinement.clone(),
         )),
-        config: Arc::new(ConfigSources::new(data.join("config-last-known-good"))),
+        config: Arc::new(ConfigSources::new(
+            data.join("config-last-known-good"),
+            confinement,
+        )),
         policy: Arc::new(RegoPolicy::load(config.policy_dir.as_deref())?),
         artifacts: Arc::new(ObjectArtifacts::from_url(
             config.artifacts_url.as_deref(),
@@ -347,6 +360,7 @@ impl Server {
     /// As [`Server::start`], on an already opened and migrated store.
     pub async fn start_with(config: &Config, db: Database) -> Result<Self, StartError> {
         let verifier = verifier(config)?;
+        let confinement = std::sync::Arc::new(config.confinement()?);
         let ports = ports(config)?;
         let artifacts = ports.artifacts.clone();
         let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::default());
@@ -368,6 +382,7 @@ impl Server {
         let handler = std::sync::Arc::new(crate::inbound::FerryInbound::new(
             db.clone(),
             metrics.clone(),
+            confinement.clone(),
         ));
         let (inbound, relay, messaging) = match &config.nats_url {
             Some(url) => {
@@ -409,6 +424,7 @@ impl Server {
             inbound,
             relay,
             stream_hold_warn: config.stream_hold_warn,
+            confinement,
         };
         let state = AppState::new(db.clone(), reads, services);
         let listener = tokio::net::TcpListener::bind(config.http_addr)

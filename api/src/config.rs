@@ -2,6 +2,7 @@
 //! `FERRY_CONFIG`), then `FERRY_*` environment variables and `DATABASE_URL`. Every value is
 //! checked at start; a bad one stops the process with a message naming the setting.
 
+use ferry_domain::confinement::Confinement;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,6 +109,24 @@ pub struct Config {
     /// How long past an apply's lease, with its owner's lock free, before another instance
     /// reports it interrupted (`FERRY_WORKER_RECOVERY_GRACE_SECONDS`).
     pub worker_recovery_grace: Duration,
+    /// Folder templates `file://` secrets and configuration may name
+    /// (`FERRY_TENANT_FILE_ROOTS`); `None` = `<data dir>/tenants/{tenant}`.
+    pub tenant_file_roots: Option<Vec<String>>,
+    /// Folder templates local program repositories may be in (`FERRY_TENANT_PROGRAM_ROOTS`);
+    /// `None` = `<data dir>/tenants/{tenant}`.
+    pub tenant_program_roots: Option<Vec<String>>,
+    /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
+    pub tenant_env_prefix: String,
+    /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
+    pub tenant_vault_prefix: String,
+    /// URL prefix templates of remote program repositories
+    /// (`FERRY_TENANT_PROGRAM_URL_PREFIXES`); none by default.
+    pub tenant_program_url_prefixes: Vec<String>,
+    /// URL prefix templates of `http(s)://` configuration
+    /// (`FERRY_TENANT_CONFIG_URL_PREFIXES`); none by default.
+    pub tenant_config_url_prefixes: Vec<String>,
+    /// The configuration file that was read, if any (never resolvable by a tenant).
+    pub config_file: Option<PathBuf>,
 }
 
 /// Which runner adapter to use.
@@ -156,6 +175,30 @@ impl Default for Config {
             stream_hold_warn: Duration::from_secs(5),
             worker_lease: Duration::from_secs(60),
             worker_recovery_grace: Duration::from_secs(30),
+            tenant_file_roots: None,
+            tenant_program_roots: None,
+            tenant_env_prefix: "TENANT_{tenant}".to_string(),
+            tenant_vault_prefix: "{tenant}/".to_string(),
+            tenant_program_url_prefixes: Vec::new(),
+            tenant_config_url_prefixes: Vec::new(),
+            config_file: None,
+        }
+    }
+}
+
+/// A list in the file: an array of strings, or one comma-separated string.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FileList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl FileList {
+    fn into_raw(self) -> RawValue {
+        match self {
+            Self::One(text) => RawValue::Text(text),
+            Self::Many(items) => RawValue::List(items),
         }
     }
 }
@@ -199,6 +242,12 @@ struct FileLayer {
     stream_hold_warn_ms: Option<u64>,
     worker_lease_seconds: Option<u64>,
     worker_recovery_grace_seconds: Option<u64>,
+    tenant_file_roots: Option<FileList>,
+    tenant_program_roots: Option<FileList>,
+    tenant_env_prefix: Option<String>,
+    tenant_vault_prefix: Option<String>,
+    tenant_program_url_prefixes: Option<FileList>,
+    tenant_config_url_prefixes: Option<FileList>,
 }
 
 /// The documented settings: (file key, environment variable, default, meaning). The README
@@ -414,6 +463,42 @@ pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
         "30",
         "Postgres: how long past an apply's lease, its owner's lock free, before it is reported interrupted, 0 to 3600.",
     ),
+    (
+        "tenant_file_roots",
+        "FERRY_TENANT_FILE_ROOTS",
+        "<data dir>/tenants/{tenant}",
+        "Absolute folders (comma-separated templates; `{tenant}` = the tenant) that a tenant's `file://` secrets and configuration may name.",
+    ),
+    (
+        "tenant_program_roots",
+        "FERRY_TENANT_PROGRAM_ROOTS",
+        "<data dir>/tenants/{tenant}",
+        "Absolute folders (templates) a tenant's local program repositories may be in.",
+    ),
+    (
+        "tenant_env_prefix",
+        "FERRY_TENANT_ENV_PREFIX",
+        "TENANT_{tenant}",
+        "Prefix of the variables a tenant's `env://` secrets may name; `{tenant}` becomes the tenant with `_` `.` `-` `:` written `_5F` `_2E` `_2D` `_3A`, then `__` (tenant `acme`: `TENANT_acme__DB_PASSWORD`).",
+    ),
+    (
+        "tenant_vault_prefix",
+        "FERRY_TENANT_VAULT_PREFIX",
+        "{tenant}/",
+        "Vault path prefix (`mount/path/`) a tenant's `vault://` secrets must start with; empty = any path.",
+    ),
+    (
+        "tenant_program_url_prefixes",
+        "FERRY_TENANT_PROGRAM_URL_PREFIXES",
+        "(none)",
+        "URL prefixes (comma-separated templates) a tenant's remote program repositories must start with (`https://`, `http://`, `ssh://`, `git://`).",
+    ),
+    (
+        "tenant_config_url_prefixes",
+        "FERRY_TENANT_CONFIG_URL_PREFIXES",
+        "(none)",
+        "URL prefixes (templates) a tenant's `http(s)://` configuration must start with.",
+    ),
 ];
 
 struct Layer<'a> {
@@ -481,6 +566,7 @@ impl Config {
                 reason: e.message().to_string(),
             })?;
             config.apply_file(layer, &source)?;
+            config.config_file = Some(path);
         }
         config.apply_env(env)?;
         config.validate()?;
@@ -497,6 +583,7 @@ impl Config {
         let text = |raw: RawValue| match raw {
             RawValue::Text(t) => Ok(t),
             RawValue::Int(i) => Ok(i.to_string()),
+            RawValue::List(_) => Err(layer.err(key, env_name, "must be a single value")),
         };
         let int = |raw: RawValue| match raw {
             RawValue::Int(i) => Ok(i),
@@ -504,6 +591,25 @@ impl Config {
                 .trim()
                 .parse::<u64>()
                 .map_err(|_| layer.err(key, env_name, format!("{t:?} is not a whole number"))),
+            RawValue::List(_) => Err(layer.err(key, env_name, "must be a single value")),
+        };
+        // Comma-separated text or a list; blanks dropped, so "" is the empty list.
+        let list = |raw: RawValue| -> Vec<String> {
+            let items = match raw {
+                RawValue::Text(t) => t.split(',').map(str::to_string).collect(),
+                RawValue::Int(i) => vec![i.to_string()],
+                RawValue::List(items) => items,
+            };
+            items
+                .into_iter()
+                .map(|i| i.trim().to_string())
+                .filter(|i| !i.is_empty())
+                .collect()
+        };
+        let template = |value: &str| {
+            ferry_domain::confinement::Template::parse(value)
+                .map(|_| ())
+                .map_err(|e| layer.err(key, env_name, e.to_string()))
         };
         match key {
             "http_addr" => {
@@ -706,6 +812,45 @@ impl Config {
                     self.worker_recovery_grace = Duration::from_secs(value);
                 }
             }
+            "tenant_file_roots" | "tenant_program_roots" => {
+                let roots = list(raw);
+                for root in &roots {
+                    template(root)?;
+                    if !std::path::Path::new(root).is_absolute() {
+                        return Err(layer.err(
+                            key,
+                            env_name,
+                            format!("{root:?} must be an absolute path"),
+                        ));
+                    }
+                }
+                if key == "tenant_file_roots" {
+                    self.tenant_file_roots = Some(roots);
+                } else {
+                    self.tenant_program_roots = Some(roots);
+                }
+            }
+            "tenant_env_prefix" => {
+                let t = non_empty(text(raw)?, layer, key, env_name)?;
+                template(&t)?;
+                self.tenant_env_prefix = t;
+            }
+            "tenant_vault_prefix" => {
+                let t = text(raw)?.trim().to_string();
+                template(&t)?;
+                self.tenant_vault_prefix = t;
+            }
+            "tenant_program_url_prefixes" | "tenant_config_url_prefixes" => {
+                let prefixes = list(raw);
+                for prefix in &prefixes {
+                    template(prefix)?;
+                }
+                if key == "tenant_program_url_prefixes" {
+                    self.tenant_program_url_prefixes = prefixes;
+                } else {
+                    self.tenant_config_url_prefixes = prefixes;
+                }
+            }
             "workers" => {
                 self.workers = match text(raw)?.as_str() {
                     "true" | "1" | "yes" => true,
@@ -729,7 +874,7 @@ impl Config {
             source,
             by_env_name: false,
         };
-        let entries: [(&str, Option<RawValue>); 35] = [
+        let entries: [(&str, Option<RawValue>); 41] = [
             ("http_addr", f.http_addr.map(RawValue::Text)),
             ("data_dir", f.data_dir.map(RawValue::Text)),
             ("database_url", f.database_url.map(RawValue::Text)),
@@ -804,6 +949,27 @@ impl Config {
                 "worker_recovery_grace_seconds",
                 f.worker_recovery_grace_seconds.map(RawValue::Int),
             ),
+            (
+                "tenant_file_roots",
+                f.tenant_file_roots.map(FileList::into_raw),
+            ),
+            (
+                "tenant_program_roots",
+                f.tenant_program_roots.map(FileList::into_raw),
+            ),
+            ("tenant_env_prefix", f.tenant_env_prefix.map(RawValue::Text)),
+            (
+                "tenant_vault_prefix",
+                f.tenant_vault_prefix.map(RawValue::Text),
+            ),
+            (
+                "tenant_program_url_prefixes",
+                f.tenant_program_url_prefixes.map(FileList::into_raw),
+            ),
+            (
+                "tenant_config_url_prefixes",
+                f.tenant_config_url_prefixes.map(FileList::into_raw),
+            ),
         ];
         for (key, value) in entries {
             if let Some(value) = value {
@@ -855,13 +1021,92 @@ impl Config {
                     .to_string(),
             });
         }
+        self.confinement()?;
         Ok(())
+    }
+
+    /// The rules confining each tenant's references, from the `tenant_*` settings, Ferry's
+    /// own paths (data dir, configuration file, policy folder, local artifact folder) and
+    /// the configured baseline programs (trusted as they are). Ferry's paths are taken as
+    /// they really are (relative ones from the current folder, links resolved as far as
+    /// the path exists), so the default roots under the data dir are real paths too.
+    pub fn confinement(&self) -> Result<Confinement, ConfigError> {
+        use ferry_domain::confinement::{ConfinementError, ConfinementSettings, FerryFiles};
+        let absolute = |p: &std::path::Path| real_path(p);
+        let data_dir = absolute(&self.data_dir);
+        let default_roots = || vec![format!("{}/tenants/{{tenant}}", data_dir.display())];
+        let artifacts_dir = self
+            .artifacts_url
+            .as_deref()
+            .and_then(|u| u.strip_prefix("file://"))
+            .map(|p| absolute(std::path::Path::new(p)));
+        let trusted_programs = self
+            .baseline_programs
+            .iter()
+            .filter_map(|(_, program, commit)| {
+                Some((
+                    ferry_domain::ProgramRef::parse(program.as_str()).ok()?,
+                    ferry_domain::ProgramVersion::parse(commit.as_str()).ok()?,
+                ))
+            })
+            .collect();
+        let settings = ConfinementSettings {
+            ferry: FerryFiles {
+                data_dir: data_dir.clone(),
+                config_file: self.config_file.as_deref().map(absolute),
+                policy_dir: self.policy_dir.as_deref().map(absolute),
+                artifacts_dir,
+            },
+            file_roots: self.tenant_file_roots.clone().unwrap_or_else(default_roots),
+            program_roots: self
+                .tenant_program_roots
+                .clone()
+                .unwrap_or_else(default_roots),
+            env_prefix: self.tenant_env_prefix.clone(),
+            vault_prefix: self.tenant_vault_prefix.clone(),
+            program_url_prefixes: self.tenant_program_url_prefixes.clone(),
+            config_url_prefixes: self.tenant_config_url_prefixes.clone(),
+            trusted_programs,
+        };
+        Confinement::new(settings).map_err(|e| match e {
+            ConfinementError::Setting { setting, reason } => ConfigError {
+                setting: setting.env_name().to_string(),
+                source_name: "configuration".to_string(),
+                reason,
+            },
+            ConfinementError::RelativeFerryPath { path } => ConfigError {
+                setting: "FERRY_DATA_DIR".to_string(),
+                source_name: "configuration".to_string(),
+                reason: format!("{} must be an absolute path", path.display()),
+            },
+        })
+    }
+}
+
+/// `path` made absolute, with its longest existing part resolved (links followed), the
+/// rest kept as written.
+fn real_path(path: &std::path::Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
     }
 }
 
 enum RawValue {
     Text(String),
     Int(u64),
+    List(Vec<String>),
 }
 
 fn env_name_of(key: &str) -> &'static str {
@@ -874,6 +1119,7 @@ fn env_name_of(key: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -953,5 +1199,145 @@ mod tests {
         std::fs::write(&file, "htp_addr = \"x\"\n").unwrap();
         let e = Config::load(Some(&file), &env(&[])).unwrap_err();
         assert!(e.reason.contains("htp_addr"), "{e}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn ferrys_paths_are_taken_as_they_really_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir(real.join("actual")).unwrap();
+        std::os::unix::fs::symlink(real.join("actual"), real.join("link")).unwrap();
+        assert_eq!(
+            real_path(&real.join("link/data/x")),
+            real.join("actual/data/x")
+        );
+        assert_eq!(real_path(&real.join("link")), real.join("actual"));
+        assert_eq!(
+            real_path(Path::new("/nonexistent/a")),
+            Path::new("/nonexistent/a")
+        );
+    }
+
+    #[test]
+    fn every_confinement_setting_is_listed() {
+        for setting in ferry_domain::confinement::Setting::ALL {
+            assert!(
+                SETTINGS
+                    .iter()
+                    .any(|(k, e, _, _)| *k == setting.file_key() && *e == setting.env_name()),
+                "{setting} is not in SETTINGS"
+            );
+        }
+    }
+
+    #[test]
+    fn tenant_settings_default_to_the_data_dir_and_are_validated() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = std::fs::canonicalize(dir.path()).unwrap().join("data");
+        let data_text = data.display().to_string();
+        let c = Config::load(None, &env(&[("FERRY_DATA_DIR", &data_text)])).unwrap();
+        let rules = c.confinement().unwrap();
+        let acme = ferry_domain::TenantId::parse("acme").unwrap();
+        use ferry_domain::confinement::RootKind;
+        assert_eq!(
+            rules.roots(&acme, RootKind::Files),
+            [data.join("tenants/acme")]
+        );
+        assert_eq!(
+            rules.roots(&acme, RootKind::Programs),
+            [data.join("tenants/acme")]
+        );
+        assert_eq!(rules.env_prefix(&acme), "TENANT_acme__");
+        assert_eq!(rules.vault_prefix(&acme), "acme/");
+
+        // Lists from the environment (comma-separated) and from the file (arrays).
+        let c = Config::load(
+            None,
+            &env(&[
+                ("FERRY_DATA_DIR", &data_text),
+                ("FERRY_TENANT_FILE_ROOTS", "/srv/t/{tenant}, /srv/shared"),
+                (
+                    "FERRY_TENANT_PROGRAM_URL_PREFIXES",
+                    "https://git.example.com/{tenant}/",
+                ),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.tenant_file_roots,
+            Some(vec![
+                "/srv/t/{tenant}".to_string(),
+                "/srv/shared".to_string()
+            ])
+        );
+        assert_eq!(c.tenant_program_url_prefixes.len(), 1);
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(
+            &file,
+            "tenant_config_url_prefixes = [\"https://cfg.example.com/{tenant}/\"]\ntenant_env_prefix = \"T_{tenant}\"\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&file), &env(&[])).unwrap();
+        assert_eq!(c.tenant_config_url_prefixes.len(), 1);
+        assert_eq!(c.config_file.as_deref(), Some(file.as_path()));
+
+        // A root holding the data dir's keys, a prefix Ferry reserves, a relative root:
+        // refused at start, naming the setting.
+        for (name, value, reason) in [
+            (
+                "FERRY_TENANT_FILE_ROOTS",
+                dir.path().display().to_string(),
+                "token signing key",
+            ),
+            (
+                "FERRY_TENANT_PROGRAM_ROOTS",
+                format!("{data_text}/{{tenant}}"),
+                "Ferry's",
+            ),
+            (
+                "FERRY_TENANT_FILE_ROOTS",
+                "relative/{tenant}".to_string(),
+                "absolute",
+            ),
+            (
+                "FERRY_TENANT_ENV_PREFIX",
+                "FERRY_{tenant}".to_string(),
+                "reserves",
+            ),
+            (
+                "FERRY_TENANT_VAULT_PREFIX",
+                "../{tenant}".to_string(),
+                "segments",
+            ),
+            (
+                "FERRY_TENANT_CONFIG_URL_PREFIXES",
+                "ftp://x/".to_string(),
+                "scheme",
+            ),
+            (
+                "FERRY_TENANT_FILE_ROOTS",
+                "/srv/{tenant".to_string(),
+                "placeholder",
+            ),
+        ] {
+            let e = Config::load(
+                None,
+                &env(&[("FERRY_DATA_DIR", &data_text), (name, &value)]),
+            )
+            .unwrap_err();
+            assert_eq!(e.setting, name, "{e}");
+            assert!(e.reason.contains(reason), "{name}={value}: {e}");
+        }
+        // The configuration file itself may not be in a root.
+        std::fs::write(
+            &file,
+            format!("tenant_file_roots = [\"{}\"]\n", dir.path().display()),
+        )
+        .unwrap();
+        let e =
+            Config::load(Some(&file), &env(&[("FERRY_DATA_DIR", "/elsewhere/data")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_TENANT_FILE_ROOTS");
+        assert!(e.reason.contains("configuration file"), "{e}");
     }
 }

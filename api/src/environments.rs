@@ -88,6 +88,15 @@ pub async fn put_environment(
             ));
         }
     }
+    if let Some(program) = &body.baseline_program {
+        state
+            .confinement()
+            .check_baseline_program(&caller.tenant, program)
+            .map_err(|refusal| {
+                tracing::info!(%refusal, "baseline program refused");
+                ApiError::invalid_field("baselineProgram.programRef", refusal)
+            })?;
+    }
     let registration = EnvironmentRegistration {
         environment_id: environment.clone(),
         tenant_id: caller.tenant.clone(),

@@ -15,6 +15,7 @@
 //! unavailable store is transient (redelivered later).
 
 use chrono::Utc;
+use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
@@ -32,15 +33,21 @@ pub struct FerryInbound {
     environments: Repository<Environment>,
     runs: Repository<ProvisioningRun>,
     metrics: Arc<Metrics>,
+    confinement: Arc<Confinement>,
 }
 
 impl FerryInbound {
-    /// A handler over `db`.
-    pub fn new(db: ferry_store::Database, metrics: Arc<Metrics>) -> Self {
+    /// A handler over `db`; baseline programs an event names must pass `confinement`.
+    pub fn new(
+        db: ferry_store::Database,
+        metrics: Arc<Metrics>,
+        confinement: Arc<Confinement>,
+    ) -> Self {
         Self {
             environments: Repository::new(db.clone(), ()),
             runs: Repository::new(db, ()),
             metrics,
+            confinement,
         }
     }
 }
@@ -95,6 +102,14 @@ impl InboundHandler for FerryInbound {
                     }),
                     _ => None,
                 };
+                // The program is the tenant's reference like any other: confined.
+                if let Some(program) = &baseline_program {
+                    self.confinement
+                        .check_baseline_program(&tenant, program)
+                        .map_err(|refusal| {
+                            InboundError::Permanent(format!("programRef: {refusal}"))
+                        })?;
+                }
                 let registration = EnvironmentRegistration {
                     environment_id: e.environment_id.clone(),
                     tenant_id: tenant.clone(),

@@ -102,6 +102,17 @@ pub enum ApiError {
     Internal(String),
 }
 
+/// A 422 naming each refused reference of a declaration and the rule that refused it.
+pub fn refused_references(refused: Vec<ferry_domain::confinement::FieldRefusal>) -> ApiError {
+    tracing::info!(fields = ?refused.iter().map(|r| r.field.as_str()).collect::<Vec<_>>(), "references refused");
+    ApiError::Unprocessable(
+        refused
+            .into_iter()
+            .map(|r| FieldError::new(r.field, r.refusal))
+            .collect(),
+    )
+}
+
 impl ApiError {
     /// A 400 for one field.
     pub fn bad_field(field: &str, reason: impl ToString) -> Self {

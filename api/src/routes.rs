@@ -238,6 +238,17 @@ pub async fn declare_specification(
     caller.require_apply()?;
     check_ref_keys("configRefs", &body.config_refs)?;
     check_ref_keys("secretRefs", &body.secret_refs)?;
+    // Every reference must be one this tenant may reach; refused before any event.
+    state
+        .confinement()
+        .check_specification(
+            &caller.tenant,
+            &body.program_ref,
+            &body.program_version,
+            &body.config_refs,
+            &body.secret_refs,
+        )
+        .map_err(crate::problem::refused_references)?;
     let id = SpecificationId::for_environment(&caller.tenant, &body.environment_id, body.kind);
     let declaration = Declaration {
         specification_id: id,

@@ -1,7 +1,8 @@
 //! What every handler shares: the store, the repositories, the read side, the verifier,
-//! the metrics and the artifact store.
+//! the metrics, the artifact store and the rules confining tenants' references.
 
 use crate::auth::Verifier;
+use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::ArtifactStore;
 use ferry_domain::run::ProvisioningRun;
@@ -43,6 +44,8 @@ pub struct Services {
     pub relay: Option<(String, Arc<ferry_messaging::RelayMetrics>)>,
     /// A transaction holding the global stream back longer than this is reported.
     pub stream_hold_warn: Duration,
+    /// What each tenant's references may reach.
+    pub confinement: Arc<Confinement>,
 }
 
 impl AppState {
@@ -103,6 +106,10 @@ impl AppState {
     /// A transaction holding the global stream back longer than this is reported.
     pub fn stream_hold_warn(&self) -> Duration {
         self.inner.services.stream_hold_warn
+    }
+    /// The rules confining each tenant's references (checked at declaration).
+    pub fn confinement(&self) -> &Confinement {
+        &self.inner.services.confinement
     }
     /// Every metric of the process, as Prometheus text.
     pub fn render_metrics(&self) -> String {

@@ -62,6 +62,16 @@ macro_rules! text_id {
             pub fn as_str(&self) -> &str {
                 &self.0
             }
+            /// The identifier as one path component (a folder of its own): itself, except
+            /// that `.` and `..`, valid identifiers but not folder names, are written
+            /// `%2E` and `%2E%2E`. Injective, since `%` is not an identifier character.
+            pub fn path_component(&self) -> String {
+                if self.0.chars().all(|c| c == '.') {
+                    "%2E".repeat(self.0.len())
+                } else {
+                    self.0.clone()
+                }
+            }
         }
         impl TryFrom<String> for $name {
             type Error = IdError;
@@ -237,6 +247,16 @@ mod tests {
         );
         let parsed: Result<TenantId, _> = serde_json::from_str("\"a/b\"");
         assert!(parsed.is_err());
+    }
+
+    #[test]
+    fn path_components_are_folder_names() {
+        let id = |s: &str| TenantId::parse(s).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(id("acme").path_component(), "acme");
+        assert_eq!(id("a.b:c").path_component(), "a.b:c");
+        assert_eq!(id(".").path_component(), "%2E");
+        assert_eq!(id("..").path_component(), "%2E%2E");
+        assert_eq!(id("...").path_component(), "%2E%2E%2E");
     }
 
     #[test]

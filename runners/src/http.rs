@@ -37,8 +37,12 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RunRequest {
-    /// The environment; also the stack name.
+    /// The tenant the run belongs to: keep its state apart from every other tenant's.
+    pub tenant_id: String,
+    /// The environment.
     pub environment_id: String,
+    /// The stack: `<tenant>.<environment>` with `_`, `.` and `:` escaped (injective).
+    pub stack: String,
     /// The program folder: relative path (with `/`) → base64 (standard) content.
     pub files: BTreeMap<String, String>,
     /// Resolved configuration by key.
@@ -219,7 +223,9 @@ fn run_request(input: &RunnerInput) -> Result<RunRequest, RunnerError> {
         &mut total,
     )?;
     Ok(RunRequest {
+        tenant_id: input.tenant.to_string(),
         environment_id: input.environment_id.clone(),
+        stack: input.stack.to_string(),
         files,
         config: input.config.clone(),
         secrets: input
@@ -290,7 +296,7 @@ impl Runner for HttpRunner {
         Ok(v.version)
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "http", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "http", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let req = run_request(input)?;
         let resp: PreviewResponse = self
@@ -310,7 +316,7 @@ impl Runner for HttpRunner {
         })
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "http", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "http", stack = %input.stack))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let req = run_request(input)?;
         let resp: ApplyResponse = self

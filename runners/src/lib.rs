@@ -4,7 +4,7 @@
 //! * [`preview`]: the `pulumi preview --json` document and [`parse_preview`], the one
 //!   parser every runner's plan goes through.
 //! * [`simulated`]: [`SimulatedRunner`], a Pulumi YAML evaluator against a local simulated
-//!   cloud (`<data_dir>/simulated-cloud/<environmentId>/state.json`), emitting the same
+//!   cloud (`<data_dir>/simulated-cloud/<tenant>/<environmentId>/state.json`), emitting the same
 //!   preview JSON the CLI does.
 //! * [`pulumi`]: [`PulumiRunner`], the real `pulumi` CLI as a child process.
 //! * [`http`]: [`HttpRunner`], a client for a remote runner speaking the protocol in

@@ -1,10 +1,11 @@
 //! The Pulumi CLI runner: runs `pulumi` as a child process in the program folder, with the
-//! environment id as the stack.
+//! tenant's environment as the stack (`<stack>`: [`StackName`](ferry_domain::ports::runner::StackName), e.g. `acme.payments-prod`, so
+//! that two tenants' environments of the same name are two stacks).
 //!
-//! * plan: `pulumi preview --json --stack <env> --non-interactive`, parsed with
+//! * plan: `pulumi preview --json --stack <stack> --non-interactive`, parsed with
 //!   [`parse_preview`];
-//! * apply: `pulumi up --yes --skip-preview --json --stack <env> --non-interactive`, then
-//!   `pulumi stack output --json --show-secrets --stack <env> --non-interactive`;
+//! * apply: `pulumi up --yes --skip-preview --json --stack <stack> --non-interactive`, then
+//!   `pulumi stack output --json --show-secrets --stack <stack> --non-interactive`;
 //! * version: `pulumi version`.
 //!
 //! **Configuration and secrets** never touch the disk in clear and never appear on the
@@ -18,7 +19,8 @@
 //! `Pulumi.<stack>.yaml` is not read when Ferry supplies configuration, and values arrive
 //! as plain (not `secure:`) config, so Ferry redacts every secret value from the output
 //! it returns. The `work_env` given to [`PulumiRunner::new`] (backend URL, passphrase,
-//! cloud credentials) is set on the child's environment.
+//! cloud credentials) is set on the child's environment; Ferry's own settings (`FERRY_*`,
+//! `DATABASE_URL`, `NATS_*`) are removed from it.
 //!
 //! The child runs in a process group of its own. A timeout, or dropping the `preview` or
 //! `apply` future before the child exited (the workers do when they lose the apply's lease),
@@ -27,6 +29,7 @@
 //! JSON diagnostics or engine events carry a URN.
 
 use crate::preview::parse_preview;
+use ferry_domain::confinement::is_ferry_variable;
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
 use ferry_domain::ports::SecretValue;
@@ -74,6 +77,13 @@ impl PulumiRunner {
         timeout: Duration,
     ) -> Result<Finished, RunnerError> {
         let mut cmd = Command::new(&self.binary);
+        // The program is a tenant's: Ferry's own settings (signing key, database, Vault
+        // token) stay out of its environment.
+        for (name, _) in std::env::vars_os() {
+            if name.to_str().is_none_or(is_ferry_variable) {
+                cmd.env_remove(&name);
+            }
+        }
         cmd.args(args)
             .current_dir(dir)
             .envs(&self.work_env)
@@ -125,11 +135,7 @@ impl PulumiRunner {
         with_config: bool,
     ) -> Vec<&'a str> {
         let mut args = command.to_vec();
-        args.extend([
-            "--stack",
-            input.environment_id.as_str(),
-            "--non-interactive",
-        ]);
+        args.extend(["--stack", input.stack.as_str(), "--non-interactive"]);
         if with_config {
             args.extend(["--config-file", "/dev/stdin"]);
         }
@@ -385,7 +391,7 @@ impl Runner for PulumiRunner {
         Ok(version.trim_start_matches('v').to_string())
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let config = config_document(input)?;
         let args = Self::stack_args(&["preview", "--json"], input, config.is_some());
@@ -409,7 +415,7 @@ impl Runner for PulumiRunner {
         })
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "pulumi", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let deadline = Instant::now() + input.timeout;
         let config = config_document(input)?;

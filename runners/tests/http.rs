@@ -8,8 +8,9 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
-use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput};
+use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
+use ferry_domain::{EnvironmentId, TenantId};
 use ferry_runners::http::{
     ApplyResponse, ErrorBody, ErrorKind, ErrorResponse, PreviewResponse, RunRequest,
     VersionResponse,
@@ -141,8 +142,12 @@ fn input(timeout: Duration) -> (RunnerInput, tempfile::TempDir) {
     std::fs::write(dir.path().join("sub/data.bin"), [0u8, 159, 146, 150]).unwrap();
     std::fs::create_dir_all(dir.path().join(".git")).unwrap();
     std::fs::write(dir.path().join(".git/HEAD"), "ref: x").unwrap();
+    let tenant = TenantId::parse("acme").unwrap();
+    let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
     let input = RunnerInput {
+        tenant,
         environment_id: "dev".into(),
+        stack,
         program_dir: dir.path().to_path_buf(),
         config: BTreeMap::from([("region".into(), json!("eu-west-1"))]),
         secrets: BTreeMap::from([("dbPassword".into(), SecretValue::new(SECRET))]),
@@ -165,6 +170,10 @@ async fn version_and_preview() {
     assert!(!out.log.contains(SECRET));
     let req = seen.requests.lock().unwrap().pop().unwrap();
     assert_eq!(req.environment_id, "dev");
+    assert_eq!(
+        (req.tenant_id.as_str(), req.stack.as_str()),
+        ("acme", "acme.dev")
+    );
     assert_eq!(req.config["region"], json!("eu-west-1"));
     assert_eq!(req.secrets["dbPassword"], SECRET);
     assert_eq!(req.timeout_seconds, 10);
@@ -294,7 +303,9 @@ fn openapi_document_matches_the_protocol_types() {
     let keys = |v: serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
     let schema_keys = |name: &str| keys(doc["components"]["schemas"][name]["properties"].clone());
     let req = RunRequest {
+        tenant_id: "acme".into(),
         environment_id: "dev".into(),
+        stack: "acme.dev".into(),
         files: BTreeMap::new(),
         config: BTreeMap::new(),
         secrets: BTreeMap::new(),

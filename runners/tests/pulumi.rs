@@ -2,8 +2,9 @@
 // Test helpers outside #[test] functions unwrap too: a failed setup is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput};
+use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
+use ferry_domain::{EnvironmentId, TenantId};
 use ferry_runners::PulumiRunner;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -45,8 +46,12 @@ impl Fake {
         }
     }
     fn input(&self, timeout: Duration) -> RunnerInput {
+        let tenant = TenantId::parse("acme").unwrap();
+        let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
         RunnerInput {
+            tenant,
             environment_id: "dev".into(),
+            stack,
             program_dir: self.dir.path().join("program"),
             config: BTreeMap::from([
                 ("region".into(), json!("eu-west-1")),
@@ -59,6 +64,29 @@ impl Fake {
     fn read(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(name)).unwrap()
     }
+}
+
+/// The tenant's program never sees Ferry's own settings in its environment.
+#[tokio::test]
+async fn ferrys_own_variables_stay_out_of_the_programs_environment() {
+    std::env::set_var("FERRY_PULUMI_TEST_SIGNING_KEY", "ferry-own-value");
+    let script = format!(
+        r#"env > "$FAKE_DIR/env"; cat '{}'"#,
+        fixture("preview-update.json").display()
+    );
+    let fake = Fake::new(&script);
+    fake.runner
+        .preview(&fake.input(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let env = fake.read("env");
+    assert!(
+        env.contains("FAKE_DIR="),
+        "the runner's own environment is set"
+    );
+    assert!(!env.contains("ferry-own-value"), "{env}");
+    assert!(!env.contains("FERRY_"), "{env}");
+    assert!(!env.contains("DATABASE_URL="), "{env}");
 }
 
 #[tokio::test]
@@ -88,7 +116,7 @@ async fn preview_parses_the_cli_output_and_hands_config_over_stdin() {
     let args = fake.read("args");
     assert_eq!(
         args.trim(),
-        "preview --json --stack dev --non-interactive --config-file /dev/stdin"
+        "preview --json --stack acme.dev --non-interactive --config-file /dev/stdin"
     );
     assert!(
         !args.contains(SECRET),
@@ -129,7 +157,7 @@ async fn without_config_the_stack_file_is_used() {
     assert_eq!(out.plan.adds, 16);
     assert_eq!(
         fake.read("args").trim(),
-        "preview --json --stack dev --non-interactive"
+        "preview --json --stack acme.dev --non-interactive"
     );
 }
 
@@ -156,8 +184,8 @@ esac"#;
     );
     assert_eq!(
         fake.read("calls"),
-        "up --yes --skip-preview --json --stack dev --non-interactive --config-file /dev/stdin\n\
-         stack output --json --show-secrets --stack dev --non-interactive\n"
+        "up --yes --skip-preview --json --stack acme.dev --non-interactive --config-file /dev/stdin\n\
+         stack output --json --show-secrets --stack acme.dev --non-interactive\n"
     );
 }
 
@@ -348,8 +376,12 @@ async fn missing_binary_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-pulumi");
     let runner = PulumiRunner::new(&missing, BTreeMap::new());
+    let tenant = TenantId::parse("acme").unwrap();
+    let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
     let input = RunnerInput {
+        tenant,
         environment_id: "dev".into(),
+        stack,
         program_dir: dir.path().to_path_buf(),
         config: BTreeMap::new(),
         secrets: BTreeMap::new(),

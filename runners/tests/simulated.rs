@@ -2,9 +2,10 @@
 // Test helpers outside #[test] functions unwrap too: a failed setup is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput};
+use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
 use ferry_domain::receipts::ResourceOp;
+use ferry_domain::{EnvironmentId, TenantId};
 use ferry_runners::simulated::cloud::CloudState;
 use ferry_runners::{PreviewDocument, SimulatedRunner};
 use serde_json::json;
@@ -35,8 +36,16 @@ impl Fixture {
         std::fs::write(self.program.path().join("Pulumi.yaml"), program).unwrap();
     }
     fn input(&self) -> RunnerInput {
+        self.input_for("acme", "dev")
+    }
+    fn input_for(&self, tenant: &str, environment: &str) -> RunnerInput {
+        let tenant = TenantId::parse(tenant).unwrap();
+        let stack =
+            StackName::for_environment(&tenant, &EnvironmentId::parse(environment).unwrap());
         RunnerInput {
-            environment_id: "dev".into(),
+            tenant,
+            environment_id: environment.into(),
+            stack,
             program_dir: self.program.path().to_path_buf(),
             config: BTreeMap::from([("region".into(), json!("eu-west-1"))]),
             secrets: BTreeMap::from([(
@@ -47,7 +56,9 @@ impl Fixture {
         }
     }
     fn state_file(&self) -> std::path::PathBuf {
-        self.runner.state_path("dev").unwrap()
+        self.runner
+            .state_path(&TenantId::parse("acme").unwrap(), "dev")
+            .unwrap()
     }
     fn state(&self) -> CloudState {
         serde_json::from_slice(&std::fs::read(self.state_file()).unwrap()).unwrap()
@@ -92,7 +103,7 @@ outputs:
 "#;
 
 fn urn(t: &str, name: &str) -> String {
-    format!("urn:pulumi:dev::shop::{t}::{name}")
+    format!("urn:pulumi:acme.dev::shop::{t}::{name}")
 }
 
 #[tokio::test]
@@ -397,7 +408,7 @@ async fn edits_outside_ferry_are_drift() {
     // A resource created by hand in the cloud is deleted by the next apply.
     let mut state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(f.state_file()).unwrap()).unwrap();
-    state["resources"]["urn:pulumi:dev::shop::aws:s3/bucket:Bucket::stray"] =
+    state["resources"]["urn:pulumi:acme.dev::shop::aws:s3/bucket:Bucket::stray"] =
         json!({"type": "aws:s3/bucket:Bucket", "id": "stray-1", "inputs": {}});
     std::fs::write(f.state_file(), serde_json::to_vec(&state).unwrap()).unwrap();
     assert_eq!(f.counts().await, (0, 0, 1, 0));
@@ -448,13 +459,12 @@ async fn secrets_never_reach_disk_or_logs() {
 async fn environments_are_separate_clouds() {
     let f = Fixture::new(BASE);
     f.runner.apply(&f.input()).await.unwrap();
-    let mut staging = f.input();
-    staging.environment_id = "staging".into();
+    let staging = f.input_for("acme", "staging");
     let plan = f.runner.preview(&staging).await.unwrap().plan;
     assert_eq!(plan.adds, 3);
     assert!(plan.resources[0]
         .urn
-        .starts_with("urn:pulumi:staging::shop::"));
+        .starts_with("urn:pulumi:acme.staging::shop::"));
     let mut evil = f.input();
     evil.environment_id = "../escape".into();
     assert!(matches!(
@@ -492,4 +502,53 @@ async fn replace_is_emitted_in_the_pulumi_shape() {
         doc["changeSummary"],
         json!({"replace": 1, "update": 1, "same": 1})
     );
+}
+
+/// Two tenants' environments of the same name are two clouds: each tenant sees only its own
+/// resources, in its own state file, on its own stack.
+#[tokio::test]
+async fn tenants_are_separate_clouds() {
+    let f = Fixture::new(BASE);
+    let acme = f.input_for("acme", "prod");
+    let globex = f.input_for("globex", "prod");
+    f.runner.apply(&acme).await.unwrap();
+    assert_eq!(f.runner.preview(&acme).await.unwrap().plan.adds, 0);
+    // globex's prod is empty although acme's is not.
+    let plan = f.runner.preview(&globex).await.unwrap().plan;
+    assert_eq!((plan.adds, plan.changes, plan.deletes), (3, 0, 0));
+    assert!(plan
+        .resources
+        .iter()
+        .all(|r| r.urn.starts_with("urn:pulumi:globex.prod::shop::")));
+    f.runner.apply(&globex).await.unwrap();
+    let state = |tenant: &str| -> CloudState {
+        let path = f
+            .runner
+            .state_path(&TenantId::parse(tenant).unwrap(), "prod")
+            .unwrap();
+        assert!(path.ends_with(format!("simulated-cloud/{tenant}/prod/state.json")));
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    };
+    for tenant in ["acme", "globex"] {
+        let s = state(tenant);
+        assert_eq!(
+            (s.tenant_id.as_str(), s.stack.as_str()),
+            (tenant, format!("{tenant}.prod").as_str())
+        );
+        assert_eq!(s.resources.len(), 3);
+        assert!(
+            s.resources
+                .keys()
+                .all(|urn| urn.starts_with(&format!("urn:pulumi:{tenant}.prod::"))),
+            "{:?}",
+            s.resources.keys()
+        );
+    }
+    // Destroying acme's resources (an empty program) leaves globex's alone.
+    f.write("name: shop\nruntime: yaml\n");
+    let plan = f.runner.preview(&acme).await.unwrap().plan;
+    assert_eq!(plan.deletes, 3);
+    f.runner.apply(&acme).await.unwrap();
+    assert!(state("acme").resources.is_empty());
+    assert_eq!(state("globex").resources.len(), 3);
 }

@@ -32,6 +32,14 @@ pub fn config(data_dir: &std::path::Path) -> Config {
         poll_interval: Duration::from_millis(50),
         // API tests drive runs by hand; the workers' tests turn them on.
         workers: false,
+        // What `declaration()` names, for every tenant: the example Git host, the example
+        // configuration folder and `DB_*` variables.
+        tenant_file_roots: Some(vec![
+            format!("{}/tenants/{{tenant}}", data_dir.display()),
+            "/etc/ferry".to_string(),
+        ]),
+        tenant_env_prefix: "DB_".to_string(),
+        tenant_program_url_prefixes: vec!["https://git.example.com/".to_string()],
         ..Config::default()
     }
 }

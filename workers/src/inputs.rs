@@ -2,9 +2,10 @@
 //! inputs hash (sha256 over the program version, the resolved configuration values and the
 //! secret references' versions; never secret values).
 
-use ferry_domain::ports::runner::RunnerInput;
+use ferry_domain::ports::runner::{RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
 use ferry_domain::specification::SpecificationVersion;
+use ferry_domain::TenantId;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -43,10 +44,12 @@ pub fn inputs_hash(
 }
 
 impl Workers {
-    /// Checks the program out into `dir` and resolves configuration and secrets. An error
-    /// is the reason the step cannot go on (it names the reference).
+    /// Checks the program out into `dir` and resolves configuration and secrets, each for
+    /// `tenant` (the adapters refuse what the tenant may not reach). An error is the reason
+    /// the step cannot go on (it names the reference).
     pub(crate) async fn gather(
         &self,
+        tenant: &TenantId,
         spec: &SpecificationVersion,
         dir: &Path,
         timeout: Duration,
@@ -58,13 +61,13 @@ impl Workers {
         let checkout = self
             .ports
             .programs
-            .checkout(&spec.program_ref, &spec.program_version, dir)
+            .checkout(tenant, &spec.program_ref, &spec.program_version, dir)
             .await
             .map_err(|e| e.to_string())?;
         let config = self
             .ports
             .config
-            .resolve(spec.environment_id.as_str(), &spec.config_refs)
+            .resolve(tenant, spec.environment_id.as_str(), &spec.config_refs)
             .await
             .map_err(|e| e.to_string())?;
         let mut secrets = BTreeMap::new();
@@ -73,7 +76,7 @@ impl Workers {
             let resolved = self
                 .ports
                 .secrets
-                .resolve(reference)
+                .resolve(tenant, reference)
                 .await
                 .map_err(|e| e.to_string())?;
             versions.insert(name.clone(), resolved.version);
@@ -82,7 +85,9 @@ impl Workers {
         let hash = inputs_hash(&checkout.commit, &config.values, &versions);
         Ok(Inputs {
             runner: RunnerInput {
+                tenant: tenant.clone(),
                 environment_id: spec.environment_id.to_string(),
+                stack: StackName::for_environment(tenant, &spec.environment_id),
                 program_dir: checkout.program_dir,
                 config: config.values,
                 secrets,

@@ -82,7 +82,7 @@ pub struct Ports {
 /// Worker settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Where programs are checked out while a step runs.
+    /// Where programs are checked out while a step runs (`<work_dir>/<tenant>/<run>/<step>`).
     pub work_dir: PathBuf,
     /// Runner timeout per apply (seed: ApplyTimeoutMinutes, default 45).
     pub apply_timeout: Duration,

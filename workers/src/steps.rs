@@ -163,9 +163,13 @@ impl Workers {
         let dir = self
             .settings
             .work_dir
+            .join(tenant.path_component())
             .join(item.item_id.as_str())
             .join("plan");
-        let inputs = match self.gather(&spec, &dir, self.settings.plan_timeout).await {
+        let inputs = match self
+            .gather(tenant, &spec, &dir, self.settings.plan_timeout)
+            .await
+        {
             Ok(i) => i,
             Err(reason) => return self.fail_planning(item, tenant, reason).await,
         };
@@ -370,9 +374,13 @@ impl Workers {
         let dir = self
             .settings
             .work_dir
+            .join(tenant.path_component())
             .join(item.item_id.as_str())
             .join("apply");
-        let inputs = match self.gather(&spec, &dir, self.settings.apply_timeout).await {
+        let inputs = match self
+            .gather(tenant, &spec, &dir, self.settings.apply_timeout)
+            .await
+        {
             Ok(i) => i,
             Err(reason) => {
                 return self

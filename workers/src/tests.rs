@@ -35,10 +35,22 @@ struct Programs;
 impl ProgramSource for Programs {
     async fn checkout(
         &self,
+        tenant: &TenantId,
         program: &ProgramRef,
         version: &ProgramVersion,
         into: &Path,
     ) -> Result<Checkout, SourceError> {
+        // Work folders are per tenant: <work>/<tenant>/<run>/<step>.
+        let tenant_dir = into
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::file_name);
+        if tenant_dir.and_then(|n| n.to_str()) != Some(tenant.path_component().as_str()) {
+            return Err(SourceError::Repository {
+                repository: program.to_string(),
+                reason: format!("{} is not a work folder of {tenant}", into.display()),
+            });
+        }
         if version.as_str() == "deadbeef" {
             return Err(SourceError::CommitNotFound {
                 repository: program.to_string(),
@@ -178,7 +190,11 @@ struct Secrets;
 
 #[async_trait::async_trait]
 impl SecretResolver for Secrets {
-    async fn resolve(&self, reference: &SecretRef) -> Result<ResolvedSecret, SecretError> {
+    async fn resolve(
+        &self,
+        _tenant: &TenantId,
+        reference: &SecretRef,
+    ) -> Result<ResolvedSecret, SecretError> {
         Ok(ResolvedSecret {
             value: SecretValue::new("s3cr3t-value"),
             version: format!("v1:{reference}"),
@@ -193,6 +209,7 @@ struct Config(Mutex<BTreeMap<String, serde_json::Value>>);
 impl ConfigSource for Config {
     async fn resolve(
         &self,
+        _tenant: &TenantId,
         _env: &str,
         _refs: &BTreeMap<String, ConfigRef>,
     ) -> Result<ResolvedConfig, ConfigError> {

@@ -1,18 +1,62 @@
 //! The IaC runner port: plan (preview) and apply a program checked out on disk, for one
-//! stack (= environment). Adapters: `pulumi` (the CLI), `simulated` (a Pulumi YAML
-//! evaluator against a local simulated cloud), `http` (a remote runner).
+//! stack (one tenant's environment, [`StackName`]). Adapters: `pulumi` (the CLI),
+//! `simulated` (a Pulumi YAML evaluator against a local simulated cloud), `http` (a remote
+//! runner).
 
 use super::SecretValue;
+use crate::ids::{EnvironmentId, TenantId};
 use crate::receipts::PlannedResource;
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// The stack of one tenant's environment: `<tenant>.<environment>`, where `_`, `.` and `:`
+/// of either id are written `_5F`, `_2E` and `_3A`. Only `[A-Za-z0-9_.-]`, as Pulumi stack
+/// names must be, and injective: the one `.` left separates the two ids and every `_`
+/// starts an escape, so tenant A's `prod` and tenant B's `prod` are two stacks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StackName(String);
+
+impl StackName {
+    /// The stack of `environment` of `tenant`.
+    pub fn for_environment(tenant: &TenantId, environment: &EnvironmentId) -> Self {
+        fn encode(id: &str, out: &mut String) {
+            for c in id.chars() {
+                match c {
+                    '_' | '.' | ':' => out.push_str(&format!("_{:02X}", u32::from(c))),
+                    c => out.push(c),
+                }
+            }
+        }
+        let mut name = String::new();
+        encode(tenant.as_str(), &mut name);
+        name.push('.');
+        encode(environment.as_str(), &mut name);
+        Self(name)
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for StackName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
 /// Everything a runner needs for one preview or apply.
 #[derive(Debug, Clone)]
 pub struct RunnerInput {
-    /// The environment; also the stack name.
+    /// The tenant the run belongs to: runner state is kept per tenant.
+    pub tenant: TenantId,
+    /// The environment.
     pub environment_id: String,
+    /// The stack: the tenant's environment ([`StackName::for_environment`]).
+    pub stack: StackName,
     /// The checked-out program folder (the `<folder>` of the program reference).
     pub program_dir: PathBuf,
     /// Resolved configuration values by key.
@@ -94,4 +138,44 @@ pub trait Runner: Send + Sync {
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError>;
     /// Applies the program; returns the outputs.
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stack(tenant: &str, environment: &str) -> String {
+        StackName::for_environment(
+            &TenantId::parse(tenant).unwrap_or_else(|e| panic!("{e}")),
+            &EnvironmentId::parse(environment).unwrap_or_else(|e| panic!("{e}")),
+        )
+        .as_str()
+        .to_string()
+    }
+
+    #[test]
+    fn stack_names_are_pulumi_names_and_injective() {
+        assert_eq!(stack("acme", "prod"), "acme.prod");
+        assert_eq!(stack("acme", "payments-prod"), "acme.payments-prod");
+        assert_eq!(stack("a.b", "c"), "a_2Eb.c");
+        assert_eq!(stack("a", "b.c"), "a.b_2Ec");
+        assert_eq!(stack("t:1", "x_y"), "t_3A1.x_5Fy");
+        let ids = [
+            "a", "b", "a.b", "b.a", "a_2Eb", "a_", "_a", "a:b", "a-b", "A",
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for t in ids {
+            for e in ids {
+                let name = stack(t, e);
+                assert!(
+                    name.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')),
+                    "{name}"
+                );
+                if let Some(other) = seen.insert(name.clone(), (t, e)) {
+                    panic!("{name}: both {other:?} and {:?}", (t, e));
+                }
+            }
+        }
+    }
 }

@@ -2,6 +2,8 @@
 //! secrets, configuration, policy, and the artifact store.
 
 use super::SecretValue;
+use crate::confinement::Refusal;
+use crate::ids::TenantId;
 use crate::receipts::PolicyDecision;
 use crate::values::{
     ConfigRef, EnvironmentClass, ProgramRef, ProgramVersion, ProvisioningKind, SecretRef,
@@ -28,6 +30,15 @@ pub enum SourceError {
         /// The commit.
         commit: String,
     },
+    /// The tenant may not read this program (see [`crate::confinement`]).
+    #[error("program {reference} refused: {refusal}")]
+    Refused {
+        /// The program reference.
+        reference: String,
+        /// Which rule refused it.
+        #[source]
+        refusal: Refusal,
+    },
     /// The folder does not exist at that commit.
     #[error("folder {folder} not found at commit {commit} of {repository}")]
     FolderNotFound {
@@ -49,12 +60,13 @@ pub struct Checkout {
     pub commit: String,
 }
 
-/// Reads programs from Git.
+/// Reads programs from Git, for one tenant: only what the tenant may reach.
 #[async_trait::async_trait]
 pub trait ProgramSource: Send + Sync {
     /// Writes the tree of `version` (the folder of `program`) under `into` and says where.
     async fn checkout(
         &self,
+        tenant: &TenantId,
         program: &ProgramRef,
         version: &ProgramVersion,
         into: &Path,
@@ -81,11 +93,16 @@ pub struct SecretError {
     pub reason: String,
 }
 
-/// Resolves secret references at the moment a runner needs them.
+/// Resolves secret references at the moment a runner needs them, for one tenant: only what
+/// the tenant may reach.
 #[async_trait::async_trait]
 pub trait SecretResolver: Send + Sync {
-    /// Resolves one reference.
-    async fn resolve(&self, reference: &SecretRef) -> Result<ResolvedSecret, SecretError>;
+    /// Resolves one reference of `tenant`.
+    async fn resolve(
+        &self,
+        tenant: &TenantId,
+        reference: &SecretRef,
+    ) -> Result<ResolvedSecret, SecretError>;
 }
 
 /// Configuration values gathered from the references, with warnings for degraded ones.
@@ -109,12 +126,14 @@ pub struct ConfigError {
     pub reason: String,
 }
 
-/// Resolves configuration references (failure mode: degrade to the last known good values).
+/// Resolves configuration references (failure mode: degrade to the last known good values),
+/// for one tenant: only what the tenant may reach (a refused reference never degrades).
 #[async_trait::async_trait]
 pub trait ConfigSource: Send + Sync {
-    /// Resolves every reference for an environment.
+    /// Resolves every reference for an environment of `tenant`.
     async fn resolve(
         &self,
+        tenant: &TenantId,
         environment_id: &str,
         refs: &BTreeMap<String, ConfigRef>,
     ) -> Result<ResolvedConfig, ConfigError>;

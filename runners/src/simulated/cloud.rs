@@ -1,6 +1,7 @@
 //! The simulated cloud: one JSON state file per environment, written atomically.
 //!
-//! Layout: `<data_dir>/simulated-cloud/<environmentId>/state.json`, a [`CloudState`]:
+//! Layout: `<data_dir>/simulated-cloud/<tenant>/<environmentId>/state.json`, a
+//! [`CloudState`] (one cloud per tenant: tenant A's `prod` is not tenant B's):
 //! resources by URN with their type, inputs, outputs (inputs plus a deterministic `id`),
 //! protect flag and dependencies, and the stack outputs of the last successful apply.
 //! Secret-derived values are stored as `[secret]`. Editing the file by hand is drift: a
@@ -8,6 +9,7 @@
 //! delete in the next preview. (A rotated secret is not a diff: both sides read `[secret]`.)
 
 use ferry_domain::ports::runner::RunnerError;
+use ferry_domain::TenantId;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -42,9 +44,15 @@ pub struct StoredResource {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CloudState {
-    /// The environment (stack) this state belongs to.
+    /// The tenant this state belongs to.
+    #[serde(default)]
+    pub tenant_id: String,
+    /// The environment this state belongs to.
     #[serde(default)]
     pub environment_id: String,
+    /// The stack (tenant and environment).
+    #[serde(default)]
+    pub stack: String,
     /// Resources by URN.
     #[serde(default)]
     pub resources: BTreeMap<String, StoredResource>,
@@ -53,8 +61,13 @@ pub struct CloudState {
     pub outputs: BTreeMap<String, Value>,
 }
 
-/// Where an environment's state lives; rejects ids that are not safe folder names.
-pub fn state_path(data_dir: &Path, environment_id: &str) -> Result<PathBuf, RunnerError> {
+/// Where a tenant's environment's state lives; rejects environment ids that are not safe
+/// folder names.
+pub fn state_path(
+    data_dir: &Path,
+    tenant: &TenantId,
+    environment_id: &str,
+) -> Result<PathBuf, RunnerError> {
     let safe = !environment_id.is_empty()
         && environment_id != "."
         && environment_id != ".."
@@ -68,6 +81,7 @@ pub fn state_path(data_dir: &Path, environment_id: &str) -> Result<PathBuf, Runn
     }
     Ok(data_dir
         .join("simulated-cloud")
+        .join(tenant.path_component())
         .join(environment_id)
         .join("state.json"))
 }
@@ -130,8 +144,13 @@ mod tests {
     #[test]
     fn round_trip_and_layout() {
         let dir = tempfile::tempdir().unwrap();
-        let path = state_path(dir.path(), "dev").unwrap();
-        assert!(path.ends_with("simulated-cloud/dev/state.json"));
+        let acme = TenantId::parse("acme").unwrap();
+        let path = state_path(dir.path(), &acme, "dev").unwrap();
+        assert!(path.ends_with("simulated-cloud/acme/dev/state.json"));
+        let dots = TenantId::parse("..").unwrap();
+        assert!(state_path(dir.path(), &dots, "dev")
+            .unwrap()
+            .ends_with("simulated-cloud/%2E%2E/dev/state.json"));
         assert_eq!(load(&path).unwrap(), CloudState::default());
         let mut state = CloudState {
             environment_id: "dev".into(),
@@ -158,8 +177,9 @@ mod tests {
 
     #[test]
     fn unsafe_environment_ids_are_rejected() {
+        let acme = TenantId::parse("acme").unwrap();
         for bad in ["", "..", "../etc", "a/b", "a b"] {
-            assert!(state_path(Path::new("/d"), bad).is_err(), "{bad}");
+            assert!(state_path(Path::new("/d"), &acme, bad).is_err(), "{bad}");
         }
     }
 

@@ -86,7 +86,7 @@ pub fn evaluate(
     input: &RunnerInput,
     mut id_for: impl FnMut(&EvaluatedResource) -> String,
 ) -> Result<Evaluation, RunnerError> {
-    let stack = input.environment_id.as_str();
+    let stack = input.stack.as_str();
     let mut scope = Scope {
         config: config_values(program, input)?,
         values: HashMap::new(),
@@ -561,7 +561,11 @@ mod tests {
     use std::time::Duration;
 
     fn input() -> RunnerInput {
+        let tenant = ferry_domain::TenantId::parse("acme").unwrap();
+        let environment = ferry_domain::EnvironmentId::parse("dev").unwrap();
         RunnerInput {
+            stack: ferry_domain::ports::runner::StackName::for_environment(&tenant, &environment),
+            tenant,
             environment_id: "dev".into(),
             program_dir: ".".into(),
             config: BTreeMap::from([
@@ -628,11 +632,11 @@ outputs:
         assert_eq!(
             e.resources[1].inputs.plain,
             json!({"bucket": "app-eu-west-1-data", "bucketId": "bucket-id", "count": 3,
-                   "urn": "urn:pulumi:dev::demo::test:Bucket::bucket", "stack": "dev"})
+                   "urn": "urn:pulumi:acme.dev::demo::test:Bucket::bucket", "stack": "acme.dev"})
         );
         assert_eq!(
             e.resources[1].dependencies,
-            vec!["urn:pulumi:dev::demo::test:Bucket::bucket"]
+            vec!["urn:pulumi:acme.dev::demo::test:Bucket::bucket"]
         );
         assert_eq!(e.outputs["webBucket"].plain, json!("app-eu-west-1-data"));
         assert_eq!(e.outputs["firstTag"].plain, json!("a"));

@@ -2,7 +2,8 @@
 //!
 //! * [`program`]: the `Pulumi.yaml` model.
 //! * [`eval`]: interpolation and dependency order (secrets kept masked).
-//! * [`cloud`]: the per-environment state file, `<data_dir>/simulated-cloud/<env>/state.json`.
+//! * [`cloud`]: the state file of a tenant's environment,
+//!   `<data_dir>/simulated-cloud/<tenant>/<env>/state.json`.
 //! * [`diff`]: desired vs stored, rendered as a `pulumi preview --json` document.
 //!
 //! `preview` emits that document and parses it with the same [`parse_preview`] the Pulumi
@@ -28,6 +29,7 @@ use crate::preview::parse_preview;
 use diff::StepOp;
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
+use ferry_domain::TenantId;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -49,9 +51,13 @@ impl SimulatedRunner {
         }
     }
 
-    /// The state file of an environment (for inspection and tests).
-    pub fn state_path(&self, environment_id: &str) -> Result<PathBuf, RunnerError> {
-        cloud::state_path(&self.data_dir, environment_id)
+    /// The state file of a tenant's environment (for inspection and tests).
+    pub fn state_path(
+        &self,
+        tenant: &TenantId,
+        environment_id: &str,
+    ) -> Result<PathBuf, RunnerError> {
+        cloud::state_path(&self.data_dir, tenant, environment_id)
     }
 
     /// Loads program and state, and plans; returns the plan, the state and its path.
@@ -60,7 +66,7 @@ impl SimulatedRunner {
         input: &RunnerInput,
     ) -> Result<(diff::Plan, cloud::CloudState, PathBuf), RunnerError> {
         let program = program::Program::load(&input.program_dir)?;
-        let path = self.state_path(&input.environment_id)?;
+        let path = self.state_path(&input.tenant, &input.environment_id)?;
         let state = cloud::load(&path)?;
         let plan = diff::plan(&program, input, &state)?;
         Ok((plan, state, path))
@@ -82,7 +88,7 @@ impl Runner for SimulatedRunner {
         Ok(format!("{}-simulated", env!("CARGO_PKG_VERSION")))
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "simulated", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "simulated", tenant = %input.tenant, env = %input.environment_id))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let (plan, _, _) = self.plan(input)?;
         let json = render(&plan)?;
@@ -100,13 +106,15 @@ impl Runner for SimulatedRunner {
         })
     }
 
-    #[tracing::instrument(skip_all, fields(runner = "simulated", env = %input.environment_id))]
+    #[tracing::instrument(skip_all, fields(runner = "simulated", tenant = %input.tenant, env = %input.environment_id))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let _guard = self.apply_lock.lock().await;
         let (plan, mut state, path) = self.plan(input)?;
         let mut log = render(&plan)?;
         log.push('\n');
+        state.tenant_id = input.tenant.to_string();
         state.environment_id = input.environment_id.clone();
+        state.stack = input.stack.to_string();
         for change in &plan.changes {
             match (change.op, &change.desired) {
                 // Unchanged inputs; options (protect, dependencies) may still have changed.
