@@ -424,13 +424,21 @@ async fn a_repeated_decision_is_a_duplicate_and_a_late_state_report_changes_noth
         .await
         .unwrap()
         .is_empty());
-    let (_, run) = s
-        .get(
-            &operator("acme", "alice"),
-            &format!("/factory/provisioning/runs/{id}"),
-        )
-        .await;
-    assert_eq!(run["authorization"]["approvedBy"], "bob");
+    // Events posted over HTTP answer before the read model moves: wait for it.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (_, run) = s
+            .get(
+                &operator("acme", "alice"),
+                &format!("/factory/provisioning/runs/{id}"),
+            )
+            .await;
+        if run["authorization"]["approvedBy"] == "bob" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{run}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(
         count(
             &s,
