@@ -387,3 +387,197 @@ async fn declare_twice(s: &TestServer, token: &str) {
         assert_eq!(status, 201);
     }
 }
+
+/// `/readyz` once `check` holds for it (at most 20 s).
+async fn readyz_until<F: Fn(&Value) -> bool>(s: &TestServer, what: &str, check: F) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = s.client.get(s.url("/readyz")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let body: Value = r.json().await.unwrap();
+        if check(&body) {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} never showed: {body:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn readyz_lists_the_relay_and_every_inbound_consumer_with_their_lag() {
+    let nats = Nats::start().await;
+    let s = server(&nats).await;
+    let (status, _) = s
+        .post(
+            &operator("acme", "alice"),
+            "/factory/provisioning/specifications",
+            &declaration("payments-dev", "3f2a9c1"),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let inbound: Vec<&str> = ferry_messaging::inbound::INBOUND
+        .iter()
+        .map(|(_, s)| *s)
+        .collect();
+    let body = readyz_until(
+        &s,
+        "the relay caught up and every consumer consuming",
+        |b| {
+            let relay = &b["nats"]["relay"];
+            let consumers = b["nats"]["consumers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            relay["role"] == "leader"
+                && relay["lag"] == 0
+                && relay["lastPublishedAt"].is_string()
+                && consumers.len() == inbound.len()
+                && consumers
+                    .iter()
+                    .all(|c| c["state"] == "consuming" && c["pending"].is_u64())
+        },
+    )
+    .await;
+    assert_eq!(body["status"], "ready", "{body:#}");
+    let relay = &body["nats"]["relay"];
+    assert_eq!(relay["stream"], "FERRY_EVENTS");
+    assert!(relay["expectedLastSequence"].as_u64().unwrap() >= 1);
+    assert!(relay.get("lastError").is_none());
+    for c in body["nats"]["consumers"].as_array().unwrap() {
+        assert!(inbound.contains(&c["subject"].as_str().unwrap()), "{c}");
+        assert!(c["consumer"]
+            .as_str()
+            .unwrap()
+            .starts_with("ferry-inbound-"));
+        assert!(c["stream"].is_string());
+    }
+    let metrics = s
+        .client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "ferry_nats_relay_lag_events{stream=\"FERRY_EVENTS\"} 0\n",
+        "ferry_subscription_lag_events{subscription=\"nats-relay:FERRY_EVENTS\"} 0\n",
+        "ferry_nats_relay_failing{stream=\"FERRY_EVENTS\"} 0\n",
+        "ferry_nats_relay_leader{stream=\"FERRY_EVENTS\"} 1\n",
+        "ferry_nats_inbound_failing{subject=\"runcontrol.approvals.v1.approval-decided\"} 0\n",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in\n{metrics}");
+    }
+    assert!(metrics
+        .contains("ferry_nats_inbound_pending{subject=\"environments.v1.environment-created\"}"));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn readyz_names_a_permanent_nats_error_and_what_to_change() {
+    let nats = Nats::start().await;
+    // An operator's stream already stores Ferry's subjects.
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "AUDIT".to_string(),
+        subjects: vec!["provisioning.>".to_string()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // And the inbound stream allows one consumer, where Ferry needs one per subject.
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "FERRY_INBOUND".to_string(),
+        subjects: vec!["environments.v1.environment-created".to_string()],
+        max_consumers: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let s = server(&nats).await;
+    let (status, _) = s
+        .post(
+            &operator("acme", "alice"),
+            "/factory/provisioning/specifications",
+            &declaration("payments-dev", "3f2a9c1"),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let body = readyz_until(&s, "the relay's and the consumers' permanent errors", |b| {
+        let consumers = b["nats"]["consumers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        b["nats"]["relay"]["lastError"]["permanent"] == true
+            && consumers
+                .iter()
+                .any(|c| c["lastError"]["permanent"] == true)
+    })
+    .await;
+    let failing: Vec<&Value> = body["nats"]["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["state"] == "failing")
+        .collect();
+    assert!(!failing.is_empty());
+    for c in &failing {
+        assert_eq!(c["lastError"]["code"], 10026, "{c}");
+        assert!(
+            c["lastError"]["remedy"].as_str().unwrap().contains("limit"),
+            "{c}"
+        );
+    }
+    assert_eq!(body["status"], "degraded");
+    let error = &body["nats"]["relay"]["lastError"];
+    assert_eq!(error["code"], 10065);
+    assert!(
+        error["error"]
+            .as_str()
+            .unwrap()
+            .contains("stored by stream AUDIT"),
+        "{error}"
+    );
+    assert!(error["remedy"]
+        .as_str()
+        .unwrap()
+        .contains("FERRY_NATS_STREAM"));
+    assert!(
+        body["nats"]["relay"]["lag"].as_i64().unwrap() >= 1,
+        "the events wait: {body:#}"
+    );
+    let problems = body["problems"].as_array().unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.as_str().unwrap().contains("NATS relay")
+                && p.as_str().unwrap().contains("to fix:")),
+        "{problems:?}"
+    );
+    let metrics = s
+        .client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("ferry_nats_relay_failing{stream=\"FERRY_EVENTS\"} 2\n"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("ferry_nats_relay_lag_events{stream=\"FERRY_EVENTS\"} 0\n"));
+    let subject = failing[0]["subject"].as_str().unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "ferry_nats_inbound_failing{{subject=\"{subject}\"}} 2\n"
+        )),
+        "{metrics}"
+    );
+    s.stop().await;
+}

@@ -43,10 +43,10 @@ pub enum StartError {
     #[error("FERRY_POLICY_DIR")]
     Policy(#[from] ferry_adapters::policy::PolicyLoadError),
     /// The NATS relay could not be set up.
-    #[error("NATS_URL")]
+    #[error("NATS_URL: {0}")]
     Relay(#[from] ferry_messaging::RelayError),
     /// The inbound consumers could not be set up.
-    #[error("NATS_URL")]
+    #[error("NATS_URL: {0}")]
     Inbound(#[from] ferry_messaging::inbound::InboundStartError),
     /// The artifact store URL.
     #[error("FERRY_ARTIFACTS_URL")]
@@ -196,7 +196,9 @@ async fn healthz() -> impl IntoResponse {
 
 /// `/readyz`: 503 when the store does not answer; otherwise 200 with `status` `ready`, or
 /// `degraded` with the `problems` an operator must look at (a subscription stuck on an event,
-/// a transaction holding the event stream back), and every subscription's position and lag.
+/// a transaction holding the event stream back, the NATS relay or an inbound consumer
+/// failing, a stream found without the relay's messages), every subscription's position and
+/// lag, and with NATS the relay's and each inbound consumer's state, lag and last error.
 async fn readyz(State(state): State<AppState>) -> Response {
     if !state.db().ping().await {
         return (
@@ -231,6 +233,18 @@ async fn readyz(State(state): State<AppState>) -> Response {
     if let Some(h) = &holder {
         problems.push(holder_problem(h));
     }
+    let nats = state.nats().map(|n| {
+        problems.extend(n.relay.problems(&n.stream));
+        problems.extend(n.consumers.problems());
+        let row = subscriptions.iter().find(|s| s.name == n.checkpoint);
+        let mut relay = serde_json::to_value(n.relay.status()).unwrap_or_default();
+        relay["stream"] = n.stream.clone().into();
+        if let Some(row) = row {
+            relay["checkpoint"] = serde_json::to_value(row.position).unwrap_or_default();
+            relay["lag"] = row.lag.into();
+        }
+        serde_json::json!({"relay": relay, "consumers": n.consumers.snapshot()})
+    });
     let subscriptions: Vec<serde_json::Value> = subscriptions
         .into_iter()
         .map(|s| {
@@ -253,6 +267,9 @@ async fn readyz(State(state): State<AppState>) -> Response {
     });
     if let Some(h) = holder {
         body["streamHeldBackBy"] = serde_json::to_value(h).unwrap_or_default();
+    }
+    if let Some(nats) = nats {
+        body["nats"] = nats;
     }
     Json(body).into_response()
 }
@@ -286,7 +303,13 @@ async fn openapi() -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let mut response = state.render_metrics().into_response();
+    let mut text = state.render_metrics();
+    // Lag needs the store; a store that does not answer leaves it out (readyz says why).
+    match stream::subscription_status(state.db()).await {
+        Ok(subscriptions) => text.push_str(&state.render_lag(&subscriptions)),
+        Err(error) => tracing::warn!(%error, "cannot read subscription lag for /metrics"),
+    }
+    let mut response = text.into_response();
     response.headers_mut().insert(
         "content-type",
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -384,7 +407,7 @@ impl Server {
             metrics.clone(),
             confinement.clone(),
         ));
-        let (inbound, relay, messaging) = match &config.nats_url {
+        let (inbound, nats, messaging) = match &config.nats_url {
             Some(url) => {
                 let relay_config = ferry_messaging::RelayConfig {
                     nats_url: url.clone(),
@@ -392,9 +415,12 @@ impl Server {
                     poll: config.poll_interval,
                     ..ferry_messaging::RelayConfig::default()
                 };
-                let relay =
-                    ferry_messaging::Relay::start(db.clone(), relay_config, shutdown_rx.clone())
-                        .await?;
+                let relay = ferry_messaging::Relay::start(
+                    db.clone(),
+                    relay_config.clone(),
+                    shutdown_rx.clone(),
+                )
+                .await?;
                 let inbound = ferry_messaging::inbound::Inbound::start_with(
                     ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
                         .with_trusted_sources(config.trusted_sources.clone()),
@@ -402,12 +428,13 @@ impl Server {
                     shutdown_rx.clone(),
                 )
                 .await?;
-                let relay_metrics = (config.nats_stream.clone(), relay.metrics());
-                (
-                    inbound.context(),
-                    Some(relay_metrics),
-                    Some((relay, inbound)),
-                )
+                let health = crate::state::NatsHealth {
+                    stream: config.nats_stream.clone(),
+                    checkpoint: relay_config.checkpoint_name(),
+                    relay: relay.metrics(),
+                    consumers: inbound.statuses(),
+                };
+                (inbound.context(), Some(health), Some((relay, inbound)))
             }
             None => (
                 ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
@@ -422,7 +449,7 @@ impl Server {
             metrics,
             artifacts,
             inbound,
-            relay,
+            nats,
             stream_hold_warn: config.stream_hold_warn,
             confinement,
         };

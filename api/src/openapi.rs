@@ -239,7 +239,7 @@ pub fn document() -> Value {
             },
             "/metrics": {"get": {"operationId": "Metrics", "summary": "Prometheus metrics.", "security": [], "responses": {"200": {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/healthz": {"get": {"operationId": "Health", "summary": "Liveness.", "security": [], "responses": {"200": {"description": "Alive."}}}},
-            "/readyz": {"get": {"operationId": "Ready", "summary": "Readiness: the store answers; projection positions and lag.", "security": [], "responses": {"200": {"description": "Ready."}, "503": {"description": "The store does not answer."}}}},
+            "/readyz": {"get": {"operationId": "Ready", "summary": "Readiness: the store answers; subscriptions' positions and lag; the NATS relay and inbound consumers with their lag and last error.", "security": [], "responses": {"200": {"description": "Ready."}, "503": {"description": "The store does not answer."}}}},
             "/openapi.json": {"get": {"operationId": "OpenApi", "summary": "This document.", "security": [], "responses": {"200": {"description": "The OpenAPI document."}}}}
         },
         "components": {

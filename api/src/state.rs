@@ -13,6 +13,19 @@ use ferry_workers::metrics::Metrics;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// What the NATS relay and the inbound consumers report about themselves.
+#[derive(Clone)]
+pub struct NatsHealth {
+    /// The relay's stream.
+    pub stream: String,
+    /// The relay's checkpoint name (its row in the subscriptions' status).
+    pub checkpoint: String,
+    /// The relay's counters and state.
+    pub relay: Arc<ferry_messaging::RelayMetrics>,
+    /// The inbound consumers' states.
+    pub consumers: Arc<ferry_messaging::health::ConsumerStatuses>,
+}
+
 /// Shared state of the HTTP API.
 #[derive(Clone)]
 pub struct AppState {
@@ -40,8 +53,8 @@ pub struct Services {
     pub artifacts: Arc<dyn ArtifactStore>,
     /// Inbound event handling, shared by NATS consumers and `POST /factory/events`.
     pub inbound: ferry_messaging::inbound::InboundContext,
-    /// The NATS relay's counters, when NATS is configured: (stream, metrics).
-    pub relay: Option<(String, Arc<ferry_messaging::RelayMetrics>)>,
+    /// What the NATS relay and the inbound consumers report, when NATS is configured.
+    pub nats: Option<NatsHealth>,
     /// A transaction holding the global stream back longer than this is reported.
     pub stream_hold_warn: Duration,
     /// What each tenant's references may reach.
@@ -111,6 +124,10 @@ impl AppState {
     pub fn confinement(&self) -> &Confinement {
         &self.inner.services.confinement
     }
+    /// The relay's and inbound consumers' reports, when NATS is configured.
+    pub fn nats(&self) -> Option<&NatsHealth> {
+        self.inner.services.nats.as_ref()
+    }
     /// Every metric of the process, as Prometheus text.
     pub fn render_metrics(&self) -> String {
         let s = &self.inner.services;
@@ -119,10 +136,36 @@ impl AppState {
             &self.inner.db.subscription_health().problems(),
         ));
         text.push_str(&s.inbound.metrics.render());
-        if let Some((stream, relay)) = &s.relay {
-            text.push_str(&relay.render(stream));
+        if let Some(nats) = &s.nats {
+            text.push_str(&nats.relay.render(&nats.stream));
+            text.push_str(&nats.consumers.render());
         }
         text
+    }
+
+    /// `ferry_subscription_lag_events{subscription}` for every subscription, and the relay's
+    /// lag as `ferry_nats_relay_lag_events{stream}`.
+    pub fn render_lag(&self, subscriptions: &[ferry_store::stream::SubscriptionStatus]) -> String {
+        let mut out = String::from(
+            "# HELP ferry_subscription_lag_events Events stored after a subscription's checkpoint.\n# TYPE ferry_subscription_lag_events gauge\n",
+        );
+        for s in subscriptions {
+            out.push_str(&format!(
+                "ferry_subscription_lag_events{{subscription=\"{}\"}} {}\n",
+                s.name, s.lag
+            ));
+        }
+        if let Some(nats) = &self.inner.services.nats {
+            let lag = subscriptions
+                .iter()
+                .find(|s| s.name == nats.checkpoint)
+                .map_or(0, |s| s.lag);
+            out.push_str(&format!(
+                "# HELP ferry_nats_relay_lag_events Events stored and not yet acknowledged by JetStream.\n# TYPE ferry_nats_relay_lag_events gauge\nferry_nats_relay_lag_events{{stream=\"{}\"}} {lag}\n",
+                nats.stream
+            ));
+        }
+        out
     }
 }
 

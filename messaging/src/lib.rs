@@ -2,8 +2,11 @@
 //! mode), plus the same without NATS (HTTP in, Server-Sent Events out).
 //!
 //! * [`relay`]: [`Relay::start`] publishes every stored event, in global stream order, with
-//!   `Nats-Msg-Id` = event id, moving its checkpoint only after the PubAck, and republishes
-//!   on start what NATS lost.
+//!   `Nats-Msg-Id` = event id and `Nats-Expected-Last-Sequence` = its previous PubAck's
+//!   sequence, moving its checkpoint only after the PubAck; it republishes exactly what NATS
+//!   lost after acknowledging it, and reports (never replays into) a stream found empty.
+//! * [`health`]: what the relay and the inbound consumers report to `/readyz` and `/metrics`
+//!   (state, lag, last error, and the remedy for errors only a configuration change fixes).
 //! * [`inbound`]: [`Inbound::start`] runs durable pull consumers (explicit ack) for the
 //!   events Ferry reacts to; [`accept_cloud_event`] takes the same events over HTTP. Both
 //!   check the source is trusted, dedupe by CloudEvent source and id (the mark committed
@@ -52,12 +55,15 @@
 //!   tenant; map [`AcceptError::status`] to problem+json.
 //! * `GET /factory/events/stream`: `Sse::new(sse_stream(db, tenant, start_position(
 //!   last_event_id_header, after_query), db.subscribe_commits())).keep_alive(..)`.
-//! * `/metrics`: [`RelayMetrics::render`] and [`InboundMetrics::render`]. The relay's lag is
-//!   in `subscription_status` (checkpoint `nats-relay:<stream>`).
+//! * `/metrics`: [`RelayMetrics::render`], [`InboundMetrics::render`] and
+//!   [`health::ConsumerStatuses::render`]. The relay's lag is in `subscription_status`
+//!   (checkpoint `nats-relay:<stream>`).
+//! * `/readyz`: [`RelayMetrics::status`] and [`RelayMetrics::problems`], [`Inbound::statuses`].
 //! * `ferry schemas`: [`write_schemas`] into `schemas/`.
 #![forbid(unsafe_code)]
 
 pub mod cloudevent;
+pub mod health;
 pub mod inbound;
 pub mod nats;
 pub mod outbound;

@@ -1,28 +1,45 @@
 //! The relay: a subscription on the global stream that publishes every stored event to
-//! JetStream as a CloudEvent, exactly once per event id and in stream order.
+//! JetStream as a CloudEvent, exactly once per event id, in stream order, with no gap.
 //!
 //! * Each event is published with `Nats-Msg-Id` = event id and the next one only after its
 //!   PubAck, so per-aggregate order in NATS is the store's order.
+//! * **Every publish states what must come before it**: `Nats-Expected-Last-Sequence` is the
+//!   stream sequence of the relay's previous PubAck (or of the stream's last message when the
+//!   relay lined up with it). A server that lost its unsynced tail, or a stream deleted and
+//!   made anew, has another last sequence and refuses the publish, so a loss can never turn
+//!   into a gap in the middle of the stream. The relay then repairs from the last message
+//!   NATS really has (below).
 //! * The checkpoint (`nats-relay:<stream>` in `subscription_checkpoints`) moves only after
 //!   the PubAcks, in a short transaction of its own: no database transaction stays open
 //!   while NATS is slow or down (an open one would hold back every reader of the stream).
-//! * At start and after every reconnection the relay reads the `Ferry-Position` header of
-//!   the stream's last Ferry message and moves its checkpoint there: back when NATS lost
-//!   acknowledged messages (they are republished), forward when a crash came between
-//!   PubAck and checkpoint (nothing is published twice). `Nats-Msg-Id` de-duplication
-//!   within the stream's duplicate window is the second line of defence.
+//! * **Lining up** (at start, after every reconnection and after a refused publish): the
+//!   relay reads the `Ferry-Position` header of the stream's newest Ferry message. Behind the
+//!   checkpoint, NATS lost messages it had acknowledged: exactly those are proven lost and
+//!   republished. Ahead of it, a crash came between PubAck and checkpoint: nothing is
+//!   published twice. A stream that holds **no** Ferry message although the relay had
+//!   published (purged, emptied by a lost store, aged out by its limits) proves nothing
+//!   about what its consumers read: it is reported (log, `ferry_nats_relay_stream_resets_total`,
+//!   `/readyz`) and history is **not** replayed; new events go on from the checkpoint. A read
+//!   of the stream that fails is an error to retry, never taken for "no message".
+//! * Failures carry their cause. One that only a change of configuration fixes (e.g. the
+//!   stream's subjects overlap another stream's) is logged once as an error saying what to
+//!   change, shown by `/readyz`, and retried slowly.
 //! * On Postgres the relay holds an advisory lock (one leader per stream across
 //!   instances); a standby takes over when the leader's connection goes away.
 //! * While NATS is down commands still commit; the relay retries with a growing pause and
 //!   catches up when NATS returns.
 
+use crate::health::{self, ErrorReport, NatsFailure};
+use crate::inbound::subject_matches;
 use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
 use crate::subjects::STREAM_SUBJECTS;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
+use chrono::{DateTime, Utc};
 use ferry_store::stream::read_after;
 use ferry_store::{Database, Position, Tx};
+use serde::Serialize;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -31,7 +48,7 @@ use tracing::Instrument;
 /// Header carrying the global stream position of an event (`txid.position`).
 pub const POSITION_HEADER: &str = "Ferry-Position";
 
-/// How many older stream messages the start-up check looks through for a Ferry message.
+/// How many older stream messages the line-up looks through for a Ferry message.
 const RECONCILE_SCAN: u64 = 1000;
 
 /// The relay's settings. Suggested environment: `NATS_URL`, `FERRY_NATS_STREAM`,
@@ -53,6 +70,9 @@ pub struct RelayConfig {
     /// Subjects the stream stores (default [`STREAM_SUBJECTS`]). Drop one that another
     /// stream already owns (e.g. an external promotions service's `releases.promotions.>`).
     pub subjects: Vec<String>,
+    /// How often an idle relay checks that the stream still holds what it published (a
+    /// stream purged while nothing is published is reported within this time).
+    pub check_interval: Duration,
 }
 
 impl Default for RelayConfig {
@@ -65,6 +85,7 @@ impl Default for RelayConfig {
             poll: Duration::from_secs(1),
             batch: 256,
             subjects: STREAM_SUBJECTS.iter().map(|s| s.to_string()).collect(),
+            check_interval: Duration::from_secs(30),
         }
     }
 }
@@ -76,7 +97,78 @@ impl RelayConfig {
     }
 }
 
-/// Counters of the relay, for `/metrics` and tests.
+/// What the relay is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum RelayRole {
+    /// Not yet connected or lined up.
+    #[default]
+    Starting,
+    /// Publishing (the only instance that does, on Postgres).
+    Leader,
+    /// Another instance publishes; this one waits to take over.
+    Standby,
+}
+
+/// A stream found holding none of the messages the relay had published.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamReset {
+    /// When the relay found it.
+    pub at: DateTime<Utc>,
+    /// The relay's checkpoint then: every event up to it had been acknowledged by NATS.
+    pub checkpoint: String,
+    /// The stream's first and last sequence and message count then.
+    pub stream_first_sequence: u64,
+    /// See `stream_first_sequence`.
+    pub stream_last_sequence: u64,
+    /// See `stream_first_sequence`.
+    pub stream_messages: u64,
+    /// True when the stream's own limits (age, count, size) can explain it; false when only a
+    /// purge, a deletion or a lost store can.
+    pub explained_by_limits: bool,
+    /// Still true while the stream holds no message the relay published since.
+    pub open: bool,
+}
+
+/// The last repair: messages NATS had acknowledged and then lost, republished.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Repair {
+    /// When.
+    pub at: DateTime<Utc>,
+    /// The position of the stream's newest Ferry message (republishing starts after it).
+    pub stream_last: String,
+    /// The checkpoint the relay had reached.
+    pub checkpoint: String,
+    /// How many events were republished.
+    pub events: u64,
+}
+
+/// The relay's state, for `/readyz`.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RelayStatus {
+    /// Leader, standby or starting.
+    pub role: RelayRole,
+    /// The stream sequence the next publish expects to follow (`Nats-Expected-Last-Sequence`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected_last_sequence: Option<u64>,
+    /// When the last PubAck came.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_published_at: Option<DateTime<Utc>>,
+    /// The last error, until a step succeeds again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<ErrorReport>,
+    /// The last time the stream was found holding none of the relay's messages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_reset: Option<StreamReset>,
+    /// The last republication of messages NATS lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_repair: Option<Repair>,
+}
+
+/// Counters and state of the relay, for `/metrics`, `/readyz` and tests.
 #[derive(Debug, Default)]
 pub struct RelayMetrics {
     /// Messages acknowledged by JetStream (duplicates included).
@@ -87,15 +179,62 @@ pub struct RelayMetrics {
     pub degraded: AtomicU64,
     /// Publish or stream-setup failures (each followed by a retry).
     pub failures: AtomicU64,
-    /// Events the start-up check found missing in NATS and republished.
+    /// Events found missing in NATS after it had acknowledged them, and republished.
     pub rewound: AtomicU64,
-    /// Events the start-up check found already stored past the checkpoint (not republished).
+    /// Events the line-up found already stored past the checkpoint (not republished).
     pub skipped: AtomicU64,
+    /// Publishes NATS refused because the stream's last sequence was not the expected one.
+    pub refused: AtomicU64,
+    /// Times the stream was found holding none of the relay's messages (not replayed).
+    pub stream_resets: AtomicU64,
     /// Global position of the last event whose checkpoint was saved.
     pub checkpoint: AtomicI64,
+    status: Mutex<RelayStatus>,
 }
 
 impl RelayMetrics {
+    /// The relay's state now.
+    pub fn status(&self) -> RelayStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn update(&self, change: impl FnOnce(&mut RelayStatus)) {
+        change(
+            &mut self
+                .status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+    }
+
+    /// The lines `/readyz` lists among its problems.
+    pub fn problems(&self, stream: &str) -> Vec<String> {
+        let status = self.status();
+        let mut out = Vec::new();
+        if let Some(e) = &status.last_error {
+            out.push(e.problem(&format!("the NATS relay to {stream}")));
+        }
+        // A stream whose own limits remove old messages empties by design: status only.
+        if let Some(r) = status
+            .stream_reset
+            .as_ref()
+            .filter(|r| r.open && !r.explained_by_limits)
+        {
+            out.push(format!(
+                "stream {stream} holds none of the events the relay published up to position {} \
+                 (found at {}; the stream has no limits that remove messages: it was purged or \
+                 NATS lost its store): they were not republished, and consumers that had not \
+                 read them will not see them",
+                r.checkpoint,
+                r.at.to_rfc3339(),
+            ));
+        }
+        out
+    }
+
     /// The counters in Prometheus text format, labelled with the stream.
     pub fn render(&self, stream: &str) -> String {
         let rows = [
@@ -121,13 +260,23 @@ impl RelayMetrics {
             ),
             (
                 "ferry_nats_relay_republished_total",
-                "Events republished because NATS lost them.",
+                "Events republished because NATS lost them after acknowledging them.",
                 &self.rewound,
             ),
             (
                 "ferry_nats_relay_skipped_total",
                 "Events found already stored past the checkpoint.",
                 &self.skipped,
+            ),
+            (
+                "ferry_nats_relay_refused_total",
+                "Publishes NATS refused because the stream's last sequence was not the expected one.",
+                &self.refused,
+            ),
+            (
+                "ferry_nats_relay_stream_resets_total",
+                "Times the stream held none of the relay's messages (history not replayed).",
+                &self.stream_resets,
             ),
         ];
         let mut out = String::new();
@@ -137,9 +286,18 @@ impl RelayMetrics {
                 value.load(Ordering::Relaxed)
             ));
         }
+        let status = self.status();
+        let failing = match &status.last_error {
+            None => 0,
+            Some(e) if e.permanent => 2,
+            Some(_) => 1,
+        };
         out.push_str(&format!(
-            "# HELP ferry_nats_relay_checkpoint_position Global position of the relay's checkpoint.\n# TYPE ferry_nats_relay_checkpoint_position gauge\nferry_nats_relay_checkpoint_position{{stream=\"{stream}\"}} {}\n",
-            self.checkpoint.load(Ordering::Relaxed)
+            "# HELP ferry_nats_relay_checkpoint_position Global position of the relay's checkpoint.\n# TYPE ferry_nats_relay_checkpoint_position gauge\nferry_nats_relay_checkpoint_position{{stream=\"{stream}\"}} {}\n\
+             # HELP ferry_nats_relay_failing 1 while the relay fails (2: until its configuration changes).\n# TYPE ferry_nats_relay_failing gauge\nferry_nats_relay_failing{{stream=\"{stream}\"}} {failing}\n\
+             # HELP ferry_nats_relay_leader 1 while this instance publishes.\n# TYPE ferry_nats_relay_leader gauge\nferry_nats_relay_leader{{stream=\"{stream}\"}} {}\n",
+            self.checkpoint.load(Ordering::Relaxed),
+            u8::from(status.role == RelayRole::Leader),
         ));
         out
     }
@@ -156,14 +314,17 @@ pub enum RelayError {
     Store(#[from] sqlx::Error),
     /// JetStream refused or did not answer.
     #[error("jetstream: {0}")]
-    Nats(String),
+    Nats(#[from] NatsFailure),
+    /// JetStream refused a publish because the stream's last sequence is not the one the
+    /// relay expected: it lost messages, or was replaced, or another publisher wrote to it.
+    #[error("NATS refused the publish: the stream's last sequence is not {expected} (it lost messages, was made anew, or another publisher wrote to it)")]
+    StreamChanged {
+        /// The sequence the relay expected to follow.
+        expected: u64,
+    },
     /// An event could not be serialized.
     #[error("serialize: {0}")]
     Serialize(#[from] serde_json::Error),
-}
-
-fn nats_err(e: impl std::fmt::Display) -> RelayError {
-    RelayError::Nats(e.to_string())
 }
 
 /// A running relay.
@@ -188,13 +349,15 @@ impl Relay {
             config,
             metrics: metrics.clone(),
             leader: None,
+            anchor: None,
+            stored_subjects: Vec::new(),
         };
         let span = tracing::info_span!("nats_relay", stream = %worker.config.stream_name);
         let handle = tokio::spawn(worker.run(shutdown).instrument(span));
         Ok(Self { handle, metrics })
     }
 
-    /// The relay's counters.
+    /// The relay's counters and state.
     pub fn metrics(&self) -> Arc<RelayMetrics> {
         self.metrics.clone()
     }
@@ -220,6 +383,10 @@ struct Worker {
     metrics: Arc<RelayMetrics>,
     /// On Postgres, the connection holding the advisory lock (dropped = lock released).
     leader: Option<sqlx::PgConnection>,
+    /// The stream sequence the next publish must follow; `None` until lined up.
+    anchor: Option<u64>,
+    /// The subjects the stream stores (the expectation is only sent for those).
+    stored_subjects: Vec<String>,
 }
 
 impl Worker {
@@ -260,21 +427,31 @@ impl Worker {
     }
 
     async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        // The checkpoint row exists from the start, so that `/readyz` shows the relay's lag
+        // even while NATS cannot be reached (a failure here is retried by the first step).
+        if let Err(error) = load_checkpoint(&self.db, &self.config.checkpoint_name()).await {
+            tracing::warn!(%error, "cannot read the relay's checkpoint yet");
+        }
         let mut commits = self.db.subscribe_commits();
-        let mut ready = false;
         let mut backoff = Duration::from_millis(100);
+        let mut refusals = 0u32;
+        let mut next_check = tokio::time::Instant::now() + self.config.check_interval;
         loop {
             if *shutdown.borrow() {
                 return;
             }
-            // A (re)connection may be to a server that lost messages: check again.
+            // A (re)connection may be to a server that lost messages: line up again.
             if self.connected.has_changed().unwrap_or(false) {
                 self.connected.mark_unchanged();
-                ready = false;
+                self.anchor = None;
             }
             if !self.lead().await {
                 // Another instance publishes; stand by and check again.
-                ready = false;
+                self.anchor = None;
+                self.metrics.update(|s| {
+                    s.role = RelayRole::Standby;
+                    s.expected_last_sequence = None;
+                });
                 tokio::select! {
                     _ = tokio::time::sleep(self.config.poll.max(Duration::from_secs(1))) => {}
                     _ = shutdown.changed() => {}
@@ -282,9 +459,12 @@ impl Worker {
                 continue;
             }
             let step = async {
-                if !ready {
+                if self.anchor.is_none() {
                     self.prepare().await?;
-                    ready = true;
+                }
+                if tokio::time::Instant::now() >= next_check {
+                    self.check_stream().await?;
+                    next_check = tokio::time::Instant::now() + self.config.check_interval;
                 }
                 self.pump().await
             };
@@ -297,79 +477,236 @@ impl Worker {
             match step {
                 Ok(n) => {
                     backoff = Duration::from_millis(100);
+                    refusals = 0;
+                    self.metrics.update(|s| {
+                        s.role = RelayRole::Leader;
+                        s.last_error = None;
+                    });
                     if n >= usize::try_from(self.config.batch).unwrap_or(usize::MAX) {
                         continue; // more to read
                     }
                 }
+                Err(RelayError::StreamChanged { expected }) if refusals < 3 => {
+                    // Not a fault of the relay's: line up with what NATS really has, now.
+                    refusals += 1;
+                    self.metrics.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        expected_last_sequence = expected,
+                        "NATS refused a publish: the stream is not as the relay left it; lining up again"
+                    );
+                    self.anchor = None;
+                    continue;
+                }
                 Err(error) => {
                     self.metrics.failures.fetch_add(1, Ordering::Relaxed);
-                    if matches!(error, RelayError::Nats(_)) {
-                        ready = false;
+                    if matches!(
+                        error,
+                        RelayError::Nats(_) | RelayError::StreamChanged { .. }
+                    ) {
+                        self.anchor = None;
                     }
-                    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "relay step failed");
+                    let (code, remedy) = match &error {
+                        RelayError::Nats(f) => (f.code, f.remedy().map(str::to_string)),
+                        _ => (None, None),
+                    };
+                    let permanent = remedy.is_some();
+                    let mut new = false;
+                    let mut report = None;
+                    self.metrics.update(|s| {
+                        let (r, n) = ErrorReport::next(
+                            s.last_error.as_ref(),
+                            error.to_string(),
+                            code,
+                            remedy,
+                        );
+                        new = n;
+                        report = Some(r.clone());
+                        s.last_error = Some(r);
+                    });
+                    if let Some(report) = &report {
+                        health::log_failure(
+                            "the NATS relay",
+                            report,
+                            new,
+                            backoff.as_millis() as u64,
+                        );
+                    }
                     // A reconnection ends the pause early: catch up as soon as NATS is back.
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
-                        _ = reconnected(&mut self.connected) => ready = false,
+                        _ = reconnected(&mut self.connected) => self.anchor = None,
                         _ = shutdown.changed() => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    let cap = if permanent { 60 } else { 10 };
+                    backoff = (backoff * 2).min(Duration::from_secs(cap));
                     continue;
                 }
             }
             tokio::select! {
                 _ = commits.changed() => {}
-                _ = reconnected(&mut self.connected) => ready = false,
+                _ = reconnected(&mut self.connected) => self.anchor = None,
                 _ = tokio::time::sleep(self.config.poll) => {}
+                _ = tokio::time::sleep_until(next_check) => {}
                 _ = shutdown.changed() => {}
             }
         }
     }
 
-    /// Creates or updates the stream, then lines the checkpoint up with the stream's last
-    /// Ferry message: behind it, NATS lost acknowledged messages (republish them); ahead of
-    /// it, a crash came between PubAck and checkpoint (skip what is already stored, so
-    /// nothing is duplicated even after the duplicate window).
-    async fn prepare(&self) -> Result<(), RelayError> {
-        ensure_stream(&self.js, &self.config).await?;
+    /// Creates or updates the stream, then lines the checkpoint up with the stream's newest
+    /// Ferry message: behind it, NATS lost acknowledged messages (exactly those are
+    /// republished); ahead of it, a crash came between PubAck and checkpoint (skip what is
+    /// already stored, so nothing is duplicated even after the duplicate window). A stream
+    /// with no Ferry message proves nothing: it is reported, and nothing is replayed.
+    async fn prepare(&mut self) -> Result<(), RelayError> {
+        let info = ensure_stream(&self.js, &self.config).await?;
+        self.stored_subjects = info.config.subjects.clone();
+        let stream = self
+            .js
+            .get_stream_no_info(&self.config.stream_name)
+            .await
+            .map_err(|e| {
+                let code = health::get_stream_error_code(&e);
+                NatsFailure::with_code(format!("open stream {}", self.config.stream_name), code, e)
+            })?;
+        let state = info.state.clone();
         let name = self.config.checkpoint_name();
         let checkpoint = load_checkpoint(&self.db, &name).await?;
-        let target = match last_ferry_position(&self.js, &self.config.stream_name).await? {
-            LastPosition::Found(p) => p,
-            LastPosition::NoFerryMessage => Position::default(),
+        match last_ferry_position_in(&stream, &state).await? {
+            LastPosition::Found(target) if target < checkpoint => {
+                let missing = count_between(&self.db, target, checkpoint).await?;
+                tracing::warn!(
+                    stream_last = %position_token(target),
+                    checkpoint = %position_token(checkpoint),
+                    missing,
+                    "NATS lost events it had acknowledged; republishing exactly those"
+                );
+                self.metrics.rewound.fetch_add(missing, Ordering::Relaxed);
+                move_checkpoint(&self.db, &name, target, true).await?;
+                self.metrics.update(|s| {
+                    s.last_repair = Some(Repair {
+                        at: Utc::now(),
+                        stream_last: position_token(target),
+                        checkpoint: position_token(checkpoint),
+                        events: missing,
+                    })
+                });
+            }
+            LastPosition::Found(target) if target > checkpoint => {
+                let stored = count_between(&self.db, checkpoint, target).await?;
+                tracing::info!(
+                    stream_last = %position_token(target),
+                    checkpoint = %position_token(checkpoint),
+                    stored,
+                    "the stream already holds events past the checkpoint; skipping them"
+                );
+                self.metrics.skipped.fetch_add(stored, Ordering::Relaxed);
+                move_checkpoint(&self.db, &name, target, false).await?;
+            }
+            LastPosition::Found(_) => {}
+            LastPosition::NoFerryMessage => {
+                if checkpoint > Position::default() {
+                    self.report_reset(&info, checkpoint);
+                }
+            }
             LastPosition::Unknown => {
                 tracing::warn!(
+                    scanned = RECONCILE_SCAN,
                     "no Ferry message among the stream's newest; keeping the checkpoint"
                 );
-                return Ok(());
             }
+        }
+        self.anchor = Some(state.last_sequence);
+        self.metrics.update(|s| {
+            s.role = RelayRole::Leader;
+            s.expected_last_sequence = Some(state.last_sequence);
+        });
+        Ok(())
+    }
+
+    /// While idle: does the stream still hold the relay's last message? A stream purged
+    /// since (its last sequence is kept, so publishes would still be accepted) is reported.
+    async fn check_stream(&mut self) -> Result<(), RelayError> {
+        let Some(anchor) = self.anchor.filter(|a| *a > 0) else {
+            return Ok(());
         };
-        if target < checkpoint {
-            let missing = count_between(&self.db, target, checkpoint).await?;
-            tracing::warn!(
-                stream_last = %position_token(target),
-                checkpoint = %position_token(checkpoint),
-                missing,
-                "the stream lacks events the relay had published; republishing them"
-            );
-            self.metrics.rewound.fetch_add(missing, Ordering::Relaxed);
-            move_checkpoint(&self.db, &name, target, true).await?;
-        } else if target > checkpoint {
-            let stored = count_between(&self.db, checkpoint, target).await?;
-            tracing::info!(
-                stream_last = %position_token(target),
-                checkpoint = %position_token(checkpoint),
-                stored,
-                "the stream already holds events past the checkpoint; skipping them"
-            );
-            self.metrics.skipped.fetch_add(stored, Ordering::Relaxed);
-            move_checkpoint(&self.db, &name, target, false).await?;
+        let already = self
+            .metrics
+            .status()
+            .stream_reset
+            .is_some_and(|r| r.open && r.stream_last_sequence >= anchor);
+        if already {
+            return Ok(());
+        }
+        let mut stream = self
+            .js
+            .get_stream(&self.config.stream_name)
+            .await
+            .map_err(|e| {
+                let code = health::get_stream_error_code(&e);
+                NatsFailure::with_code(format!("open stream {}", self.config.stream_name), code, e)
+            })?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| NatsFailure::new(format!("read stream {}", self.config.stream_name), e))?
+            .clone();
+        if info.state.messages == 0 || info.state.first_sequence > anchor {
+            let checkpoint = load_checkpoint(&self.db, &self.config.checkpoint_name()).await?;
+            if checkpoint > Position::default() {
+                self.report_reset(&info, checkpoint);
+            }
         }
         Ok(())
     }
 
+    /// Reports a stream that holds none of the relay's messages: log, metric, `/readyz`.
+    fn report_reset(&self, info: &stream::Info, checkpoint: Position) {
+        // Lining up again (e.g. after a reconnection) finds the same state: reported already.
+        let same = self.metrics.status().stream_reset.is_some_and(|r| {
+            r.open
+                && r.stream_first_sequence == info.state.first_sequence
+                && r.stream_last_sequence == info.state.last_sequence
+                && r.checkpoint == position_token(checkpoint)
+        });
+        if same {
+            return;
+        }
+        let c = &info.config;
+        let explained_by_limits = !c.max_age.is_zero()
+            || c.max_messages >= 0
+            || c.max_bytes >= 0
+            || c.max_messages_per_subject >= 0;
+        self.metrics.stream_resets.fetch_add(1, Ordering::Relaxed);
+        let message = "the stream holds none of the events the relay published; they are not \
+            republished (consumers that had not read them will not see them); new events go on \
+            from the checkpoint";
+        let (stream, at, first, last, messages) = (
+            &self.config.stream_name,
+            position_token(checkpoint),
+            info.state.first_sequence,
+            info.state.last_sequence,
+            info.state.messages,
+        );
+        if explained_by_limits {
+            tracing::warn!(%stream, checkpoint = %at, first, last, messages, "{message} (the stream's limits remove old messages)");
+        } else {
+            tracing::error!(%stream, checkpoint = %at, first, last, messages, "{message} (the stream has no limits: it was purged or NATS lost its store)");
+        }
+        self.metrics.update(|s| {
+            s.stream_reset = Some(StreamReset {
+                at: Utc::now(),
+                checkpoint: position_token(checkpoint),
+                stream_first_sequence: info.state.first_sequence,
+                stream_last_sequence: info.state.last_sequence,
+                stream_messages: info.state.messages,
+                explained_by_limits,
+                open: true,
+            })
+        });
+    }
+
     /// Publishes one batch after the checkpoint; returns how many events it took.
-    async fn pump(&self) -> Result<usize, RelayError> {
+    async fn pump(&mut self) -> Result<usize, RelayError> {
         let name = self.config.checkpoint_name();
         let from = load_checkpoint(&self.db, &name).await?;
         let events = read_after(&self.db, from, self.config.batch).await?;
@@ -394,30 +731,57 @@ impl Worker {
         result.map(|()| events.len())
     }
 
-    async fn publish(&self, event: &ferry_store::StoredEvent) -> Result<(), RelayError> {
+    async fn publish(&mut self, event: &ferry_store::StoredEvent) -> Result<(), RelayError> {
         let out = to_outbound(&self.db, &self.config.source, event).await?;
         if out.degraded.is_some() {
             self.metrics.degraded.fetch_add(1, Ordering::Relaxed);
         }
         let body = out.event.to_bytes()?;
-        let message = PublishMessage::build()
+        let mut message = PublishMessage::build()
             .payload(body.into())
             .message_id(event.event_id.to_string())
             .header(POSITION_HEADER, position_token(event.position).as_str());
+        // The expectation is checked by the stream that stores the subject: only send it to
+        // ours (NATS ignores 0, so the first message of a new stream carries none).
+        let ours = self
+            .stored_subjects
+            .iter()
+            .any(|p| subject_matches(p, &out.subject));
+        let expected = self.anchor.filter(|a| *a > 0 && ours);
+        if let Some(seq) = expected {
+            message = message.expected_last_sequence(seq);
+        }
+        let failure = |e: jetstream::context::PublishError| match (e.kind(), expected) {
+            (jetstream::context::PublishErrorKind::WrongLastSequence, Some(expected)) => {
+                RelayError::StreamChanged { expected }
+            }
+            _ => RelayError::Nats(NatsFailure::new(format!("publish {}", out.subject), e)),
+        };
         let ack = self
             .js
             .send_publish(out.subject.clone(), message)
             .await
-            .map_err(nats_err)?
+            .map_err(failure)?
             .await
-            .map_err(nats_err)?;
+            .map_err(failure)?;
         if ack.stream != self.config.stream_name {
             tracing::warn!(subject = %out.subject, stream = %ack.stream, "subject stored by another stream");
+        } else if !ack.duplicate {
+            // A duplicate is not appended: the stream's last sequence did not move.
+            self.anchor = Some(ack.sequence);
         }
         self.metrics.published.fetch_add(1, Ordering::Relaxed);
         if ack.duplicate {
             self.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
         }
+        let anchor = self.anchor;
+        self.metrics.update(|s| {
+            s.expected_last_sequence = anchor;
+            s.last_published_at = Some(Utc::now());
+            if let Some(r) = s.stream_reset.as_mut() {
+                r.open = false;
+            }
+        });
         tracing::debug!(subject = %out.subject, id = %out.event.id, seq = ack.sequence, "published");
         Ok(())
     }
@@ -436,9 +800,15 @@ pub async fn ensure_stream(
     js: &jetstream::Context,
     config: &RelayConfig,
 ) -> Result<stream::Info, RelayError> {
-    match js.get_stream(&config.stream_name).await {
+    let name = &config.stream_name;
+    match js.get_stream(name).await {
         Ok(mut existing) => {
-            let mut wanted = existing.info().await.map_err(nats_err)?.config.clone();
+            let mut wanted = existing
+                .info()
+                .await
+                .map_err(|e| NatsFailure::new(format!("read stream {name}"), e))?
+                .config
+                .clone();
             let mut changed = wanted.duplicate_window != config.duplicate_window;
             wanted.duplicate_window = config.duplicate_window;
             for s in &config.subjects {
@@ -448,7 +818,10 @@ pub async fn ensure_stream(
                 }
             }
             if changed {
-                js.update_stream(wanted).await.map_err(nats_err)
+                match js.update_stream(wanted).await {
+                    Ok(info) => Ok(info),
+                    Err(e) => Err(stream_failure(js, config, "update", e).await),
+                }
             } else {
                 Ok(existing.cached_info().clone())
             }
@@ -459,18 +832,53 @@ pub async fn ensure_stream(
         {
             let created = js
                 .create_stream(stream::Config {
-                    name: config.stream_name.clone(),
+                    name: name.clone(),
                     subjects: config.subjects.clone(),
                     duplicate_window: config.duplicate_window,
                     storage: stream::StorageType::File,
                     ..Default::default()
                 })
-                .await
-                .map_err(nats_err)?;
-            Ok(created.cached_info().clone())
+                .await;
+            match created {
+                Ok(created) => Ok(created.cached_info().clone()),
+                Err(e) => Err(stream_failure(js, config, "create", e).await),
+            }
         }
-        Err(e) => Err(nats_err(e)),
+        Err(e) => {
+            let code = health::get_stream_error_code(&e);
+            Err(NatsFailure::with_code(format!("read stream {name}"), code, e).into())
+        }
     }
+}
+
+/// A stream create/update failure; when the server says the subjects overlap another
+/// stream's, the operation names the streams that hold them, so the remedy can be followed.
+async fn stream_failure(
+    js: &jetstream::Context,
+    config: &RelayConfig,
+    verb: &str,
+    e: jetstream::context::CreateStreamError,
+) -> RelayError {
+    let code = health::stream_error_code(&e);
+    let mut operation = format!(
+        "{verb} stream {} with subjects {}",
+        config.stream_name,
+        config.subjects.join(", ")
+    );
+    if code == Some(jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP) {
+        let mut holders = Vec::new();
+        for subject in &config.subjects {
+            if let Ok(other) = js.stream_by_subject(subject.clone()).await {
+                if other != config.stream_name {
+                    holders.push(format!("{subject} is stored by stream {other}"));
+                }
+            }
+        }
+        if !holders.is_empty() {
+            operation.push_str(&format!(" ({})", holders.join("; ")));
+        }
+    }
+    NatsFailure::with_code(operation, code, e).into()
 }
 
 /// What the stream says about the last event Ferry published into it.
@@ -484,13 +892,69 @@ pub enum LastPosition {
     Unknown,
 }
 
+/// Reads one stored message's headers by sequence: `Ok(None)` when the stream has no
+/// message there (deleted), an error for anything else (a read that failed says nothing).
+pub trait StreamTail: Sync {
+    /// The headers of the message at `sequence`.
+    fn headers_at(
+        &self,
+        sequence: u64,
+    ) -> impl std::future::Future<Output = Result<Option<async_nats::HeaderMap>, NatsFailure>> + Send;
+}
+
+impl<I: Sync> StreamTail for stream::Stream<I> {
+    async fn headers_at(
+        &self,
+        sequence: u64,
+    ) -> Result<Option<async_nats::HeaderMap>, NatsFailure> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind as Kind;
+        match self.get_raw_message(sequence).await {
+            Ok(message) => Ok(Some(message.headers)),
+            Err(e) => {
+                let code = match e.kind() {
+                    Kind::NoMessageFound => return Ok(None),
+                    Kind::JetStream(j)
+                        if j.error_code() == jetstream::ErrorCode::NO_MESSAGE_FOUND =>
+                    {
+                        return Ok(None)
+                    }
+                    Kind::JetStream(j) => Some(j.error_code()),
+                    _ => None,
+                };
+                Err(NatsFailure::with_code(
+                    format!("read message {sequence}"),
+                    code,
+                    e,
+                ))
+            }
+        }
+    }
+}
+
 /// The position of the newest message in the stream that Ferry published.
 pub async fn last_ferry_position(
     js: &jetstream::Context,
     stream_name: &str,
 ) -> Result<LastPosition, RelayError> {
-    let mut stream = js.get_stream(stream_name).await.map_err(nats_err)?;
-    let state = stream.info().await.map_err(nats_err)?.state.clone();
+    let mut stream = js.get_stream(stream_name).await.map_err(|e| {
+        let code = health::get_stream_error_code(&e);
+        NatsFailure::with_code(format!("open stream {stream_name}"), code, e)
+    })?;
+    let state = stream
+        .info()
+        .await
+        .map_err(|e| NatsFailure::new(format!("read stream {stream_name}"), e))?
+        .state
+        .clone();
+    Ok(last_ferry_position_in(&stream, &state).await?)
+}
+
+/// The newest Ferry message among the newest [`RECONCILE_SCAN`] of a stream in `state`. A
+/// deleted message in between is skipped; a read that fails is an error, never "none".
+pub async fn last_ferry_position_in(
+    tail: &impl StreamTail,
+    state: &stream::State,
+) -> Result<LastPosition, NatsFailure> {
     if state.messages == 0 {
         return Ok(LastPosition::NoFerryMessage);
     }
@@ -499,10 +963,8 @@ pub async fn last_ferry_position(
         .max(state.last_sequence.saturating_sub(RECONCILE_SCAN));
     let mut seq = state.last_sequence;
     while seq >= lowest && seq > 0 {
-        // A deleted message in between is skipped, not fatal.
-        if let Ok(message) = stream.get_raw_message(seq).await {
-            if let Some(p) = message
-                .headers
+        if let Some(headers) = tail.headers_at(seq).await? {
+            if let Some(p) = headers
                 .get(POSITION_HEADER)
                 .and_then(|v| parse_position(v.as_str()))
             {
@@ -525,8 +987,8 @@ async fn load_checkpoint(db: &Database, name: &str) -> Result<Position, sqlx::Er
     Ok(p)
 }
 
-/// Moves the checkpoint to `to`; only forward unless `backward` (the start-up rewind), so
-/// that a slower second relay never undoes a faster one's progress.
+/// Moves the checkpoint to `to`; only forward unless `backward` (the line-up's rewind to
+/// what NATS proved lost), so that a slower second relay never undoes a faster one's progress.
 async fn move_checkpoint(
     db: &Database,
     name: &str,
@@ -557,5 +1019,39 @@ async fn count_between(db: &Database, from: Position, to: Position) -> Result<u6
             n += 1;
         }
         at = last;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reset(explained_by_limits: bool, open: bool) -> StreamReset {
+        StreamReset {
+            at: Utc::now(),
+            checkpoint: "812.17".to_string(),
+            stream_first_sequence: 18,
+            stream_last_sequence: 17,
+            stream_messages: 0,
+            explained_by_limits,
+            open,
+        }
+    }
+
+    #[test]
+    fn an_emptied_stream_is_a_problem_unless_its_limits_explain_it_or_the_relay_published_since() {
+        let metrics = RelayMetrics::default();
+        assert!(metrics.problems("S").is_empty());
+        metrics.update(|s| s.stream_reset = Some(reset(false, true)));
+        let problems = metrics.problems("S");
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].contains("812.17") && problems[0].contains("purged"));
+        metrics.update(|s| s.stream_reset = Some(reset(true, true)));
+        assert!(
+            metrics.problems("S").is_empty(),
+            "aged out by its own limits"
+        );
+        metrics.update(|s| s.stream_reset = Some(reset(false, false)));
+        assert!(metrics.problems("S").is_empty(), "published since");
     }
 }

@@ -418,8 +418,136 @@ async fn two_relays_on_postgres_publish_once_and_the_standby_takes_over() {
     t.cleanup().await;
 }
 
+/// Publishes `original[..keep]` again into a new stream of the same name: what a server
+/// that lost the rest of the stream's tail holds.
+async fn recreate_with(
+    js: &async_nats::jetstream::Context,
+    cfg: &RelayConfig,
+    original: &[Stored],
+    keep: usize,
+) {
+    let _ = js.delete_stream(&cfg.stream_name).await;
+    ferry_messaging::relay::ensure_stream(js, cfg)
+        .await
+        .unwrap();
+    for m in &original[..keep] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", m.msg_id.clone().unwrap().as_str());
+        headers.insert("Ferry-Position", m.position.clone().unwrap().as_str());
+        js.publish_with_headers(
+            m.subject.clone(),
+            headers,
+            serde_json::to_vec(&m.body).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+}
+
+fn ids(messages: &[Stored]) -> Vec<Option<String>> {
+    messages.iter().map(|m| m.msg_id.clone()).collect()
+}
+
+/// Applies `runs` runs, starts a relay and waits until it has published all their events and
+/// saved its checkpoint at the last one. Returns the relay, the stream's messages and the
+/// relay's shutdown switch.
+async fn relay_after_runs(
+    nats: &Nats,
+    db: &Database,
+    cfg: &RelayConfig,
+    runs: usize,
+) -> (Relay, Vec<Stored>, watch::Sender<bool>) {
+    for _ in 0..runs {
+        applied_run(db, "acme", None).await;
+    }
+    let total = wait_events(db, runs * 4).await;
+    let (stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), cfg.clone(), shutdown)
+        .await
+        .unwrap();
+    let original = wait_for_stream(nats, total).await;
+    let last =
+        ferry_messaging::parse_position(original[total - 1].position.as_deref().unwrap()).unwrap();
+    let metrics = relay.metrics();
+    wait_for("the checkpoint saved", 30, || {
+        let m = metrics.clone();
+        async move { m.checkpoint.load(Ordering::Relaxed) == last.global_position }
+    })
+    .await;
+    (relay, original, stop)
+}
+
 #[tokio::test]
-async fn a_nats_server_that_comes_back_empty_gets_everything_again() {
+async fn a_stream_that_loses_its_tail_while_the_relay_keeps_publishing_gets_no_gap() {
+    // No reconnection tells the relay: only the expectation on its next publish can.
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let db = t.db.clone();
+    let cfg = config(&nats);
+    let (relay, original, _stop) = relay_after_runs(&nats, &db, &cfg, 3).await;
+    let (first, metrics) = (original.len(), relay.metrics());
+
+    // The stream now ends after its 5th message, then the relay publishes the next event.
+    let js = nats.js().await;
+    recreate_with(&js, &cfg, &original, 5).await;
+    applied_run(&db, "acme", None).await;
+    let total = wait_events(&db, 16).await;
+    let messages = wait_for_stream(&nats, total).await;
+    assert_eq!(messages.len(), total, "every event once");
+    assert_unique(&messages);
+    assert_ordered(&messages);
+    messages.iter().for_each(assert_valid);
+    assert_eq!(
+        ids(&messages[..first]),
+        ids(&original),
+        "the lost range is back in its place"
+    );
+    assert!(
+        metrics.refused.load(Ordering::Relaxed) >= 1,
+        "NATS refused the publish after the loss"
+    );
+    assert_eq!(metrics.rewound.load(Ordering::Relaxed), (first - 5) as u64);
+    let repair = metrics
+        .status()
+        .last_repair
+        .expect("the repair is reported");
+    assert_eq!(Some(repair.stream_last), original[4].position);
+    assert_eq!(repair.events, (first - 5) as u64);
+    assert!(metrics.status().last_error.is_none());
+    relay.abort();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn nats_killed_before_its_writes_reached_the_disk_loses_its_tail_and_the_relay_repairs_it() {
+    let mut nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let db = t.db.clone();
+    let cfg = config(&nats);
+    let (relay, original, _stop) = relay_after_runs(&nats, &db, &cfg, 4).await;
+    let (first, metrics) = (original.len(), relay.metrics());
+
+    // kill -9, and the store keeps only its first 6 messages; commands go on meanwhile.
+    let kept = nats.crash_losing_tail(&cfg.stream_name, 6).await;
+    assert!(kept <= 6);
+    failed_run(&db, "acme").await;
+    let total = wait_events(&db, 18).await;
+    let messages = wait_for_stream(&nats, total).await;
+    assert_eq!(messages.len(), total);
+    assert_unique(&messages);
+    assert_ordered(&messages);
+    assert_eq!(ids(&messages[..first]), ids(&original));
+    // The running relay found exactly what the server lost and republished it.
+    assert_eq!(metrics.rewound.load(Ordering::Relaxed), first as u64 - kept);
+    assert_eq!(metrics.stream_resets.load(Ordering::Relaxed), 0);
+    relay.abort();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stream_that_comes_back_empty_is_reported_and_history_is_not_replayed() {
     let mut nats = Nats::start().await;
     let t = TestDatabase::new(Backend::Sqlite).await;
     let db = t.db.clone();
@@ -427,22 +555,232 @@ async fn a_nats_server_that_comes_back_empty_gets_everything_again() {
     let relay = Relay::start(db.clone(), config(&nats), shutdown)
         .await
         .unwrap();
+    let metrics = relay.metrics();
     applied_run(&db, "acme", None).await;
     let total = wait_events(&db, 4).await;
-    let original = wait_for_stream(&nats, total).await;
+    wait_for_stream(&nats, total).await;
 
-    // The running relay notices the reconnection, finds the stream gone and republishes.
+    // The running relay notices the reconnection and finds no Ferry message at all.
     nats.restart_empty().await;
-    let messages = wait_for_stream(&nats, total).await;
-    assert_eq!(messages.len(), total);
-    assert_unique(&messages);
-    let ids: Vec<_> = messages.iter().map(|m| m.msg_id.clone()).collect();
-    let expected: Vec<_> = original.iter().map(|m| m.msg_id.clone()).collect();
-    assert_eq!(ids, expected);
-    assert_eq!(
-        relay.metrics().rewound.load(Ordering::Relaxed),
-        total as u64
+    wait_for("the empty stream reported", 30, || {
+        let m = metrics.clone();
+        async move { m.stream_resets.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+    let reset = metrics.status().stream_reset.unwrap();
+    assert!(reset.open && !reset.explained_by_limits);
+    assert_eq!(reset.stream_messages, 0);
+    let problems = metrics.problems("FERRY_EVENTS");
+    assert!(
+        problems.iter().any(|p| p.contains("were not republished")),
+        "{problems:?}"
     );
+    let text = metrics.render("FERRY_EVENTS");
+    assert!(
+        text.contains("ferry_nats_relay_stream_resets_total{stream=\"FERRY_EVENTS\"} 1\n"),
+        "{text}"
+    );
+
+    // New events go on from the checkpoint; the history stays unreplayed.
+    let run = failed_run(&db, "acme").await;
+    wait_events(&db, total + 2).await;
+    let messages = wait_for_stream(&nats, 2).await;
+    assert_eq!(messages.len(), 2, "only the new events");
+    assert!(messages
+        .iter()
+        .all(|m| m.body["subject"] == run.to_string().as_str()));
+    assert_eq!(metrics.rewound.load(Ordering::Relaxed), 0);
+    assert!(
+        !metrics.status().stream_reset.unwrap().open,
+        "the stream holds Ferry's messages again"
+    );
+    assert!(metrics.problems("FERRY_EVENTS").is_empty());
+    stop.send(true).unwrap();
+    relay.join().await;
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stream_purged_while_the_relay_runs_is_reported_and_a_restart_replays_nothing() {
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let db = t.db.clone();
+    let cfg = RelayConfig {
+        check_interval: Duration::from_millis(200),
+        ..config(&nats)
+    };
+    let (relay, original, stop) = relay_after_runs(&nats, &db, &cfg, 1).await;
+    let (total, metrics) = (original.len(), relay.metrics());
+
+    let js = nats.js().await;
+    js.get_stream(&cfg.stream_name)
+        .await
+        .unwrap()
+        .purge()
+        .await
+        .unwrap();
+    wait_for("the purge reported", 30, || {
+        let m = metrics.clone();
+        async move { m.stream_resets.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+    assert!(metrics.status().stream_reset.unwrap().open);
+    relay.abort();
+
+    // A restarted relay lines up with the purged stream: reported again, nothing replayed.
+    let relay = Relay::start(db.clone(), cfg.clone(), stop.subscribe())
+        .await
+        .unwrap();
+    let metrics = relay.metrics();
+    wait_for("the restarted relay lined up", 30, || {
+        let m = metrics.clone();
+        async move { m.status().stream_reset.is_some() }
+    })
+    .await;
+    let run = cancelled_run(&db, "acme").await;
+    wait_events(&db, total + 2).await;
+    let messages = wait_for_stream(&nats, 2).await;
+    assert_eq!(
+        messages.len(),
+        2,
+        "only the new events: {:?}",
+        ids(&messages)
+    );
+    assert!(messages
+        .iter()
+        .all(|m| m.body["subject"] == run.to_string().as_str()));
+    assert_eq!(metrics.rewound.load(Ordering::Relaxed), 0);
+    relay.abort();
+    t.cleanup().await;
+}
+
+/// A stream reader whose read of one sequence fails, and one that has lost a message.
+struct FaultyTail {
+    stream: async_nats::jetstream::stream::Stream,
+    fail_at: Option<u64>,
+    deleted: Option<u64>,
+}
+
+impl ferry_messaging::relay::StreamTail for FaultyTail {
+    async fn headers_at(
+        &self,
+        sequence: u64,
+    ) -> Result<Option<async_nats::HeaderMap>, ferry_messaging::health::NatsFailure> {
+        if self.fail_at == Some(sequence) {
+            return Err(ferry_messaging::health::NatsFailure::new(
+                format!("read message {sequence}"),
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "request timed out"),
+            ));
+        }
+        if self.deleted == Some(sequence) {
+            return Ok(None);
+        }
+        self.stream.headers_at(sequence).await
+    }
+}
+
+#[tokio::test]
+async fn a_failed_read_of_the_newest_message_is_an_error_not_an_empty_stream() {
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Sqlite).await;
+    let db = t.db.clone();
+    let cfg = config(&nats);
+    let (_stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), cfg.clone(), shutdown)
+        .await
+        .unwrap();
+    applied_run(&db, "acme", None).await;
+    let messages = wait_for_stream(&nats, 4).await;
+    relay.abort();
+    let js = nats.js().await;
+    let mut stream = js.get_stream(&cfg.stream_name).await.unwrap();
+    let state = stream.info().await.unwrap().state.clone();
+    let last = state.last_sequence;
+
+    let failing = FaultyTail {
+        stream: stream.clone(),
+        fail_at: Some(last),
+        deleted: None,
+    };
+    let read = ferry_messaging::relay::last_ferry_position_in(&failing, &state).await;
+    assert!(
+        read.is_err(),
+        "a failed read says nothing about the stream: {read:?}"
+    );
+
+    // A message that is gone (deleted) is skipped: the one before it is the newest.
+    let gone = FaultyTail {
+        stream,
+        fail_at: None,
+        deleted: Some(last),
+    };
+    let LastPosition::Found(p) = ferry_messaging::relay::last_ferry_position_in(&gone, &state)
+        .await
+        .unwrap()
+    else {
+        panic!("the message before the deleted one is Ferry's")
+    };
+    assert_eq!(
+        Some(ferry_messaging::position_token(p)),
+        messages[2].position
+    );
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_stream_whose_subjects_another_stream_holds_is_a_permanent_error_with_its_remedy() {
+    let nats = Nats::start().await;
+    let js = nats.js().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "AUDIT".to_string(),
+        subjects: vec!["provisioning.>".to_string()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let t = TestDatabase::new(Backend::Sqlite).await;
+    let db = t.db.clone();
+    applied_run(&db, "acme", None).await;
+    let (stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), config(&nats), shutdown)
+        .await
+        .unwrap();
+    let metrics = relay.metrics();
+    wait_for("the error reported twice", 30, || {
+        let m = metrics.clone();
+        async move { m.status().last_error.is_some_and(|e| e.attempts >= 2) }
+    })
+    .await;
+    let error = metrics.status().last_error.unwrap();
+    assert!(error.permanent, "{error:?}");
+    assert_eq!(error.code, Some(10065));
+    assert!(
+        error
+            .error
+            .contains("provisioning.> is stored by stream AUDIT"),
+        "{}",
+        error.error
+    );
+    assert!(error
+        .remedy
+        .as_deref()
+        .unwrap()
+        .contains("FERRY_NATS_STREAM"));
+    let problems = metrics.problems("FERRY_EVENTS");
+    assert_eq!(problems.len(), 1);
+    assert!(problems[0].contains("to fix:"), "{problems:?}");
+    assert!(metrics
+        .render("FERRY_EVENTS")
+        .contains("ferry_nats_relay_failing{stream=\"FERRY_EVENTS\"} 2\n"));
+
+    // The operator removes the overlap: the relay recovers without a restart.
+    js.delete_stream("AUDIT").await.unwrap();
+    wait_for_stream(&nats, 4).await;
+    wait_for("the error cleared", 30, || {
+        let m = metrics.clone();
+        async move { m.status().last_error.is_none() }
+    })
+    .await;
     stop.send(true).unwrap();
     relay.join().await;
     t.cleanup().await;

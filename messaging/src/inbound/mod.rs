@@ -25,7 +25,7 @@ pub use events::{
     inbound_name, ApprovalDecided, ApprovalDecision, EnvironmentCreated, EnvironmentStateChanged,
     InboundEvent, PromotionApproved, ReleaseReady, ReleaseWithdrawn, INBOUND,
 };
-pub use nats::{Inbound, InboundConfig, InboundStartError};
+pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
 pub use trust::{TrustedSources, TrustedSourcesError};
 
 use crate::cloudevent::CloudEvent;

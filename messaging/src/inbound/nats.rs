@@ -8,6 +8,7 @@
 //! rather than create an overlapping one.
 
 use super::{process, InboundContext, InboundHandler, InboundMetrics, Outcome, INBOUND};
+use crate::health::{self, ConsumerStatuses, ErrorReport, NatsFailure};
 use crate::subjects::{kebab, STREAM_SUBJECTS};
 use async_nats::jetstream::{self, consumer, stream, AckKind};
 use ferry_store::Database;
@@ -34,6 +35,8 @@ pub struct InboundConfig {
     pub ack_wait: Duration,
     /// Duplicate window of the inbound stream Ferry creates.
     pub duplicate_window: Duration,
+    /// How often each consumer reads its pending count from NATS (for `/readyz`).
+    pub status_interval: Duration,
 }
 
 impl InboundConfig {
@@ -46,6 +49,7 @@ impl InboundConfig {
             subjects: INBOUND.iter().map(|(_, s)| s.to_string()).collect(),
             ack_wait: Duration::from_secs(60),
             duplicate_window: Duration::from_secs(2 * 60 * 60),
+            status_interval: Duration::from_secs(5),
         }
     }
 }
@@ -63,6 +67,7 @@ pub struct Inbound {
     handles: Vec<JoinHandle<()>>,
     metrics: Arc<InboundMetrics>,
     context: InboundContext,
+    statuses: Arc<ConsumerStatuses>,
 }
 
 impl Inbound {
@@ -91,6 +96,10 @@ impl Inbound {
         let connection = crate::nats::connect(&config.nats_url, "ferry-inbound").await?;
         let js = jetstream::new(connection.client);
         let setup = Arc::new(tokio::sync::Mutex::new(()));
+        let statuses = Arc::new(ConsumerStatuses::default());
+        for subject in &config.subjects {
+            statuses.update(subject, |_| {});
+        }
         let handles = config
             .subjects
             .iter()
@@ -101,6 +110,7 @@ impl Inbound {
                     config: config.clone(),
                     subject: subject.clone(),
                     setup: setup.clone(),
+                    status: statuses.clone(),
                 };
                 let span = tracing::info_span!("nats_inbound", subject = %subject);
                 tokio::spawn(worker.run(shutdown.clone()).instrument(span))
@@ -110,7 +120,13 @@ impl Inbound {
             handles,
             metrics: context.metrics.clone(),
             context,
+            statuses,
         })
+    }
+
+    /// Each consumer's state, lag and last error (for `/readyz` and `/metrics`).
+    pub fn statuses(&self) -> Arc<ConsumerStatuses> {
+        self.statuses.clone()
     }
 
     /// The counters (shared with [`Inbound::context`]).
@@ -156,6 +172,19 @@ struct Consumer {
     /// Serializes stream creation and updates: two concurrent updates of the subject list
     /// would each drop the other's subject.
     setup: Arc<tokio::sync::Mutex<()>>,
+    /// Where this consumer reports its state.
+    status: Arc<ConsumerStatuses>,
+}
+
+/// Why a consumer is not consuming.
+#[derive(Debug, thiserror::Error)]
+enum ConsumeError {
+    /// No stream stores the subject yet (the relay creates Ferry's own).
+    #[error("{0}")]
+    Waiting(String),
+    /// NATS refused or did not answer.
+    #[error(transparent)]
+    Nats(#[from] NatsFailure),
 }
 
 impl Consumer {
@@ -165,38 +194,64 @@ impl Consumer {
             if *shutdown.borrow() {
                 return;
             }
+            let mut cap = Duration::from_secs(10);
             match self.consume(&mut shutdown).await {
                 Ok(()) => return,
-                Err(error) => {
-                    tracing::warn!(%error, retry_in_ms = backoff.as_millis() as u64, "inbound consumer interrupted");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = shutdown.changed() => {}
+                Err(ConsumeError::Waiting(reason)) => {
+                    tracing::debug!(%reason, "inbound consumer waits for its stream");
+                    self.status.update(&self.subject, |s| {
+                        s.state = "waiting";
+                        s.waiting_for = Some(reason);
+                        s.last_error = None;
+                    });
+                }
+                Err(ConsumeError::Nats(failure)) => {
+                    let remedy = failure.remedy().map(str::to_string);
+                    let permanent = remedy.is_some();
+                    let (code, error) = (failure.code, failure.to_string());
+                    let mut logged = None;
+                    self.status.update(&self.subject, |s| {
+                        let (report, new) =
+                            ErrorReport::next(s.last_error.as_ref(), error, code, remedy);
+                        s.state = "failing";
+                        s.last_error = Some(report.clone());
+                        logged = Some((report, new));
+                    });
+                    if let Some((report, new)) = logged {
+                        let component = format!("the inbound consumer for {}", self.subject);
+                        health::log_failure(&component, &report, new, backoff.as_millis() as u64);
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    if permanent {
+                        cap = Duration::from_secs(60);
+                    }
                 }
             }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = shutdown.changed() => {}
+            }
+            backoff = (backoff * 2).min(cap);
         }
     }
 
     /// The stream storing the subject, creating `FERRY_INBOUND` for it when none does.
-    async fn stream_for_subject(&self) -> Result<stream::Stream, String> {
+    async fn stream_for_subject(&self) -> Result<stream::Stream, ConsumeError> {
         if let Ok(name) = self.js.stream_by_subject(self.subject.clone()).await {
-            return self.js.get_stream(name).await.map_err(|e| e.to_string());
+            return self.open(&name).await;
         }
         if STREAM_SUBJECTS
             .iter()
             .any(|p| subject_matches(p, &self.subject))
         {
-            return Err(format!(
+            return Err(ConsumeError::Waiting(format!(
                 "no stream stores {} yet (the relay creates it)",
                 self.subject
-            ));
+            )));
         }
         let _guard = self.setup.lock().await;
         // Another consumer may have added it while this one waited for the lock.
         if let Ok(name) = self.js.stream_by_subject(self.subject.clone()).await {
-            return self.js.get_stream(name).await.map_err(|e| e.to_string());
+            return self.open(&name).await;
         }
         // Every configured subject no stream stores yet (not only this one), in one update.
         let mut missing = Vec::new();
@@ -207,12 +262,17 @@ impl Consumer {
             }
         }
         let name = &self.config.inbound_stream;
+        let failure = |verb: &str, subjects: &[String], e| {
+            let code = health::stream_error_code(&e);
+            let operation = format!("{verb} stream {name} with subjects {}", subjects.join(", "));
+            ConsumeError::Nats(NatsFailure::with_code(operation, code, e))
+        };
         match self.js.get_stream(name).await {
             Ok(mut existing) => {
                 let mut config = existing
                     .info()
                     .await
-                    .map_err(|e| e.to_string())?
+                    .map_err(|e| NatsFailure::new(format!("read stream {name}"), e))?
                     .config
                     .clone();
                 let before = config.subjects.len();
@@ -222,35 +282,48 @@ impl Consumer {
                     }
                 }
                 if config.subjects.len() != before {
+                    let subjects = config.subjects.clone();
                     self.js
                         .update_stream(config)
                         .await
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|e| failure("update", &subjects, e))?;
                 }
-                self.js.get_stream(name).await.map_err(|e| e.to_string())
+                self.open(name).await
             }
             Err(_) => self
                 .js
                 .create_stream(stream::Config {
                     name: name.clone(),
-                    subjects: missing,
+                    subjects: missing.clone(),
                     duplicate_window: self.config.duplicate_window,
                     storage: stream::StorageType::File,
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| e.to_string()),
+                .map_err(|e| failure("create", &missing, e)),
         }
     }
 
-    async fn consume(&self, shutdown: &mut watch::Receiver<bool>) -> Result<(), String> {
+    async fn open(&self, name: &str) -> Result<stream::Stream, ConsumeError> {
+        self.js.get_stream(name).await.map_err(|e| {
+            let code = health::get_stream_error_code(&e);
+            ConsumeError::Nats(NatsFailure::with_code(
+                format!("open stream {name}"),
+                code,
+                e,
+            ))
+        })
+    }
+
+    async fn consume(&self, shutdown: &mut watch::Receiver<bool>) -> Result<(), ConsumeError> {
         let stream = self.stream_for_subject().await?;
+        let stream_name = stream.cached_info().config.name.clone();
         let name = format!(
             "{}-{}",
             self.config.durable_prefix,
             super::inbound_name(&self.subject).map_or_else(|| kebab(&self.subject), kebab)
         );
-        let consumer: consumer::PullConsumer = stream
+        let mut consumer: consumer::PullConsumer = stream
             .get_or_create_consumer(
                 &name,
                 consumer::pull::Config {
@@ -263,18 +336,48 @@ impl Consumer {
                 },
             )
             .await
-            .map_err(|e| e.to_string())?;
-        let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+            .map_err(|e| {
+                let code = match e.kind() {
+                    async_nats::jetstream::stream::ConsumerErrorKind::JetStream(j) => {
+                        Some(j.error_code())
+                    }
+                    _ => None,
+                };
+                NatsFailure::with_code(format!("create consumer {name} on {stream_name}"), code, e)
+            })?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| NatsFailure::new(format!("pull from consumer {name}"), e))?;
         tracing::info!(consumer = %name, "consuming");
+        self.status.update(&self.subject, |s| {
+            s.state = "consuming";
+            s.stream = Some(stream_name.clone());
+            s.consumer = Some(name.clone());
+            s.waiting_for = None;
+            s.last_error = None;
+        });
+        let mut status_tick = tokio::time::interval(self.config.status_interval);
         loop {
             let next = tokio::select! {
                 m = messages.next() => m,
+                _ = status_tick.tick() => {
+                    self.refresh_pending(&mut consumer).await;
+                    continue;
+                }
                 _ = shutdown.changed() => return Ok(()),
             };
             let message = match next {
                 Some(Ok(m)) => m,
-                Some(Err(e)) => return Err(e.to_string()),
-                None => return Err("message stream ended".to_string()),
+                Some(Err(e)) => {
+                    return Err(NatsFailure::new(format!("receive from consumer {name}"), e).into())
+                }
+                None => {
+                    let ended = std::io::Error::other("the message stream ended");
+                    return Err(
+                        NatsFailure::new(format!("receive from consumer {name}"), ended).into(),
+                    );
+                }
             };
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
             let outcome = process(
@@ -300,6 +403,24 @@ impl Consumer {
                 // The message comes back after ack_wait; the table keeps it from a second effect.
                 tracing::warn!(%error, "cannot acknowledge an inbound message");
             }
+        }
+    }
+}
+
+impl Consumer {
+    /// Reads the consumer's pending and unacknowledged counts for `/readyz` (a failed read
+    /// keeps the last figures: the message loop reports real failures).
+    async fn refresh_pending(&self, consumer: &mut consumer::PullConsumer) {
+        match consumer.info().await {
+            Ok(info) => {
+                let (pending, ack_pending) = (info.num_pending, info.num_ack_pending as u64);
+                self.status.update(&self.subject, |s| {
+                    s.pending = Some(pending);
+                    s.ack_pending = Some(ack_pending);
+                    s.checked_at = Some(chrono::Utc::now());
+                });
+            }
+            Err(error) => tracing::debug!(%error, "cannot read the consumer's pending count"),
         }
     }
 }

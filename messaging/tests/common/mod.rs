@@ -107,6 +107,68 @@ impl Nats {
         self.spawn().await;
     }
 
+    /// Kills the server (SIGKILL) and cuts the stream's newest message block after its
+    /// `keep`-th message, as a machine that crashed before the server's writes reached the
+    /// disk leaves it; then starts it again on the same store. Returns how many messages of
+    /// the stream the store kept.
+    pub async fn crash_losing_tail(&mut self, stream: &str, keep: u64) -> u64 {
+        self.kill().await;
+        let msgs = self
+            .store_dir()
+            .join("jetstream")
+            .join("$G")
+            .join("streams")
+            .join(stream)
+            .join("msgs");
+        let mut blocks: Vec<(u64, PathBuf)> = std::fs::read_dir(&msgs)
+            .unwrap()
+            .filter_map(|e| {
+                let path = e.unwrap().path();
+                let n = path
+                    .file_name()?
+                    .to_str()?
+                    .strip_suffix(".blk")?
+                    .parse()
+                    .ok()?;
+                Some((n, path))
+            })
+            .collect();
+        blocks.sort();
+        let (_, newest) = blocks
+            .last()
+            .expect("the stream has a message block")
+            .clone();
+        // Record: total_len u32 (high bit: has headers) | seq u64 | ... (little endian).
+        let bytes = std::fs::read(&newest).unwrap();
+        let (mut at, mut kept) = (0usize, 0u64);
+        while at + 12 <= bytes.len() {
+            let len =
+                (u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) & !(1 << 31)) as usize;
+            let seq = u64::from_le_bytes(bytes[at + 4..at + 12].try_into().unwrap());
+            if len == 0 || at + len > bytes.len() || seq > keep {
+                break;
+            }
+            kept = seq;
+            at += len;
+        }
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&newest)
+            .unwrap()
+            .set_len(at as u64)
+            .unwrap();
+        // The per-block index and subject state would vouch for the lost messages.
+        for entry in std::fs::read_dir(&msgs).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e != "blk") {
+                std::fs::remove_file(path).unwrap();
+            }
+        }
+        let _ = std::fs::remove_file(msgs.parent().unwrap().join("index.db"));
+        self.spawn().await;
+        kept
+    }
+
     pub async fn js(&self) -> jetstream::Context {
         jetstream::new(async_nats::connect(self.url()).await.unwrap())
     }
