@@ -6,61 +6,15 @@
 mod common;
 
 use common::*;
+use ferry_messaging::testing::Nats;
 use ferry_store::database::Backend;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-struct Nats {
-    child: std::process::Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Nats {
-    async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir = tempfile::tempdir().unwrap();
-        let child = std::process::Command::new("/usr/sbin/nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "nats-server did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Self {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn server(nats: &Nats) -> TestServer {
     let data = tempfile::tempdir().unwrap();
     let mut config = config(data.path());
-    config.nats_url = Some(nats.url.clone());
+    config.nats_url = Some(nats.url());
     TestServer::start_with(Backend::Postgres, config, data).await
 }
 
@@ -90,7 +44,7 @@ async fn a_command_is_published_as_a_cloudevent_on_the_seed_subject() {
         .await;
     assert_eq!(status, 201);
 
-    let client = async_nats::connect(&nats.url).await.unwrap();
+    let client = async_nats::connect(&nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     let stream = loop {
@@ -178,7 +132,7 @@ async fn inbound_events_over_nats_and_http_have_one_effect_and_bad_ones_are_dead
     let alice = operator("acme", "alice");
 
     // Over NATS, published twice with the same id: one effect.
-    let client = async_nats::connect(&nats.url).await.unwrap();
+    let client = async_nats::connect(&nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let created = cloud_event(
         "env-created-1",
@@ -390,20 +344,14 @@ async fn declare_twice(s: &TestServer, token: &str) {
 
 /// `/readyz` once `check` holds for it (at most 20 s).
 async fn readyz_until<F: Fn(&Value) -> bool>(s: &TestServer, what: &str, check: F) -> Value {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
+    let check = &check;
+    ferry_store::testing::eventually_within(what, 20, || async move {
         let r = s.client.get(s.url("/readyz")).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200);
         let body: Value = r.json().await.unwrap();
-        if check(&body) {
-            return body;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} never showed: {body:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        check(&body).then_some(body)
+    })
+    .await
 }
 
 #[tokio::test]
@@ -481,7 +429,7 @@ async fn readyz_lists_the_relay_and_every_inbound_consumer_with_their_lag() {
 async fn readyz_names_a_permanent_nats_error_and_what_to_change() {
     let nats = Nats::start().await;
     // An operator's stream already stores Ferry's subjects.
-    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url()).await.unwrap());
     js.create_stream(async_nats::jetstream::stream::Config {
         name: "AUDIT".to_string(),
         subjects: vec!["provisioning.>".to_string()],

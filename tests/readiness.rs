@@ -16,18 +16,12 @@ async fn readyz(s: &TestServer) -> Value {
 }
 
 async fn eventually_ready<F: Fn(&Value) -> bool>(s: &TestServer, what: &str, check: F) -> Value {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
+    let check = &check;
+    ferry_store::testing::eventually_within(what, 20, || async move {
         let body = readyz(s).await;
-        if check(&body) {
-            return body;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} never showed: {body:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        check(&body).then_some(body)
+    })
+    .await
 }
 
 async fn stuck_projection(backend: Backend) {

@@ -348,21 +348,55 @@ mod tests {
         assert_eq!(local.location(), dir.path().display().to_string());
     }
 
-    /// A real S3 API: moto's server (`pip install "moto[server]"`) on a local port.
+    /// moto's S3 server: the one on `PATH`, else one this test installs once into a virtual
+    /// environment of its own (`<temp dir>/ferry-test-moto`), so that the suite needs nothing
+    /// installed by hand (python3 and PyPI are on the machine).
+    fn moto_server() -> std::path::PathBuf {
+        let on_path = std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|p| p.join("moto_server"))
+                .find(|p| p.is_file())
+        });
+        if let Some(found) = on_path {
+            return found;
+        }
+        let venv = std::env::temp_dir().join("ferry-test-moto");
+        let (bin, ready) = (venv.join("bin/moto_server"), venv.join(".ready"));
+        if bin.is_file() && ready.is_file() {
+            return bin;
+        }
+        // A half-made environment (an interrupted earlier run) is made again.
+        let _ = std::fs::remove_dir_all(&venv);
+        let run = |program: &std::path::Path, args: &[&str]| {
+            let status = std::process::Command::new(program)
+                .args(args)
+                .status()
+                .unwrap_or_else(|e| panic!("{} runs: {e}", program.display()));
+            assert!(status.success(), "{} {args:?} failed", program.display());
+        };
+        let venv_arg = venv.display().to_string();
+        run(std::path::Path::new("python3"), &["-m", "venv", &venv_arg]);
+        run(&venv.join("bin/pip"), &["install", "-q", "moto[server]"]);
+        std::fs::write(&ready, b"").unwrap();
+        bin
+    }
+
+    /// A real S3 API: moto's server on a local port.
     #[tokio::test]
     async fn an_s3_store_round_trips_against_an_s3_server() {
+        let moto = moto_server();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let mut server = tokio::process::Command::new("moto_server")
+        let mut server = tokio::process::Command::new(&moto)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .expect("moto_server (pip install \"moto[server]\") runs");
+            .expect("moto_server runs");
         let endpoint = format!("http://127.0.0.1:{port}");
         let client = reqwest::Client::new();
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);

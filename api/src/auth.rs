@@ -27,7 +27,7 @@ pub const SCOPE_EVENTS_PUBLISH: &str = "factory.events.publish";
 /// Every scope Ferry knows.
 pub const SCOPES: [&str; 3] = [SCOPE_READ, SCOPE_APPLY, SCOPE_EVENTS_PUBLISH];
 
-/// Roles of the seed.
+/// The human roles Ferry knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Role {
     /// Runs and approves changes.
@@ -277,7 +277,9 @@ impl Verifier {
                 Ok::<_, reqwest::Error>(set)
             }
             .await
-            .map_err(|e| ApiError::Unavailable(format!("cannot fetch JWKS from {url}: {e}")))?;
+            .map_err(|e| {
+                ApiError::Unavailable(format!("cannot fetch JWKS from {url}: {e}").into())
+            })?;
             guard.0 = fetched
                 .keys
                 .iter()

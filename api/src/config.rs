@@ -64,7 +64,7 @@ pub struct Config {
     pub runner_url: Option<String>,
     /// Bearer token for the remote runner (`FERRY_RUNNER_TOKEN`).
     pub runner_token: Option<String>,
-    /// Runner timeout per apply (`FERRY_APPLY_TIMEOUT_MINUTES`, seed ApplyTimeoutMinutes).
+    /// Runner timeout per apply (`FERRY_APPLY_TIMEOUT_MINUTES`).
     pub apply_timeout: Duration,
     /// How long a run may wait for approval before it is rejected; `None` = forever
     /// (`FERRY_APPROVAL_EXPIRY_MINUTES`, 0 = never).

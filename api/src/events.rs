@@ -25,7 +25,7 @@ impl From<AcceptError> for ApiError {
                 field: None,
             },
             AcceptError::InProgress(_) => ApiError::Conflict,
-            AcceptError::Unavailable(reason) => ApiError::Unavailable(reason),
+            AcceptError::Unavailable(reason) => ApiError::Unavailable(reason.into()),
         }
     }
 }

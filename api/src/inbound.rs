@@ -62,7 +62,9 @@ fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
         CommandError::Conflict => {
             InboundError::Transient("concurrent change, or the claim was lost".to_string())
         }
-        CommandError::Unavailable(s) | CommandError::Store(s) => InboundError::Transient(s),
+        CommandError::Unavailable(s) | CommandError::Store(s) => {
+            InboundError::Transient(ferry_store::error_chain(s.as_ref()))
+        }
     }
 }
 

@@ -94,12 +94,12 @@ pub enum ApiError {
     /// The same Idempotency-Key with another request.
     #[error("Idempotency-Key {0:?} was already used for a different request")]
     IdempotencyMismatch(String),
-    /// The store is unreachable.
+    /// The store is unreachable (the cause is logged, not returned).
     #[error("the event store is unavailable")]
-    Unavailable(String),
-    /// A bug or an unexpected failure; the detail is logged, not returned.
+    Unavailable(#[source] ferry_store::BoxError),
+    /// A bug or an unexpected failure; the cause is logged, not returned.
     #[error("internal error")]
-    Internal(String),
+    Internal(#[source] ferry_store::BoxError),
 }
 
 /// A 422 naming each refused reference of a declaration and the rule that refused it.
@@ -124,9 +124,9 @@ impl ApiError {
         Self::Unprocessable(vec![FieldError::new(field, reason)])
     }
 
-    /// Logs and wraps an unexpected error.
-    pub fn internal(error: impl std::fmt::Display) -> Self {
-        Self::Internal(error.to_string())
+    /// Wraps an unexpected error (logged with its causes when answered).
+    pub fn internal(error: impl Into<ferry_store::BoxError>) -> Self {
+        Self::Internal(error.into())
     }
 
     fn parts(&self) -> (StatusCode, &'static str, &'static str) {
@@ -224,8 +224,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match &self {
-            Self::Internal(detail) => tracing::error!(error = %detail, "internal error"),
-            Self::Unavailable(detail) => tracing::warn!(error = %detail, "store unavailable"),
+            Self::Internal(cause) => {
+                tracing::error!(error = %ferry_store::error_chain(cause.as_ref()), "internal error")
+            }
+            Self::Unavailable(cause) => {
+                tracing::warn!(error = %ferry_store::error_chain(cause.as_ref()), "store unavailable")
+            }
             _ => tracing::debug!(error = %self, "request refused"),
         }
         let problem = self.problem();
@@ -315,21 +319,20 @@ where
             CommandError::Domain(d) => d.into(),
             CommandError::NotFound => Self::NotFound("no such resource".to_string()),
             CommandError::Conflict => Self::Conflict,
-            CommandError::Unavailable(detail) => Self::Unavailable(detail),
-            CommandError::Store(detail) => Self::Internal(detail),
+            CommandError::Unavailable(cause) => Self::Unavailable(cause),
+            CommandError::Store(cause) => Self::Internal(cause),
         }
     }
 }
 
 impl From<ferry_projections::queries::QueryError> for ApiError {
     fn from(e: ferry_projections::queries::QueryError) -> Self {
-        match &e {
-            ferry_projections::queries::QueryError::Sql(sql)
-                if ferry_store::is_unavailable(sql) =>
-            {
-                Self::Unavailable(e.to_string())
-            }
-            other => Self::Internal(other.to_string()),
+        let unavailable = matches!(&e, ferry_projections::queries::QueryError::Sql(sql)
+            if ferry_store::is_unavailable(sql));
+        if unavailable {
+            Self::Unavailable(Box::new(e))
+        } else {
+            Self::Internal(Box::new(e))
         }
     }
 }
@@ -337,9 +340,9 @@ impl From<ferry_projections::queries::QueryError> for ApiError {
 impl From<sqlx::Error> for ApiError {
     fn from(e: sqlx::Error) -> Self {
         if ferry_store::is_unavailable(&e) {
-            Self::Unavailable(e.to_string())
+            Self::Unavailable(Box::new(e))
         } else {
-            Self::Internal(e.to_string())
+            Self::Internal(Box::new(e))
         }
     }
 }

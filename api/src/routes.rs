@@ -1,4 +1,4 @@
-//! The provisioning endpoints of the seed, plus what a standalone user needs (declare a
+//! The provisioning endpoints, plus what a standalone user needs (declare a
 //! specification, decide an approval, the current specification of an environment).
 
 use crate::auth::Caller;

@@ -56,7 +56,7 @@ pub struct PolicyDecision {
     pub evidence: Vec<String>,
 }
 
-/// The plan receipt (seed: adds, changes, deletes, inputs hash, program version).
+/// The plan receipt (adds, changes, deletes, inputs hash, program version).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PlanReceipt {
@@ -102,7 +102,7 @@ pub enum ApplyResult {
     Failed,
 }
 
-/// The apply receipt (seed: outputs, duration, result, runner version).
+/// The apply receipt (outputs, duration, result, runner version).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ApplyReceipt {

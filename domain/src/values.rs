@@ -61,7 +61,7 @@ fn check_token(value: &str, max: usize) -> Result<(), ValueError> {
     Ok(())
 }
 
-/// What a specification describes (seed: `SpecificationKind`).
+/// What a specification describes (`SpecificationKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum SpecificationKind {
     /// The environment's own infrastructure (its baseline).
@@ -80,7 +80,7 @@ impl SpecificationKind {
     }
 }
 
-/// Why a provisioning run exists (seed: `ProvisioningKind`).
+/// Why a provisioning run exists (`ProvisioningKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum ProvisioningKind {
     /// The environment's baseline infrastructure.
@@ -105,7 +105,7 @@ impl ProvisioningKind {
     }
 }
 
-/// The life-cycle state of a provisioning run (seed: `ProvisioningState`).
+/// The life-cycle state of a provisioning run (`ProvisioningState`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum ProvisioningState {
     /// Recorded, waiting for the planner.

@@ -72,6 +72,8 @@ pub mod relay;
 pub mod schemas;
 pub mod sse;
 pub mod subjects;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use cloudevent::CloudEvent;
 pub use inbound::{

@@ -1,6 +1,6 @@
 //! Turns a stored event into the CloudEvent Ferry publishes (relay) or streams (SSE).
 //!
-//! Integration events get their seed payloads; any other event, or an integration event
+//! Integration events get their fixed payloads; any other event, or an integration event
 //! whose payload cannot be built (which would be a bug: it is logged and counted), goes on
 //! `ferry.events.<aggregate>.<event>` with the domain event's inner object as data, so the
 //! audit trail stays complete and the relay never stops on one odd event.

@@ -1,4 +1,4 @@
-//! The integration event payloads, field for field as in the seeds' Messages tables.
+//! The integration event payloads, field for field as other services expect them.
 //!
 //! Fields a domain event does not carry (a run's environment, kind, promotion, project and
 //! specification version) come from the run's `ProvisioningRequested` event.

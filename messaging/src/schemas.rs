@@ -2,7 +2,7 @@
 //! generated from the Rust types (schemars) and written to the repository's `schemas/`.
 //!
 //! * `events/cloudevent.schema.json`: the envelope.
-//! * `events/<event>.schema.json`: the seeds' integration payloads.
+//! * `events/<event>.schema.json`: the integration payloads.
 //! * `events/ferry/<aggregate>.<event>.schema.json`: the domain events on `ferry.events.*`
 //!   (the inner object of each variant).
 //! * `events/inbound/<event>.schema.json`: the events Ferry consumes.

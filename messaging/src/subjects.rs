@@ -1,6 +1,6 @@
 //! Which NATS subject each event travels on.
 //!
-//! The seeds' integration events have fixed subjects (`<context>.<aggregate>.v1.<event>`).
+//! The integration events have fixed subjects (`<context>.<aggregate>.v1.<event>`).
 //! Every other domain event goes on `ferry.events.<aggregate>.<event>` in kebab case, so an
 //! aggregate or event added later is published without a change here.
 
@@ -33,7 +33,7 @@ pub const RELEASE_WITHDRAWN: &str = "releases.releases.v1.release-withdrawn";
 /// Prefix of the subjects of domain events that are not integration events.
 pub const DOMAIN_PREFIX: &str = "ferry.events";
 
-/// The aggregate and event type of each integration event with a seed subject.
+/// The aggregate and event type of each integration event with a fixed subject.
 pub const INTEGRATION: [(&str, &str, &str); 4] = [
     (
         "DeploymentSpecification",
@@ -53,7 +53,7 @@ pub const INTEGRATION: [(&str, &str, &str); 4] = [
     ("ProvisioningRun", "ProvisioningFailed", PROVISIONING_FAILED),
 ];
 
-/// The seed subject of an integration event, if it is one.
+/// The fixed subject of an integration event, if it is one.
 pub fn integration_subject(aggregate_type: &str, event_type: &str) -> Option<&'static str> {
     INTEGRATION
         .iter()
@@ -70,7 +70,7 @@ pub fn domain_subject(aggregate_type: &str, event_type: &str) -> String {
     )
 }
 
-/// The subject an event is published on: its seed subject, else the domain subject.
+/// The subject an event is published on: its fixed subject, else the domain subject.
 pub fn subject_for(aggregate_type: &str, event_type: &str) -> String {
     integration_subject(aggregate_type, event_type)
         .map(str::to_string)

@@ -1,4 +1,4 @@
--- The event store: the postgres-es schema plus Ferry's global stream columns (DESIGN §3-4).
+-- The event store: the postgres-es schema plus Ferry's global stream columns (ARCHITECTURE.md, The global stream).
 -- postgres-es inserts with an explicit column list, so the extra columns take their defaults.
 CREATE TABLE events
 (

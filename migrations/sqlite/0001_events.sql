@@ -1,4 +1,4 @@
--- The event store: the sqlite-es schema plus Ferry's global stream columns (DESIGN §3-4).
+-- The event store: the sqlite-es schema plus Ferry's global stream columns (ARCHITECTURE.md, The global stream).
 -- SQLite has one writer at a time, so position order is commit order.
 CREATE TABLE events
 (

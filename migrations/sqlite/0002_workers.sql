@@ -1,4 +1,4 @@
--- The workers' queue. One row per (run, step): the seed's idempotency keys
+-- The workers' queue. One row per (run, step): the steps' idempotency keys
 -- `provisioningRunId + plan` and `provisioningRunId + apply`. Times are epoch milliseconds
 -- so that one SQL text serves both engines.
 CREATE TABLE work_items

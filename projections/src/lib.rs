@@ -1,4 +1,4 @@
-//! Ferry's read models, built from the global stream (DESIGN §4).
+//! Ferry's read models, built from the global stream (ARCHITECTURE.md, The global stream).
 //!
 //! Three projections, each with its own tables and checkpoint so that each can be rebuilt
 //! and swapped on its own:

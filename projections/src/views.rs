@@ -43,7 +43,7 @@ pub struct CancellationView {
     pub reason: Option<String>,
 }
 
-/// A provisioning run as the API shows it (seed fields plus approval and failure detail).
+/// A provisioning run as the API shows it (its fields plus approval and failure detail).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RunView {
@@ -292,7 +292,7 @@ impl RunView {
 }
 
 /// One environment's specification of one kind: the newest declared version and the one
-/// last applied there (seed: GetCurrentSpecification).
+/// last applied there (what other services read as the environment's current specification).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EnvironmentSpecificationView {

@@ -3,10 +3,10 @@
 //! * [`Database`]: a Postgres pool (production) or an SQLite file (the embedded default),
 //!   with the migrations of `migrations/`.
 //! * [`Repository`]: loads an aggregate for a tenant, runs a command through cqrs-es's plain
-//!   event store (never its snapshot or aggregate stores, see DESIGN §2), commits with the
+//!   event store (never its snapshot or aggregate stores, see ARCHITECTURE.md, Crates), commits with the
 //!   event metadata, and returns the new state.
 //! * [`stream`]: the durable, globally ordered stream of stored events that projections and
-//!   other subscriptions read with their own checkpoints (DESIGN §4).
+//!   other subscriptions read with their own checkpoints (ARCHITECTURE.md, The global stream).
 #![forbid(unsafe_code)]
 
 pub mod database;
@@ -19,7 +19,7 @@ pub mod testing;
 
 pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOptions};
 pub use metadata::EventMetadata;
-pub use repository::{CommandError, Executed, LinkedWrite, Repository};
+pub use repository::{error_chain, BoxError, CommandError, Executed, LinkedWrite, Repository};
 pub use stream::{Handler, HandlerError, Param, Position, StoredEvent, Tx};
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use uuid::Uuid;
 
-/// Metadata of one command's events (DESIGN §3). The event id is a column of its own,
+/// Metadata of one command's events (ARCHITECTURE.md, The path of one request). The event id is a column of its own,
 /// unique per event; the stream reader puts it back beside these fields.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

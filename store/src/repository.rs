@@ -31,12 +31,31 @@ pub enum CommandError<E: std::error::Error> {
     /// Another command changed the aggregate first; retrying may succeed.
     #[error("the record was changed concurrently; retry")]
     Conflict,
-    /// The store could not be reached.
+    /// The store could not be reached (the cause is kept for the log).
     #[error("event store unavailable: {0}")]
-    Unavailable(String),
-    /// Anything else from the store (logged, not shown to callers).
+    Unavailable(#[source] BoxError),
+    /// Anything else from the store (logged with its cause, not shown to callers).
     #[error("event store error: {0}")]
-    Store(String),
+    Store(#[source] BoxError),
+}
+
+/// A failure's cause, kept so that logs show the whole chain.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `error` and each of its sources, joined by `": "` (for logs).
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        // Wrappers often repeat their source's text in their own.
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    out
 }
 
 impl<E: std::error::Error> From<AggregateError<E>> for CommandError<E> {
@@ -44,11 +63,11 @@ impl<E: std::error::Error> From<AggregateError<E>> for CommandError<E> {
         match error {
             AggregateError::UserError(e) => Self::Domain(e),
             AggregateError::AggregateConflict => Self::Conflict,
-            AggregateError::DatabaseConnectionError(e) => Self::Unavailable(e.to_string()),
-            AggregateError::DeserializationError(e) => Self::Store(e.to_string()),
-            AggregateError::UnexpectedError(e) => match e.downcast_ref::<sqlx::Error>() {
-                Some(sql) => Self::from_sql(sql),
-                None => Self::Store(e.to_string()),
+            AggregateError::DatabaseConnectionError(e) => Self::Unavailable(e),
+            AggregateError::DeserializationError(e) => Self::Store(e),
+            AggregateError::UnexpectedError(e) => match e.downcast::<sqlx::Error>() {
+                Ok(sql) => Self::from_sql(*sql),
+                Err(other) => Self::Store(other),
             },
         }
     }
@@ -57,16 +76,36 @@ impl<E: std::error::Error> From<AggregateError<E>> for CommandError<E> {
 impl<E: std::error::Error> CommandError<E> {
     /// Classifies a store error: a unique violation on the events table is a concurrent
     /// command; a busy, locked or unreachable store is unavailable (retry later).
-    pub fn from_sql(error: &sqlx::Error) -> Self {
+    pub fn from_sql(error: sqlx::Error) -> Self {
         let unique = error
             .as_database_error()
             .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation);
         if unique {
             Self::Conflict
-        } else if is_unavailable(error) {
-            Self::Unavailable(error.to_string())
+        } else if is_unavailable(&error) {
+            Self::Unavailable(Box::new(error))
         } else {
-            Self::Store(error.to_string())
+            Self::Store(Box::new(error))
+        }
+    }
+
+    /// Anything else that went wrong while storing, with its cause.
+    pub fn store(error: impl Into<BoxError>) -> Self {
+        Self::Store(error.into())
+    }
+
+    /// The same failure under another aggregate's error type, e.g. while loading another
+    /// aggregate a command depends on: its domain refusal becomes a store error with cause.
+    pub fn into_other<F: std::error::Error>(self) -> CommandError<F>
+    where
+        E: Send + Sync + 'static,
+    {
+        match self {
+            Self::Domain(e) => CommandError::Store(Box::new(e)),
+            Self::NotFound => CommandError::NotFound,
+            Self::Conflict => CommandError::Conflict,
+            Self::Unavailable(e) => CommandError::Unavailable(e),
+            Self::Store(e) => CommandError::Store(e),
         }
     }
 }
@@ -275,13 +314,13 @@ where
         metadata: &EventMetadata,
         linked: Option<&LinkedWrite>,
     ) -> Result<(), CommandError<A::Error>> {
-        let sql = |e: sqlx::Error| CommandError::from_sql(&e);
-        let serialize = |e: serde_json::Error| CommandError::Store(e.to_string());
+        let sql = CommandError::from_sql;
+        let serialize = |e: serde_json::Error| CommandError::store(e);
         let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
         let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
         for (offset, event) in events.iter().enumerate() {
-            let sequence = i64::try_from(current_sequence + offset + 1)
-                .map_err(|e| CommandError::Store(e.to_string()))?;
+            let sequence =
+                i64::try_from(current_sequence + offset + 1).map_err(CommandError::store)?;
             tx.execute(
                 "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
                  VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -306,5 +345,34 @@ where
             }
         }
         tx.commit().await.map_err(sql)
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("refused")]
+    struct Refused;
+
+    #[test]
+    fn a_store_error_keeps_its_cause_for_the_log() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset");
+        let error: CommandError<Refused> = CommandError::from_sql(sqlx::Error::Io(io));
+        let CommandError::Unavailable(cause) = &error else {
+            panic!("a reset connection is unavailable: {error:?}")
+        };
+        assert!(std::error::Error::source(&error).is_some());
+        assert!(
+            error_chain(&error).contains("connection reset"),
+            "{}",
+            error_chain(&error)
+        );
+        assert!(error_chain(cause.as_ref()).contains("connection reset"));
+        // Another aggregate's refusal, met while loading it, becomes a store error with cause.
+        let other: CommandError<Refused> = CommandError::Domain(Refused);
+        let moved: CommandError<std::io::Error> = other.into_other();
+        assert!(matches!(&moved, CommandError::Store(e) if e.to_string() == "refused"));
     }
 }

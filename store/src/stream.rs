@@ -1,5 +1,5 @@
 //! The global stream: every stored event, in an order that never skips a late commit, read
-//! by subscriptions that keep their own checkpoints (DESIGN §4).
+//! by subscriptions that keep their own checkpoints (ARCHITECTURE.md, The global stream).
 //!
 //! On Postgres a reader only takes events whose inserting transaction is older than the
 //! oldest transaction still running (`transaction_id < pg_snapshot_xmin(...)`) and orders

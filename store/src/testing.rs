@@ -80,28 +80,66 @@ impl TestDatabase {
     }
 
     /// Closes the pool and drops the Postgres database.
-    pub async fn cleanup(self) {
+    pub async fn cleanup(mut self) {
         self.db.close().await;
-        if let Some(admin_url) = &self.admin_url {
-            if let Ok(admin) = Database::connect_postgres(admin_url).await {
-                let _ = crate::on_pool!(admin, pool => sqlx::query(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name
-                )).execute(pool).await.map(|r| r.rows_affected()));
-                admin.close().await;
-            }
+        if let Some(admin_url) = self.admin_url.take() {
+            drop_database(&admin_url, &self.name).await;
         }
+    }
+}
+
+/// A test that panicked before [`TestDatabase::cleanup`] still drops its database: from a
+/// thread of its own, since Drop cannot await and the test's runtime may be gone.
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let Some(admin_url) = self.admin_url.take() else {
+            return;
+        };
+        let name = std::mem::take(&mut self.name);
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            if let Ok(runtime) = runtime {
+                runtime.block_on(drop_database(&admin_url, &name));
+            }
+        })
+        .join();
+        if dropped.is_err() {
+            tracing::warn!("could not drop a test database");
+        }
+    }
+}
+
+/// `DROP DATABASE … WITH (FORCE)`: ends the test's own connections too.
+async fn drop_database(admin_url: &str, name: &str) {
+    if let Ok(admin) = Database::connect_postgres(admin_url).await {
+        let _ = crate::on_pool!(admin, pool => sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        )).execute(pool).await.map(|r| r.rows_affected()));
+        admin.close().await;
     }
 }
 
 /// Polls `check` until it returns `Some`, for at most ten seconds. The global stream on
 /// Postgres holds an event back while any older transaction on the server still runs
 /// (other tests included), so readers in tests wait for a condition, not a fixed time.
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    eventually_within(what, 10, check).await
+}
+
+/// As [`eventually`], for at most `secs` seconds (e.g. for a NATS server to restart): the
+/// one polling helper every test uses.
+pub async fn eventually_within<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
     loop {
         if let Some(value) = check().await {
             return value;

@@ -1,4 +1,4 @@
-//! Ferry's workers (seed: Workers and jobs): the **planner** resolves the program version,
+//! Ferry's workers: the **planner** resolves the program version,
 //! configuration and secrets, runs the IaC planner, evaluates policy, records the plan
 //! receipt and routes the run to apply or approval; the **applier** runs the apply for
 //! approved or allowed runs and records the outputs or the failure; the **baseline** step
@@ -6,7 +6,7 @@
 //! too long.
 //!
 //! Work comes from the global stream through the `workers` subscription ([`enqueuer`]) into
-//! a durable queue ([`queue`]) keyed by the seed's idempotency keys. Retry: the planner
+//! a durable queue ([`queue`]) keyed by the steps' idempotency keys (`<run> + plan`, `<run> + apply`). Retry: the planner
 //! backs off exponentially up to a cap; the applier never runs a runner twice for one item.
 //!
 //! **An apply runs at most once, and at most one runner per environment at any moment.**
@@ -84,7 +84,7 @@ pub struct Ports {
 pub struct Settings {
     /// Where programs are checked out while a step runs (`<work_dir>/<tenant>/<run>/<step>`).
     pub work_dir: PathBuf,
-    /// Runner timeout per apply (seed: ApplyTimeoutMinutes, default 45).
+    /// Runner timeout per apply (`ApplyTimeoutMinutes`, default 45).
     pub apply_timeout: Duration,
     /// Runner timeout per plan.
     pub plan_timeout: Duration,

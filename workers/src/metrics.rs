@@ -1,4 +1,4 @@
-//! The seed's metrics, kept in-process and rendered as Prometheus text at `/metrics`:
+//! The provisioning metrics, kept in-process and rendered as Prometheus text at `/metrics`:
 //! `connectsoft_factory_provisioning_runs_total` (tenant, kind, state) and
 //! `connectsoft_factory_provisioning_apply_duration_seconds` (kind). Each instance counts
 //! the transitions it made; Prometheus sums instances.

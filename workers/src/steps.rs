@@ -125,7 +125,7 @@ impl Workers {
             .specifications
             .load(tenant, &request.specification_id.to_string())
             .await
-            .map_err(|e| CommandError::Store(e.to_string()))?
+            .map_err(CommandError::into_other)?
             .and_then(|(s, _)| s.version(request.specification_version).cloned());
         Ok(spec.map(|s| (run, request, s)))
     }
@@ -337,7 +337,7 @@ impl Workers {
             .queue
             .stored_result(item)
             .await
-            .map_err(|e| CommandError::Store(e.to_string()))?;
+            .map_err(CommandError::store)?;
         if let Some(stored) = stored {
             tracing::info!("the runner already ran for this item: recording its stored result");
             return self.record_result(item, tenant, &stored).await;
@@ -356,12 +356,12 @@ impl Workers {
             .queue
             .finished_at(&item.item_id, Step::Plan)
             .await
-            .map_err(|e| CommandError::Store(e.to_string()))?;
+            .map_err(CommandError::store)?;
         let last = self
             .queue
             .last_apply(&item.environment_key)
             .await
-            .map_err(|e| CommandError::Store(e.to_string()))?;
+            .map_err(CommandError::store)?;
         if let (Some(planned_at), Some((other, applied_at))) = (planned_at, last) {
             if other != item.item_id && applied_at > planned_at {
                 let reason = format!(
@@ -605,12 +605,11 @@ impl Workers {
         item: &WorkItem,
         tenant: &TenantId,
     ) -> Result<Outcome, CommandError<RunError>> {
-        let store = |e: String| CommandError::Store(e);
         let Some((environment, _)) = self
             .environments
             .load(tenant, &item.item_id)
             .await
-            .map_err(|e| store(e.to_string()))?
+            .map_err(CommandError::into_other)?
         else {
             return Ok(Outcome::Done);
         };
@@ -638,7 +637,7 @@ impl Workers {
             .specifications
             .load(tenant, &spec_id.to_string())
             .await
-            .map_err(|e| store(e.to_string()))?;
+            .map_err(CommandError::into_other)?;
         let reusable = existing.as_ref().and_then(|(s, _)| {
             s.latest()
                 .filter(|v| {
@@ -685,7 +684,7 @@ impl Workers {
                         true,
                     )
                     .await
-                    .map_err(|e| store(e.to_string()))?;
+                    .map_err(CommandError::into_other)?;
                 match done.aggregate.latest().cloned() {
                     Some(v) => v,
                     None => {

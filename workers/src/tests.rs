@@ -673,7 +673,12 @@ async fn a_non_production_run_plans_applies_and_keeps_both_receipts() {
             String::from_utf8(log).unwrap(),
             "previewing with password ***"
         );
-        let metrics = w.workers.metrics.render();
+        // The run is Applied in the store a moment before the applier counts it.
+        let metrics = eventually("the Applied transition counted", || async {
+            let text = w.workers.metrics.render();
+            text.contains("state=\"Applied\"} 1").then_some(text)
+        })
+        .await;
         assert!(metrics.contains("state=\"Applied\"} 1"), "{metrics}");
         w.stop().await;
     }
@@ -788,7 +793,18 @@ async fn a_failed_apply_names_the_failing_resource_and_is_not_retried() {
         run.apply_receipt().unwrap().failing_resource.as_deref(),
         Some("bucket")
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The apply item ends terminal (not pending for a retry), after exactly one apply.
+    let (status, _, attempts) = eventually("the apply item finished", || async {
+        let s = w
+            .workers
+            .queue()
+            .status(&id.to_string(), Step::Apply)
+            .await
+            .unwrap()?;
+        (s.0 != "pending" && s.0 != "running").then_some(s)
+    })
+    .await;
+    assert_eq!((status.as_str(), attempts), ("failed", 1));
     assert_eq!(w.runner.applies.load(Ordering::SeqCst), 1);
     w.stop().await;
 }

@@ -1,6 +1,6 @@
 //! The events Ferry reacts to, typed, with the subjects they arrive on.
 //!
-//! Payloads follow the seeds where the seeds give them; fields Ferry needs beyond the seeds
+//! Payloads follow what the producing services send; fields Ferry needs beyond those
 //! are optional. Inbound payloads tolerate unknown fields (producers may add some), but
 //! every field Ferry reads is validated by its domain type (ids, classes, refs).
 
@@ -33,7 +33,7 @@ pub struct PromotionApproved {
     /// The production approval, reused for the apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<ApprovalId>,
-    /// The project (not in the seed; sent by Ferry's own promotions).
+    /// The project (optional; sent by Ferry's own promotions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project_id: Option<ProjectId>,
 }
