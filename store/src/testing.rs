@@ -166,3 +166,26 @@ mod tests {
         );
     }
 }
+
+/// Declares one test per engine: `async fn name(backend) { … }` becomes the tests
+/// `name::postgres` and `name::sqlite`, so that a failure on one engine never hides the
+/// other's (a loop over both would stop at the first).
+#[macro_export]
+macro_rules! test_on_both_engines {
+    ($(#[$meta:meta])* async fn $name:ident($backend:ident) $body:block) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $(#[$meta])*
+            async fn run($backend: $crate::Backend) $body
+            #[tokio::test]
+            async fn postgres() {
+                run($crate::Backend::Postgres).await
+            }
+            #[tokio::test]
+            async fn sqlite() {
+                run($crate::Backend::Sqlite).await
+            }
+        }
+    };
+}

@@ -13,8 +13,6 @@ use ferry_domain::*;
 use std::sync::Mutex;
 use uuid::Uuid;
 
-const BOTH: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];
-
 fn tenant(name: &str) -> TenantId {
     TenantId::parse(name).unwrap()
 }
@@ -48,9 +46,8 @@ fn cancel() -> RunCommand {
     }
 }
 
-#[tokio::test]
-async fn commands_are_stored_and_scoped_to_their_tenant() {
-    for backend in BOTH {
+crate::test_on_both_engines! {
+    async fn commands_are_stored_and_scoped_to_their_tenant(backend) {
         let t = TestDatabase::new(backend).await;
         let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
         let id = ProvisioningRunId::new_random();
@@ -112,9 +109,8 @@ async fn commands_are_stored_and_scoped_to_their_tenant() {
     }
 }
 
-#[tokio::test]
-async fn a_concurrent_write_is_a_conflict() {
-    for backend in BOTH {
+crate::test_on_both_engines! {
+    async fn a_concurrent_write_is_a_conflict(backend) {
         let t = TestDatabase::new(backend).await;
         let id = Uuid::new_v4().to_string();
         // Two events claiming the same aggregate sequence: the second is refused.
@@ -224,9 +220,8 @@ async fn a_slow_earlier_transaction_is_not_skipped() {
     t.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_subscription_resumes_from_its_checkpoint() {
-    for backend in BOTH {
+crate::test_on_both_engines! {
+    async fn a_subscription_resumes_from_its_checkpoint(backend) {
         let t = TestDatabase::new(backend).await;
         let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
         for _ in 0..3 {
@@ -282,9 +277,8 @@ async fn a_subscription_resumes_from_its_checkpoint() {
     }
 }
 
-#[tokio::test]
-async fn idempotency_keys_replay_or_refuse() {
-    for backend in BOTH {
+crate::test_on_both_engines! {
+    async fn idempotency_keys_replay_or_refuse(backend) {
         let t = TestDatabase::new(backend).await;
         let db = &t.db;
         assert_eq!(
@@ -332,9 +326,8 @@ async fn idempotency_keys_replay_or_refuse() {
     }
 }
 
-#[tokio::test]
-async fn an_idempotency_reservation_belongs_to_the_request_that_made_it() {
-    for backend in BOTH {
+crate::test_on_both_engines! {
+    async fn an_idempotency_reservation_belongs_to_the_request_that_made_it(backend) {
         let t = TestDatabase::new(backend).await;
         let db = &t.db;
         let reserve = |owner: &'static str, hash: &'static str| async move {

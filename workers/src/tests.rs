@@ -650,9 +650,8 @@ impl World {
     }
 }
 
-#[tokio::test]
-async fn a_non_production_run_plans_applies_and_keeps_both_receipts() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn a_non_production_run_plans_applies_and_keeps_both_receipts(backend) {
         let w = World::new(backend, FakeRunner::default(), |_| {}).await;
         let id = w
             .request("dev", Some(EnvironmentClass::Development), "abcdef1")
@@ -809,9 +808,8 @@ async fn a_failed_apply_names_the_failing_resource_and_is_not_retried() {
     w.stop().await;
 }
 
-#[tokio::test]
-async fn an_interrupted_apply_is_reported_failed_and_never_rerun() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn an_interrupted_apply_is_reported_failed_and_never_rerun(backend) {
         let w = World::idle(backend).await;
         // A process killed mid-apply long ago (its lease and the grace period are over).
         let id = w
@@ -1010,10 +1008,9 @@ async fn pid_in(dir: &Path, name: &str) -> String {
     .await
 }
 
-#[tokio::test]
-async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_the_lease_ends() {
-    use std::os::unix::fs::PermissionsExt;
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_the_lease_ends(backend) {
+        use std::os::unix::fs::PermissionsExt;
         let fake = tempfile::tempdir().unwrap();
         let bin = fake.path().join("pulumi");
         std::fs::write(&bin, FAKE_PULUMI).unwrap();
@@ -1119,9 +1116,8 @@ async fn losing_renewals_past_the_margin_kills_the_runners_process_group_before_
     }
 }
 
-#[tokio::test]
-async fn a_lapsed_lease_with_a_live_owner_is_neither_reported_nor_frees_the_environment() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn a_lapsed_lease_with_a_live_owner_is_neither_reported_nor_frees_the_environment(backend) {
         let gate = Arc::new(Semaphore::new(0));
         let runner = FakeRunner {
             gate: Some(gate.clone()),
@@ -1170,9 +1166,8 @@ async fn a_lapsed_lease_with_a_live_owner_is_neither_reported_nor_frees_the_envi
     }
 }
 
-#[tokio::test]
-async fn an_old_owners_late_writes_after_losing_its_claim_are_refused() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn an_old_owners_late_writes_after_losing_its_claim_are_refused(backend) {
         let w = World::idle(backend).await;
         let queue = w.workers.queue();
         let lease = Duration::from_secs(60);
@@ -1246,9 +1241,8 @@ async fn an_old_owners_late_writes_after_losing_its_claim_are_refused() {
     }
 }
 
-#[tokio::test]
-async fn a_store_error_while_recording_the_outcome_is_retried_without_running_the_runner_again() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn a_store_error_while_recording_the_outcome_is_retried_without_running_the_runner_again(backend) {
         let gate = Arc::new(Semaphore::new(0));
         let runner = FakeRunner {
             gate: Some(gate.clone()),
@@ -1295,9 +1289,8 @@ async fn a_store_error_while_recording_the_outcome_is_retried_without_running_th
     }
 }
 
-#[tokio::test]
-async fn a_failed_interruption_report_keeps_the_item_for_the_next_recovery_round() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn a_failed_interruption_report_keeps_the_item_for_the_next_recovery_round(backend) {
         let w = World::idle(backend).await;
         let id = w
             .orphaned_apply("dev", "previous-process", w.clock.now_ms() - 1_000)
@@ -1318,9 +1311,8 @@ async fn a_failed_interruption_report_keeps_the_item_for_the_next_recovery_round
     }
 }
 
-#[tokio::test]
-async fn a_renewal_that_finds_the_claim_taken_over_cancels_the_step() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+ferry_store::test_on_both_engines! {
+    async fn a_renewal_that_finds_the_claim_taken_over_cancels_the_step(backend) {
         let gate = Arc::new(Semaphore::new(0));
         let runner = FakeRunner {
             gate: Some(gate.clone()),
