@@ -24,6 +24,8 @@ pub struct NatsFailure {
     /// The client's error.
     #[source]
     pub source: Box<dyn std::error::Error + Send + Sync>,
+    /// What to change, for a failure the client names without a JetStream code.
+    pub fixed_remedy: Option<&'static str>,
 }
 
 impl NatsFailure {
@@ -36,7 +38,14 @@ impl NatsFailure {
             operation: operation.into(),
             code: None,
             source: Box::new(source),
+            fixed_remedy: None,
         }
+    }
+
+    /// Names what to change for a failure that retrying will not fix.
+    pub fn with_remedy(mut self, remedy: &'static str) -> Self {
+        self.fixed_remedy = Some(remedy);
+        self
     }
 
     /// Wraps a client error with the JetStream error code found in it.
@@ -49,12 +58,13 @@ impl NatsFailure {
             operation: operation.into(),
             code: code.map(|c| c.0),
             source: Box::new(source),
+            fixed_remedy: None,
         }
     }
 
     /// The change that fixes this failure, when retrying alone will not.
     pub fn remedy(&self) -> Option<&'static str> {
-        self.code.and_then(remedy)
+        self.fixed_remedy.or_else(|| self.code.and_then(remedy))
     }
 }
 
@@ -79,32 +89,33 @@ pub fn get_stream_error_code(
 }
 
 /// What an operator must change for a JetStream error that retrying does not fix; `None` for
-/// errors that may go away by themselves.
+/// errors that may go away by themselves (races between instances, a cluster short of peers).
 pub fn remedy(code: u64) -> Option<&'static str> {
     Some(match code {
         10065 => {
-            "another stream already stores some of these subjects: remove them from that \
-             stream, or point Ferry at it with FERRY_NATS_STREAM"
+            "another stream already stores some of these subjects (named above): remove them \
+             from that stream (for the relay's stream, or set FERRY_NATS_STREAM to another name)"
         }
         10039 | 10076 => {
             "JetStream is not enabled: start nats-server with -js, or enable JetStream for \
              Ferry's account"
         }
-        10002 | 10023 | 10026 | 10027 | 10028 | 10047 => {
+        10002 | 10026 | 10027 | 10028 | 10047 => {
             "a JetStream limit is reached (streams, consumers, storage or memory): raise the \
              account's limits or free space"
         }
-        10052 | 10053 | 10055 | 10056 | 10058 | 10069 => {
-            "the existing stream's configuration cannot take Ferry's settings: change or \
-             remove that stream"
-        }
-        10012 | 10013 | 10016 | 10017 | 10105 | 10148 => {
-            "the existing durable consumer's configuration cannot take Ferry's settings: \
-             delete that consumer so Ferry can create it again"
+        10052 | 10053 | 10055 | 10069 => {
+            "the existing stream's configuration cannot take Ferry's settings (subjects, \
+             duplicate window): change that stream's configuration"
         }
         _ => return None,
     })
 }
+
+/// A publish NATS refuses because the message exceeds the server's `max_payload`: the relay
+/// cannot move past that event until the limit is raised.
+pub const MAX_PAYLOAD_REMEDY: &str =
+    "an event is larger than the NATS server's max_payload: raise max_payload (server configuration)";
 
 /// The last error of a component, kept until it succeeds again.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -355,5 +366,10 @@ mod tests {
             "wrong last sequence is a repair, not a fault"
         );
         assert!(remedy(10037).is_none(), "no message found");
+        assert!(remedy(10058).is_none(), "a create race between instances");
+        assert!(
+            remedy(10023).is_none(),
+            "a cluster short of peers for a while"
+        );
     }
 }

@@ -32,8 +32,8 @@
 //! | `releases.releases.v1.release-withdrawn` | `events/inbound/release-withdrawn.schema.json` | in |
 //!
 //! Every message's envelope is `events/cloudevent.schema.json`; `asyncapi.json` lists all
-//! of them. Ferry's stream is `FERRY_EVENTS` (`provisioning.>`, `ferry.events.>`,
-//! `releases.promotions.>`); inbound subjects no other stream stores go to `FERRY_INBOUND`.
+//! of them. Ferry's stream is `FERRY_EVENTS` (`provisioning.>` and `ferry.events.>`; only
+//! Ferry publishes into it); inbound subjects no other stream stores go to `FERRY_INBOUND`.
 //! Over HTTP the CloudEvent `type` names the event (its subject or its name, e.g.
 //! `ReleaseReady`).
 //!

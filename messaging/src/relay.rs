@@ -51,6 +51,9 @@ pub const POSITION_HEADER: &str = "Ferry-Position";
 /// How many older stream messages the line-up looks through for a Ferry message.
 const RECONCILE_SCAN: u64 = 1000;
 
+/// The start of the error reported while the leader lock's connection cannot be opened.
+const LOCK_ERROR: &str = "cannot open the relay's leader-lock connection to the store";
+
 /// The relay's settings. Suggested environment: `NATS_URL`, `FERRY_NATS_STREAM`,
 /// `FERRY_CLOUDEVENTS_SOURCE`, `FERRY_NATS_DUPLICATE_WINDOW_SECS`.
 #[derive(Debug, Clone)]
@@ -67,8 +70,8 @@ pub struct RelayConfig {
     pub poll: Duration,
     /// Events read per batch (the checkpoint moves once per batch).
     pub batch: i64,
-    /// Subjects the stream stores (default [`STREAM_SUBJECTS`]). Drop one that another
-    /// stream already owns (e.g. an external promotions service's `releases.promotions.>`).
+    /// Subjects the stream stores (default [`STREAM_SUBJECTS`]). No other service may
+    /// publish on them: every publish expects the stream's last sequence to be the relay's.
     pub subjects: Vec<String>,
     /// How often an idle relay checks that the stream still holds what it published (a
     /// stream purged while nothing is published is reported within this time).
@@ -398,27 +401,59 @@ impl Worker {
         let ferry_store::database::Pool::Postgres(pool) = self.db.pool() else {
             return true;
         };
+        // Bounded: a lock connection to a server that vanished must not hang the relay.
+        let bound = Duration::from_secs(10);
         if let Some(conn) = self.leader.as_mut() {
-            if sqlx::query("SELECT 1").execute(&mut *conn).await.is_ok() {
+            let alive = tokio::time::timeout(bound, sqlx::query("SELECT 1").execute(&mut *conn));
+            if matches!(alive.await, Ok(Ok(_))) {
                 return true;
             }
             tracing::warn!("lost the relay's lock connection; trying to lead again");
             self.leader = None;
         }
-        let options = pool.connect_options();
-        let mut conn = match sqlx::PgConnection::connect_with(&options).await {
-            Ok(c) => c,
-            Err(error) => {
-                tracing::warn!(%error, "cannot open the relay's lock connection");
-                return false;
-            }
-        };
+        // The server notices a vanished leader within about 25 s (keepalives on its side of
+        // this connection) and frees the lock for a standby.
+        let options = pool.connect_options().as_ref().clone().options([
+            ("tcp_keepalives_idle", "10"),
+            ("tcp_keepalives_interval", "5"),
+            ("tcp_keepalives_count", "3"),
+        ]);
+        let mut conn =
+            match tokio::time::timeout(bound, sqlx::PgConnection::connect_with(&options)).await {
+                Ok(Ok(c)) => c,
+                outcome => {
+                    let error = match outcome {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timed out".to_string(),
+                    };
+                    tracing::warn!(%error, "cannot open the relay's lock connection");
+                    // Nobody may be publishing: that is a problem to show, not a standby.
+                    self.metrics.update(|s| {
+                        let (r, _) = ErrorReport::next(
+                            s.last_error.as_ref(),
+                            format!("{LOCK_ERROR}: {error}"),
+                            None,
+                            None,
+                        );
+                        s.last_error = Some(r);
+                    });
+                    return false;
+                }
+            };
         let key = format!("ferry:{}", self.config.checkpoint_name());
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
             .bind(key)
             .fetch_one(&mut conn)
             .await
             .unwrap_or(false);
+        self.metrics.update(|s| {
+            if s.last_error
+                .as_ref()
+                .is_some_and(|e| e.error.starts_with(LOCK_ERROR))
+            {
+                s.last_error = None;
+            }
+        });
         if got {
             tracing::info!("this instance leads the relay");
             self.leader = Some(conn);
@@ -446,11 +481,21 @@ impl Worker {
                 self.anchor = None;
             }
             if !self.lead().await {
-                // Another instance publishes; stand by and check again.
+                // Another instance publishes; stand by and check again. What this instance
+                // reported as leader is the leader's to report now.
                 self.anchor = None;
                 self.metrics.update(|s| {
                     s.role = RelayRole::Standby;
                     s.expected_last_sequence = None;
+                    if s.last_error
+                        .as_ref()
+                        .is_some_and(|e| !e.error.starts_with(LOCK_ERROR))
+                    {
+                        s.last_error = None;
+                    }
+                    if let Some(r) = s.stream_reset.as_mut() {
+                        r.open = false;
+                    }
                 });
                 tokio::select! {
                     _ = tokio::time::sleep(self.config.poll.max(Duration::from_secs(1))) => {}
@@ -499,12 +544,9 @@ impl Worker {
                 }
                 Err(error) => {
                     self.metrics.failures.fetch_add(1, Ordering::Relaxed);
-                    if matches!(
-                        error,
-                        RelayError::Nats(_) | RelayError::StreamChanged { .. }
-                    ) {
-                        self.anchor = None;
-                    }
+                    // Line up again after any failure: e.g. a checkpoint that could not be
+                    // saved after PubAcks must be moved forward, not published again.
+                    self.anchor = None;
                     let (code, remedy) = match &error {
                         RelayError::Nats(f) => (f.code, f.remedy().map(str::to_string)),
                         _ => (None, None),
@@ -571,7 +613,20 @@ impl Worker {
         let state = info.state.clone();
         let name = self.config.checkpoint_name();
         let checkpoint = load_checkpoint(&self.db, &name).await?;
+        self.metrics
+            .checkpoint
+            .store(checkpoint.global_position, Ordering::Relaxed);
+        // Under interest or work-queue retention, consumed messages leave the stream: a
+        // missing tail proves nothing there, so nothing is republished.
+        let limits = info.config.retention == stream::RetentionPolicy::Limits;
         match last_ferry_position_in(&stream, &state).await? {
+            LastPosition::Found(target) if target < checkpoint && !limits => {
+                tracing::warn!(
+                    stream_last = %position_token(target),
+                    checkpoint = %position_token(checkpoint),
+                    "the stream's retention removes consumed messages: not republishing"
+                );
+            }
             LastPosition::Found(target) if target < checkpoint => {
                 let missing = count_between(&self.db, target, checkpoint).await?;
                 tracing::warn!(
@@ -580,8 +635,12 @@ impl Worker {
                     missing,
                     "NATS lost events it had acknowledged; republishing exactly those"
                 );
-                self.metrics.rewound.fetch_add(missing, Ordering::Relaxed);
                 move_checkpoint(&self.db, &name, target, true).await?;
+                // Counted once the move is saved: a failed save is retried, not counted.
+                self.metrics.rewound.fetch_add(missing, Ordering::Relaxed);
+                self.metrics
+                    .checkpoint
+                    .store(target.global_position, Ordering::Relaxed);
                 self.metrics.update(|s| {
                     s.last_repair = Some(Repair {
                         at: Utc::now(),
@@ -599,8 +658,11 @@ impl Worker {
                     stored,
                     "the stream already holds events past the checkpoint; skipping them"
                 );
-                self.metrics.skipped.fetch_add(stored, Ordering::Relaxed);
                 move_checkpoint(&self.db, &name, target, false).await?;
+                self.metrics.skipped.fetch_add(stored, Ordering::Relaxed);
+                self.metrics
+                    .checkpoint
+                    .store(target.global_position, Ordering::Relaxed);
             }
             LastPosition::Found(_) => {}
             LastPosition::NoFerryMessage => {
@@ -672,7 +734,8 @@ impl Worker {
             return;
         }
         let c = &info.config;
-        let explained_by_limits = !c.max_age.is_zero()
+        let explained_by_limits = c.retention != stream::RetentionPolicy::Limits
+            || !c.max_age.is_zero()
             || c.max_messages >= 0
             || c.max_bytes >= 0
             || c.max_messages_per_subject >= 0;
@@ -755,6 +818,13 @@ impl Worker {
             (jetstream::context::PublishErrorKind::WrongLastSequence, Some(expected)) => {
                 RelayError::StreamChanged { expected }
             }
+            (jetstream::context::PublishErrorKind::MaxPayloadExceeded, _) => RelayError::Nats(
+                NatsFailure::new(
+                    format!("publish {} (event {})", out.subject, out.event.id),
+                    e,
+                )
+                .with_remedy(health::MAX_PAYLOAD_REMEDY),
+            ),
             _ => RelayError::Nats(NatsFailure::new(format!("publish {}", out.subject), e)),
         };
         let ack = self

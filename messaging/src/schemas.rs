@@ -382,7 +382,7 @@ pub fn asyncapi() -> Value {
         "info": {
             "title": "Ferry events",
             "version": "1.0.0",
-            "description": "CloudEvents 1.0 (JSON structured mode) on NATS JetStream. Ferry publishes to the stream FERRY_EVENTS (provisioning.>, ferry.events.>, releases.promotions.>) with Nats-Msg-Id = CloudEvent id; it consumes with durable pull consumers and explicit ack. The same inbound events are accepted over HTTP at POST /factory/events."
+            "description": "CloudEvents 1.0 (JSON structured mode) on NATS JetStream. Ferry publishes to the stream FERRY_EVENTS (provisioning.>, ferry.events.>), which only Ferry may publish into, with Nats-Msg-Id = CloudEvent id; it consumes with durable pull consumers and explicit ack. The same inbound events are accepted over HTTP at POST /factory/events."
         },
         "defaultContentType": "application/json",
         "channels": channels,

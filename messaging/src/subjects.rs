@@ -4,9 +4,11 @@
 //! Every other domain event goes on `ferry.events.<aggregate>.<event>` in kebab case, so an
 //! aggregate or event added later is published without a change here.
 
-/// The stream subjects Ferry publishes on (and that its stream must cover).
-pub const STREAM_SUBJECTS: [&str; 3] =
-    ["provisioning.>", "ferry.events.>", "releases.promotions.>"];
+/// The stream subjects Ferry publishes on (and that its stream must cover). Only Ferry may
+/// publish into that stream: the relay's `Nats-Expected-Last-Sequence` counts every message
+/// in it, so another publisher there would stall it (subjects other services publish, e.g.
+/// `releases.promotions.>`, are stored by `FERRY_INBOUND` or their own stream).
+pub const STREAM_SUBJECTS: [&str; 2] = ["provisioning.>", "ferry.events.>"];
 
 /// `SpecificationDeclared` (integration).
 pub const SPECIFICATION_DECLARED: &str = "provisioning.specifications.v1.specification-declared";

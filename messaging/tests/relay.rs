@@ -785,3 +785,62 @@ async fn a_stream_whose_subjects_another_stream_holds_is_a_permanent_error_with_
     relay.join().await;
     t.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_checkpoint_that_cannot_be_saved_after_the_pubacks_is_never_published_twice() {
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let db = t.db.clone();
+    let exec = |sql: &'static str| {
+        let db = db.clone();
+        async move {
+            ferry_store::on_pool!(db, pool => sqlx::query(sql).execute(pool).await.unwrap().rows_affected());
+        }
+    };
+    // The store refuses to move the relay's checkpoint: PubAcks arrive, the save fails.
+    exec("CREATE FUNCTION test_refuse() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'store failure injected by the test'; END $$ LANGUAGE plpgsql").await;
+    exec("CREATE TRIGGER test_refuse_moves BEFORE UPDATE ON subscription_checkpoints FOR EACH ROW WHEN (NEW.name LIKE 'nats-relay:%' AND NEW.global_position <> OLD.global_position) EXECUTE FUNCTION test_refuse()").await;
+    for _ in 0..2 {
+        applied_run(&db, "acme", None).await;
+    }
+    let total = wait_events(&db, 8).await;
+    // A short duplicate window: NATS' own de-duplication cannot hide a second publish.
+    let cfg = RelayConfig {
+        duplicate_window: Duration::from_secs(1),
+        ..config(&nats)
+    };
+    let (_stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), cfg.clone(), shutdown)
+        .await
+        .unwrap();
+    let metrics = relay.metrics();
+    wait_for_stream(&nats, total).await;
+    // The store recovers only once the saves have failed for longer than the window.
+    wait_for("saves failing past the duplicate window", 30, || {
+        let m = metrics.clone();
+        async move {
+            m.status().last_error.is_some_and(|e| {
+                e.error.contains("store failure injected")
+                    && e.last - e.since > chrono::Duration::milliseconds(1500)
+            })
+        }
+    })
+    .await;
+    exec("DROP TRIGGER test_refuse_moves ON subscription_checkpoints").await;
+    let last = stream_messages(&nats.js().await, &cfg.stream_name).await;
+    let last =
+        ferry_messaging::parse_position(last[total - 1].position.as_deref().unwrap()).unwrap();
+    wait_for("the checkpoint moved past what NATS holds", 30, || {
+        let m = metrics.clone();
+        async move { m.checkpoint.load(Ordering::Relaxed) == last.global_position }
+    })
+    .await;
+    failed_run(&db, "acme").await;
+    let messages = wait_for_stream(&nats, total + 2).await;
+    assert_eq!(messages.len(), total + 2, "nothing published twice");
+    assert_unique(&messages);
+    assert_ordered(&messages);
+    assert_eq!(metrics.skipped.load(Ordering::Relaxed), total as u64);
+    relay.abort();
+    t.cleanup().await;
+}

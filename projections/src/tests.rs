@@ -9,11 +9,14 @@ use ferry_domain::receipts::{ApplyReceipt, ApplyResult, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
 use ferry_domain::*;
+use ferry_store::database::Backend;
 use ferry_store::stream::catch_up;
 use ferry_store::testing::{eventually, TestDatabase};
 use ferry_store::{on_pool, Database, EventMetadata, Repository};
 use std::collections::BTreeMap;
 use uuid::Uuid;
+
+const BOTH: [Backend; 2] = [Backend::Postgres, Backend::Sqlite];
 
 fn t(name: &str) -> TenantId {
     TenantId::parse(name).unwrap()
@@ -172,8 +175,9 @@ where
     .await;
 }
 
-ferry_store::test_on_both_engines! {
-    async fn read_models_follow_the_stream(backend) {
+#[tokio::test]
+async fn read_models_follow_the_stream() {
+    for backend in BOTH {
         let tdb = TestDatabase::new(backend).await;
         let db = &tdb.db;
         let w = World::new(db);
@@ -372,8 +376,9 @@ async fn snapshot(db: &Database) -> Vec<String> {
     out
 }
 
-ferry_store::test_on_both_engines! {
-    async fn a_rebuild_equals_the_live_model_and_reads_continue(backend) {
+#[tokio::test]
+async fn a_rebuild_equals_the_live_model_and_reads_continue() {
+    for backend in BOTH {
         let tdb = TestDatabase::new(backend).await;
         let db = &tdb.db;
         let w = World::new(db);

@@ -152,21 +152,6 @@ where
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn database_name_is_replaced() {
-        assert_eq!(
-            super::with_database("postgres://u@h:5432/postgres", "x"),
-            "postgres://u@h:5432/x"
-        );
-        assert_eq!(
-            super::with_database("postgres://u@h/postgres?sslmode=disable", "x"),
-            "postgres://u@h/x?sslmode=disable"
-        );
-    }
-}
-
 /// Declares one test per engine: `async fn name(backend) { … }` becomes the tests
 /// `name::postgres` and `name::sqlite`, so that a failure on one engine never hides the
 /// other's (a loop over both would stop at the first).
@@ -188,4 +173,19 @@ macro_rules! test_on_both_engines {
             }
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn database_name_is_replaced() {
+        assert_eq!(
+            super::with_database("postgres://u@h:5432/postgres", "x"),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(
+            super::with_database("postgres://u@h/postgres?sslmode=disable", "x"),
+            "postgres://u@h/x?sslmode=disable"
+        );
+    }
 }

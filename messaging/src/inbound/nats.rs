@@ -4,7 +4,7 @@
 //! 2.10 (no multi-subject filters) and one slow kind does not hold up the others. A subject
 //! must be stored by some stream: the one already covering it (found with
 //! `stream_by_subject`), else `FERRY_INBOUND`, which Ferry creates. Subjects under Ferry's
-//! own stream (`provisioning.>`, `releases.promotions.>`) wait for the relay's stream
+//! own stream (`provisioning.>`) wait for the relay's stream
 //! rather than create an overlapping one.
 
 use super::{process, InboundContext, InboundHandler, InboundMetrics, Outcome, INBOUND};
@@ -236,7 +236,7 @@ impl Consumer {
 
     /// The stream storing the subject, creating `FERRY_INBOUND` for it when none does.
     async fn stream_for_subject(&self) -> Result<stream::Stream, ConsumeError> {
-        if let Ok(name) = self.js.stream_by_subject(self.subject.clone()).await {
+        if let Some(name) = self.stream_storing(&self.subject).await? {
             return self.open(&name).await;
         }
         if STREAM_SUBJECTS
@@ -301,6 +301,17 @@ impl Consumer {
                 })
                 .await
                 .map_err(|e| failure("create", &missing, e)),
+        }
+    }
+
+    /// The stream that stores `subject`; `None` when none does (a failed lookup is an error,
+    /// not "none": NATS may be unreachable).
+    async fn stream_storing(&self, subject: &str) -> Result<Option<String>, ConsumeError> {
+        use async_nats::jetstream::context::GetStreamByNameErrorKind as Kind;
+        match self.js.stream_by_subject(subject.to_string()).await {
+            Ok(name) => Ok(Some(name)),
+            Err(e) if matches!(e.kind(), Kind::NotFound) => Ok(None),
+            Err(e) => Err(NatsFailure::new(format!("find the stream storing {subject}"), e).into()),
         }
     }
 
