@@ -55,6 +55,11 @@ enum Command {
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
     },
+    /// Operate the NATS relay.
+    Relay {
+        #[command(subcommand)]
+        command: RelayCommand,
+    },
     /// Write the OpenAPI document (and other published schemas) to a folder.
     Schemas {
         /// Where to write.
@@ -63,6 +68,18 @@ enum Command {
         /// Only check that the files are up to date; fail if not.
         #[arg(long)]
         check: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum RelayCommand {
+    /// Publish every event after a position again (e.g. after a reported stream reset);
+    /// a running relay picks it up. Positions are `ferry projections status`'s
+    /// (`<transaction>.<position>`, or `0` for the beginning).
+    Replay {
+        /// Republish the events after this position.
+        #[arg(long)]
+        after: String,
     },
 }
 
@@ -126,6 +143,23 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             let db = open_database(&config).await?;
             db.close().await;
             out("migrations applied")?;
+        }
+        Command::Relay {
+            command: RelayCommand::Replay { after },
+        } => {
+            let Some(position) = ferry_messaging::parse_position(&after) else {
+                bail!(
+                    "--after {after:?} is not a position (`<transaction>.<position>` or a number)"
+                );
+            };
+            let db = open_database(&config).await?;
+            let events =
+                ferry_messaging::relay::replay_after(&db, &config.nats_stream, position).await;
+            db.close().await;
+            out(&format!(
+                "the relay to {} will publish {} events again",
+                config.nats_stream, events?
+            ))?;
         }
         Command::Projections { command } => {
             let db = open_database(&config).await?;

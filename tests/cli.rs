@@ -265,3 +265,31 @@ fn a_policy_that_does_not_compile_stops_start_up_naming_the_file_and_line() {
     assert!(stderr.contains("broken.rego"), "{stderr}");
     assert!(stderr.contains("line"), "{stderr}");
 }
+
+#[test]
+fn relay_replay_goes_back_only_and_says_how_many_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ferry(dir.path())
+        .args(["relay", "replay", "--after", "yesterday"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a position"));
+    // On the embedded store with nothing published yet, replaying from the start is a no-op.
+    let out = ferry(dir.path())
+        .args(["relay", "replay", "--after", "0"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("will publish 0 events again"));
+    let out = ferry(dir.path())
+        .args(["relay", "replay", "--after", "5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("would skip events"));
+}

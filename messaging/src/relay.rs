@@ -230,7 +230,7 @@ impl RelayMetrics {
                 "stream {stream} holds none of the events the relay published up to position {} \
                  (found at {}; the stream has no limits that remove messages: it was purged or \
                  NATS lost its store): they were not republished, and consumers that had not \
-                 read them will not see them",
+                 read them will not see them unless an operator runs `ferry relay replay`",
                 r.checkpoint,
                 r.at.to_rfc3339(),
             ));
@@ -1071,6 +1071,54 @@ async fn move_checkpoint(
         tx.save_checkpoint(name, to).await?;
     }
     tx.commit().await
+}
+
+/// Why an operator's replay was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The store failed.
+    #[error("store: {0}")]
+    Store(#[from] sqlx::Error),
+    /// Moving forward would skip events: a replay only goes back.
+    #[error("the relay has published only up to {checkpoint}: replaying after {after} would skip events, not repeat them")]
+    Forward {
+        /// Where the relay stands.
+        checkpoint: String,
+        /// The position asked for.
+        after: String,
+    },
+}
+
+/// An operator's replay: the relay of `stream_name` republishes every event after `after`
+/// (e.g. after a reported stream reset, for consumers that need the history again). NATS
+/// drops those still inside its duplicate window. Returns how many events will go out
+/// again. A running relay picks the new checkpoint up with its next batch.
+pub async fn replay_after(
+    db: &Database,
+    stream_name: &str,
+    after: Position,
+) -> Result<u64, ReplayError> {
+    let name = RelayConfig {
+        stream_name: stream_name.to_string(),
+        ..RelayConfig::default()
+    }
+    .checkpoint_name();
+    let checkpoint = load_checkpoint(db, &name).await?;
+    if after > checkpoint {
+        return Err(ReplayError::Forward {
+            checkpoint: position_token(checkpoint),
+            after: position_token(after),
+        });
+    }
+    let events = count_between(db, after, checkpoint).await?;
+    move_checkpoint(db, &name, after, true).await?;
+    tracing::warn!(
+        stream = stream_name,
+        after = %position_token(after),
+        events,
+        "an operator asked the relay to publish again"
+    );
+    Ok(events)
 }
 
 /// Events after `from` up to and including `to` (for logs and counters).

@@ -844,3 +844,44 @@ async fn a_checkpoint_that_cannot_be_saved_after_the_pubacks_is_never_published_
     relay.abort();
     t.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_operator_replays_the_history_a_reset_stream_lost_and_can_never_skip_ahead() {
+    let mut nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Sqlite).await;
+    let db = t.db.clone();
+    let cfg = config(&nats);
+    let (relay, original, _stop) = relay_after_runs(&nats, &db, &cfg, 2).await;
+    let metrics = relay.metrics();
+    nats.restart_empty().await;
+    wait_for("the empty stream reported", 30, || {
+        let m = metrics.clone();
+        async move { m.stream_resets.load(Ordering::Relaxed) == 1 }
+    })
+    .await;
+
+    // Forward would skip events: refused, nothing moves.
+    let ahead = ferry_store::Position {
+        transaction_id: 0,
+        global_position: 1_000,
+    };
+    let refused = ferry_messaging::relay::replay_after(&db, &cfg.stream_name, ahead).await;
+    assert!(
+        matches!(
+            refused,
+            Err(ferry_messaging::relay::ReplayError::Forward { .. })
+        ),
+        "{refused:?}"
+    );
+
+    // From the beginning: the running relay publishes the history again, once, in order.
+    let n = ferry_messaging::relay::replay_after(&db, &cfg.stream_name, Position::default())
+        .await
+        .unwrap();
+    assert_eq!(n, original.len() as u64);
+    let messages = wait_for_stream(&nats, original.len()).await;
+    assert_eq!(ids(&messages), ids(&original));
+    assert_unique(&messages);
+    relay.abort();
+    t.cleanup().await;
+}
