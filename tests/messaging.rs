@@ -8,6 +8,7 @@ mod common;
 use common::*;
 use ferry_messaging::testing::Nats;
 use ferry_store::database::Backend;
+use ferry_store::testing::eventually_showing;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -46,36 +47,23 @@ async fn a_command_is_published_as_a_cloudevent_on_the_seed_subject() {
 
     let client = async_nats::connect(&nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    let stream = loop {
-        match js.get_stream("FERRY_EVENTS").await {
-            Ok(stream) => break stream,
-            Err(_) => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "the relay never created FERRY_EVENTS"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
-    let message = loop {
-        match stream
+    let js = &js;
+    let stream = eventually_showing("the relay's stream FERRY_EVENTS", 15, || async move {
+        js.get_stream("FERRY_EVENTS")
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let stream = &stream;
+    let message = eventually_showing("a specification-declared message", 15, || async move {
+        stream
             .get_last_raw_message_by_subject(
                 "provisioning.specifications.v1.specification-declared",
             )
             .await
-        {
-            Ok(m) => break m,
-            Err(_) => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "no specification-declared message"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
+            .map_err(|e| e.to_string())
+    })
+    .await;
     let event: Value = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(event["specversion"], "1.0");
     assert_eq!(
@@ -140,26 +128,19 @@ async fn inbound_events_over_nats_and_http_have_one_effect_and_bad_ones_are_dead
         "acme",
         json!({"environmentId": "payments-stg", "tenantId": "acme", "environmentClass": "staging"}),
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     // The consumer creates its stream in the background: publish once it exists.
-    loop {
+    let (js, created) = (&js, &created);
+    eventually_showing("the inbound stream", 15, || async move {
         let ack = js
             .publish(
                 "environments.v1.environment-created",
                 created.to_string().into(),
             )
-            .await;
-        if let Ok(ack) = ack {
-            if ack.await.is_ok() {
-                break;
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the inbound stream never appeared"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            .await
+            .map_err(|e| e.to_string())?;
+        ack.await.map(|_| ()).map_err(|e| e.to_string())
+    })
+    .await;
     js.publish(
         "environments.v1.environment-created",
         created.to_string().into(),
@@ -168,17 +149,18 @@ async fn inbound_events_over_nats_and_http_have_one_effect_and_bad_ones_are_dead
     .unwrap()
     .await
     .unwrap();
-    let env = loop {
-        let (status, env) = s.get(&alice, "/factory/environments/payments-stg").await;
+    let (server, token) = (&s, &alice);
+    let env = eventually_showing("EnvironmentCreated's effect", 15, || async move {
+        let (status, env) = server
+            .get(token, "/factory/environments/payments-stg")
+            .await;
         if status == 200 {
-            break env;
+            Ok(env)
+        } else {
+            Err(format!("{status}: {env}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "EnvironmentCreated had no effect"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     assert_eq!(env["environmentClass"], "staging");
 
     // Over HTTP (a service token): accepted, then a duplicate; a state change; a

@@ -7,10 +7,10 @@ mod common;
 
 use common::*;
 use ferry_store::database::Backend;
+use ferry_store::testing::eventually_showing;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 const PROGRAM: &str = r#"name: web
 runtime: yaml
@@ -182,21 +182,16 @@ impl Fixture {
 
     async fn wait(&self, id: &str, state: &str) -> Value {
         let alice = operator("acme", "alice");
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let (_, run) = self
-                .s
-                .get(&alice, &format!("/factory/provisioning/runs/{id}"))
-                .await;
+        let (alice, path) = (&alice, &format!("/factory/provisioning/runs/{id}"));
+        eventually_showing(&format!("run {id} in {state}"), 20, || async move {
+            let (_, run) = self.s.get(alice, path).await;
             if run["state"] == state {
-                return run;
+                Ok(run)
+            } else {
+                Err(format!("{run:#}"))
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "run {id} never reached {state}: {run:#}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     async fn stop(self) {
@@ -273,23 +268,21 @@ async fn non_production_run_applies_with_both_receipts(backend: Backend) {
         "connectsoft_factory_provisioning_apply_duration_seconds_count{kind=\"Release\"} 1"
     ));
     // Each read model follows the stream on its own; wait for this one to catch up.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    let (alice, id) = (&operator("acme", "alice"), &id);
+    eventually_showing("the applied specification shown", 10, || async {
         let (_, current) =
             f.s.get(
-                &operator("acme", "alice"),
+                alice,
                 "/factory/provisioning/environments/payments-dev/current-specification",
             )
             .await;
         if current["specifications"][0]["applied"]["provisioningRunId"] == id.as_str() {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{current:#}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never shown as applied: {current:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
 
     // The secret is nowhere: not in any table, not in any file Ferry wrote.
     assert_secret_absent(&f).await;
@@ -299,6 +292,20 @@ async fn non_production_run_applies_with_both_receipts(backend: Backend) {
     let run = f.wait(&again, "Applied").await;
     assert_eq!(run["planReceipt"]["adds"], 0);
     f.stop().await;
+}
+
+/// The id of the baseline run planned for `env`, once it shows.
+async fn baseline_run(f: &Fixture, token: &str, env: &str) -> String {
+    let path = format!("/factory/provisioning/runs?kind=Baseline&environmentId={env}");
+    let path = &path;
+    eventually_showing(&format!("a baseline run for {env}"), 20, || async move {
+        let (_, page) = f.s.get(token, path).await;
+        page["items"][0]["provisioningRunId"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| format!("{page:#}"))
+    })
+    .await
 }
 
 #[tokio::test]
@@ -483,21 +490,8 @@ async fn a_new_environment_gets_its_baseline_planned_and_applied() {
             .await
             .unwrap();
     assert_eq!(response(r).await.0, 200);
-    let alice = operator("acme", "alice");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let id = loop {
-        let (_, page) =
-            f.s.get(
-                &alice,
-                "/factory/provisioning/runs?kind=Baseline&environmentId=payments-test",
-            )
-            .await;
-        if let Some(id) = page["items"][0]["provisioningRunId"].as_str() {
-            break id.to_string();
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no baseline run");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let alice = &operator("acme", "alice");
+    let id = baseline_run(&f, alice, "payments-test").await;
     let run = f.wait(&id, "Applied").await;
     assert!(
         run["applyReceipt"]["outputs"]["networkId"]
@@ -508,13 +502,13 @@ async fn a_new_environment_gets_its_baseline_planned_and_applied() {
     );
     assert_eq!(run["kind"], "Baseline");
     assert_eq!(run["requestedBy"], "system:baseline");
-    let (_, env) = f.s.get(&alice, "/factory/environments/payments-test").await;
+    let (_, env) = f.s.get(alice, "/factory/environments/payments-test").await;
     assert_eq!(env["environmentClass"], "test");
     // An Operator may not record environments.
     let r =
         f.s.client
             .put(f.s.url("/factory/environments/x"))
-            .bearer_auth(&alice)
+            .bearer_auth(alice)
             .json(&json!({"environmentClass": "test"}))
             .send()
             .await
@@ -841,17 +835,16 @@ async fn two_tenants_apply_to_prod_and_each_sees_only_its_own_resources() {
         let (status, run) = f.s.post(&who, "/factory/provisioning/runs", &body).await;
         assert_eq!(status, 201, "{run}");
         let id = run["provisioningRunId"].as_str().unwrap().to_string();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        let run = loop {
-            let (_, run) =
-                f.s.get(&who, &format!("/factory/provisioning/runs/{id}"))
-                    .await;
+        let (server, who, path) = (&f.s, &who, &format!("/factory/provisioning/runs/{id}"));
+        let run = eventually_showing("the run ends", 20, || async move {
+            let (_, run) = server.get(who, path).await;
             if run["state"] == "Applied" || run["state"] == "Failed" {
-                break run;
+                Ok(run)
+            } else {
+                Err(format!("{run:#}"))
             }
-            assert!(tokio::time::Instant::now() < deadline, "{run:#}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        })
+        .await;
         assert_eq!(run["state"], "Applied", "{run:#}");
         // The second tenant's prod starts empty too: both resources are new to it.
         assert_eq!(run["planReceipt"]["adds"], 2, "{tenant}: {run:#}");
@@ -920,25 +913,9 @@ async fn the_operators_baseline_program_works_outside_the_tenant_roots() {
     )
     .await;
     assert_eq!(status, 422, "{body}");
-    let alice = operator("acme", "alice");
+    let alice = &operator("acme", "alice");
     for env in ["payments-test", "payments-test-2"] {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        let id = loop {
-            let (_, page) =
-                f.s.get(
-                    &alice,
-                    &format!("/factory/provisioning/runs?kind=Baseline&environmentId={env}"),
-                )
-                .await;
-            if let Some(id) = page["items"][0]["provisioningRunId"].as_str() {
-                break id.to_string();
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no baseline run for {env}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let id = baseline_run(&f, alice, env).await;
         let run = f.wait(&id, "Applied").await;
         assert_eq!(run["planReceipt"]["programVersion"], good.as_str());
     }

@@ -160,20 +160,14 @@ async fn ferrys_own_sessions_cannot_sit_in_a_transaction() {
     .await
     .unwrap();
     // The server ends the session once it has idled in the transaction past the timeout.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let alive: bool = ferry_store::on_pool!(t.db, pool => sqlx::query_scalar(
+    let db_ref = &t.db;
+    ferry_store::testing::eventually_within("the idle transaction ended", 10, || async move {
+        let alive: bool = ferry_store::on_pool!(db_ref, pool => sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE state = 'idle in transaction' AND datname = current_database())"
         ).fetch_one(pool).await.unwrap());
-        if !alive {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the idle transaction was not ended"
-        );
-    }
+        (!alive).then_some(())
+    })
+    .await;
     assert!(tx.commit().await.is_err(), "the session was terminated");
     db.close().await;
     t.cleanup().await;

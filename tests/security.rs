@@ -425,20 +425,20 @@ async fn a_repeated_decision_is_a_duplicate_and_a_late_state_report_changes_noth
         .unwrap()
         .is_empty());
     // Events posted over HTTP answer before the read model moves: wait for it.
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let (_, run) = s
-            .get(
-                &operator("acme", "alice"),
-                &format!("/factory/provisioning/runs/{id}"),
-            )
-            .await;
+    let (server, alice, path) = (
+        &s,
+        &operator("acme", "alice"),
+        &format!("/factory/provisioning/runs/{id}"),
+    );
+    ferry_store::testing::eventually_showing("the approval in the read model", 10, || async move {
+        let (_, run) = server.get(alice, path).await;
         if run["authorization"]["approvedBy"] == "bob" {
-            break;
+            Ok(())
+        } else {
+            Err(run.to_string())
         }
-        assert!(tokio::time::Instant::now() < deadline, "{run}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    })
+    .await;
     assert_eq!(
         count(
             &s,

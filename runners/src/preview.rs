@@ -185,7 +185,7 @@ mod tests {
 
     fn fixture(name: &str) -> Vec<u8> {
         let path = format!(
-            "{}/../../shared/fixtures/pulumi/{name}",
+            "{}/tests/fixtures/pulumi/{name}",
             env!("CARGO_MANIFEST_DIR")
         );
         std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {path}: {e}"))

@@ -65,7 +65,7 @@ async fn preview(
     }
     seen.requests.lock().unwrap().push(req);
     let fixture = std::fs::read(format!(
-        "{}/../../shared/fixtures/pulumi/preview-creates.json",
+        "{}/tests/fixtures/pulumi/preview-creates.json",
         env!("CARGO_MANIFEST_DIR")
     ))
     .unwrap();

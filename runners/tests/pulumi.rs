@@ -17,7 +17,7 @@ const SECRET: &str = "s3cr3t-token-value";
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/pulumi")
+        .join("tests/fixtures/pulumi")
         .join(name)
 }
 

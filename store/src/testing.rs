@@ -132,6 +132,26 @@ where
     eventually_within(what, 10, check).await
 }
 
+/// As [`eventually_within`], for checks that can say what they saw: `Err(seen)` keeps
+/// polling, and the timeout names the last thing seen. The one polling loop of the tests.
+pub async fn eventually_showing<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        match check().await {
+            Ok(value) => return value,
+            Err(seen) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}; last seen: {seen}"
+            ),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// As [`eventually`], for at most `secs` seconds (e.g. for a NATS server to restart): the
 /// one polling helper every test uses.
 pub async fn eventually_within<T, F, Fut>(what: &str, secs: u64, mut check: F) -> T
@@ -139,17 +159,11 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    eventually_showing(what, secs, || {
+        let attempt = check();
+        async move { attempt.await.ok_or_else(|| "not yet".to_string()) }
+    })
+    .await
 }
 
 /// Declares one test per engine: `async fn name(backend) { … }` becomes the tests
