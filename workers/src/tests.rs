@@ -730,13 +730,12 @@ async fn a_missing_commit_fails_planning_naming_it() {
         .request("dev", Some(EnvironmentClass::Development), "deadbeef")
         .await;
     w.wait_state(id, ProvisioningState::Failed).await;
-    let (status, error, _) = w
-        .workers
-        .queue()
-        .status(&id.to_string(), Step::Plan)
-        .await
-        .unwrap()
-        .unwrap();
+    // The run is Failed in the store a moment before the planner marks its item.
+    let (status, error, _) = eventually("the plan item finished", || async {
+        let s = w.status(id, Step::Plan).await?;
+        (s.0 != "running" && s.0 != "pending").then_some(s)
+    })
+    .await;
     assert_eq!(status, "failed");
     assert!(error
         .unwrap()
