@@ -254,19 +254,29 @@ async fn non_production_run_applies_with_both_receipts(backend: Backend) {
         logs.contains("==> plan") && logs.contains("==> apply"),
         "{logs}"
     );
-    let metrics =
-        f.s.client
-            .get(f.s.url("/metrics"))
+    // The run shows Applied a moment before the applier counts it: wait for the count.
+    let server = &f.s;
+    eventually_showing("the Applied run counted", 10, || async move {
+        let metrics = server
+            .client
+            .get(server.url("/metrics"))
             .send()
             .await
             .unwrap()
             .text()
             .await
             .unwrap();
-    assert!(metrics.contains("connectsoft_factory_provisioning_runs_total{tenant=\"acme\",kind=\"Release\",state=\"Applied\"} 1"), "{metrics}");
-    assert!(metrics.contains(
-        "connectsoft_factory_provisioning_apply_duration_seconds_count{kind=\"Release\"} 1"
-    ));
+        let counted = metrics.contains("connectsoft_factory_provisioning_runs_total{tenant=\"acme\",kind=\"Release\",state=\"Applied\"} 1")
+            && metrics.contains(
+                "connectsoft_factory_provisioning_apply_duration_seconds_count{kind=\"Release\"} 1",
+            );
+        if counted {
+            Ok(())
+        } else {
+            Err(metrics)
+        }
+    })
+    .await;
     // Each read model follows the stream on its own; wait for this one to catch up.
     let (alice, id) = (&operator("acme", "alice"), &id);
     eventually_showing("the applied specification shown", 10, || async {
