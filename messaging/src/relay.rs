@@ -619,7 +619,29 @@ impl Worker {
         // Under interest or work-queue retention, consumed messages leave the stream: a
         // missing tail proves nothing there, so nothing is republished.
         let limits = info.config.retention == stream::RetentionPolicy::Limits;
-        match last_ferry_position_in(&stream, &state).await? {
+        let newest = newest_ferry_message_in(&stream, &state).await?;
+        let (last, newest_id) = match newest {
+            Some((position, id)) => (LastPosition::Found(position), id),
+            None if state.messages == 0 => (LastPosition::NoFerryMessage, None),
+            None => (last_ferry_position_in(&stream, &state).await?, None),
+        };
+        match last {
+            LastPosition::Found(target)
+                if target > checkpoint
+                    && newest_id.is_some()
+                    && event_id_at(&self.db, target.global_position).await? != newest_id =>
+            {
+                // The stream holds an event this store does not have at that position (e.g.
+                // the store was restored from a backup behind the stream): skipping ahead
+                // would leave the store's own events there unpublished.
+                tracing::error!(
+                    stream_last = %position_token(target),
+                    checkpoint = %position_token(checkpoint),
+                    message_id = newest_id.as_deref().unwrap_or_default(),
+                    "the stream's newest Ferry message is not this store's event at that position \
+                     (a store restored behind the stream?); publishing from the checkpoint, not skipping"
+                );
+            }
             LastPosition::Found(target) if target < checkpoint && !limits => {
                 tracing::warn!(
                     stream_last = %position_token(target),
@@ -1017,6 +1039,45 @@ pub async fn last_ferry_position(
         .state
         .clone();
     Ok(last_ferry_position_in(&stream, &state).await?)
+}
+
+/// The position and `Nats-Msg-Id` of the newest Ferry message among the newest
+/// [`RECONCILE_SCAN`] of a stream in `state`; `None` when there is none among them.
+async fn newest_ferry_message_in(
+    tail: &impl StreamTail,
+    state: &stream::State,
+) -> Result<Option<(Position, Option<String>)>, NatsFailure> {
+    if state.messages == 0 {
+        return Ok(None);
+    }
+    let lowest = state
+        .first_sequence
+        .max(state.last_sequence.saturating_sub(RECONCILE_SCAN));
+    let mut seq = state.last_sequence;
+    while seq >= lowest && seq > 0 {
+        if let Some(headers) = tail.headers_at(seq).await? {
+            if let Some(p) = headers
+                .get(POSITION_HEADER)
+                .and_then(|v| parse_position(v.as_str()))
+            {
+                let id = headers.get("Nats-Msg-Id").map(|v| v.to_string());
+                return Ok(Some((p, id)));
+            }
+        }
+        seq -= 1;
+    }
+    Ok(None)
+}
+
+/// The id of the stored event at `global_position`, if any.
+async fn event_id_at(db: &Database, global_position: i64) -> Result<Option<String>, sqlx::Error> {
+    let sql = db.sql("SELECT CAST(event_id AS text) FROM events WHERE global_position = $1");
+    Ok(
+        ferry_store::on_pool!(db, pool => sqlx::query_scalar::<_, String>(&sql)
+        .bind(global_position)
+        .fetch_optional(pool)
+        .await?),
+    )
 }
 
 /// The newest Ferry message among the newest [`RECONCILE_SCAN`] of a stream in `state`. A

@@ -885,3 +885,45 @@ async fn an_operator_replays_the_history_a_reset_stream_lost_and_can_never_skip_
     relay.abort();
     t.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_stream_ahead_with_other_events_than_the_stores_is_not_skipped_over() {
+    // A store restored behind the stream: the stream's newest Ferry message claims a position
+    // the store holds, but it is another event there. Skipping to it would leave the store's
+    // own events unpublished.
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(Backend::Sqlite).await;
+    let db = t.db.clone();
+    applied_run(&db, "acme", None).await;
+    let total = wait_events(&db, 4).await;
+    let cfg = config(&nats);
+    let js = nats.js().await;
+    ferry_messaging::relay::ensure_stream(&js, &cfg)
+        .await
+        .unwrap();
+    for position in 1..=4 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", uuid::Uuid::new_v4().to_string().as_str());
+        headers.insert("Ferry-Position", format!("0.{position}").as_str());
+        js.publish_with_headers(
+            "ferry.events.provisioning-run.from-before-the-restore",
+            headers,
+            "{}".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let (_stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), cfg.clone(), shutdown)
+        .await
+        .unwrap();
+    let messages = wait_for_stream(&nats, 4 + total).await;
+    let ours: Vec<&Stored> = messages[4..].iter().collect();
+    assert_eq!(ours.len(), total, "the store's own events are published");
+    ours.iter().for_each(|m| assert_valid(m));
+    assert_eq!(relay.metrics().skipped.load(Ordering::Relaxed), 0);
+    relay.abort();
+    t.cleanup().await;
+}
