@@ -156,14 +156,18 @@ impl AppState {
             ));
         }
         if let Some(nats) = &self.inner.services.nats {
-            let lag = subscriptions
+            // No checkpoint row yet (the store was down when the relay started): no figure,
+            // rather than a made-up zero.
+            if let Some(lag) = subscriptions
                 .iter()
                 .find(|s| s.name == nats.checkpoint)
-                .map_or(0, |s| s.lag);
-            out.push_str(&format!(
+                .map(|s| s.lag)
+            {
+                out.push_str(&format!(
                 "# HELP ferry_nats_relay_lag_events Events stored and not yet acknowledged by JetStream.\n# TYPE ferry_nats_relay_lag_events gauge\nferry_nats_relay_lag_events{{stream=\"{}\"}} {lag}\n",
-                nats.stream
-            ));
+                    nats.stream
+                ));
+            }
         }
         out
     }

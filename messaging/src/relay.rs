@@ -619,12 +619,7 @@ impl Worker {
         // Under interest or work-queue retention, consumed messages leave the stream: a
         // missing tail proves nothing there, so nothing is republished.
         let limits = info.config.retention == stream::RetentionPolicy::Limits;
-        let newest = newest_ferry_message_in(&stream, &state).await?;
-        let (last, newest_id) = match newest {
-            Some((position, id)) => (LastPosition::Found(position), id),
-            None if state.messages == 0 => (LastPosition::NoFerryMessage, None),
-            None => (last_ferry_position_in(&stream, &state).await?, None),
-        };
+        let (last, newest_id) = newest_ferry_message_in(&stream, &state).await?;
         match last {
             LastPosition::Found(target)
                 if target > checkpoint
@@ -1041,34 +1036,6 @@ pub async fn last_ferry_position(
     Ok(last_ferry_position_in(&stream, &state).await?)
 }
 
-/// The position and `Nats-Msg-Id` of the newest Ferry message among the newest
-/// [`RECONCILE_SCAN`] of a stream in `state`; `None` when there is none among them.
-async fn newest_ferry_message_in(
-    tail: &impl StreamTail,
-    state: &stream::State,
-) -> Result<Option<(Position, Option<String>)>, NatsFailure> {
-    if state.messages == 0 {
-        return Ok(None);
-    }
-    let lowest = state
-        .first_sequence
-        .max(state.last_sequence.saturating_sub(RECONCILE_SCAN));
-    let mut seq = state.last_sequence;
-    while seq >= lowest && seq > 0 {
-        if let Some(headers) = tail.headers_at(seq).await? {
-            if let Some(p) = headers
-                .get(POSITION_HEADER)
-                .and_then(|v| parse_position(v.as_str()))
-            {
-                let id = headers.get("Nats-Msg-Id").map(|v| v.to_string());
-                return Ok(Some((p, id)));
-            }
-        }
-        seq -= 1;
-    }
-    Ok(None)
-}
-
 /// The id of the stored event at `global_position`, if any.
 async fn event_id_at(db: &Database, global_position: i64) -> Result<Option<String>, sqlx::Error> {
     let sql = db.sql("SELECT CAST(event_id AS text) FROM events WHERE global_position = $1");
@@ -1086,8 +1053,16 @@ pub async fn last_ferry_position_in(
     tail: &impl StreamTail,
     state: &stream::State,
 ) -> Result<LastPosition, NatsFailure> {
+    Ok(newest_ferry_message_in(tail, state).await?.0)
+}
+
+/// As [`last_ferry_position_in`], with the newest Ferry message's `Nats-Msg-Id`.
+async fn newest_ferry_message_in(
+    tail: &impl StreamTail,
+    state: &stream::State,
+) -> Result<(LastPosition, Option<String>), NatsFailure> {
     if state.messages == 0 {
-        return Ok(LastPosition::NoFerryMessage);
+        return Ok((LastPosition::NoFerryMessage, None));
     }
     let lowest = state
         .first_sequence
@@ -1099,16 +1074,18 @@ pub async fn last_ferry_position_in(
                 .get(POSITION_HEADER)
                 .and_then(|v| parse_position(v.as_str()))
             {
-                return Ok(LastPosition::Found(p));
+                let id = headers.get("Nats-Msg-Id").map(|v| v.to_string());
+                return Ok((LastPosition::Found(p), id));
             }
         }
         seq -= 1;
     }
-    Ok(if lowest <= state.first_sequence {
+    let last = if lowest <= state.first_sequence {
         LastPosition::NoFerryMessage
     } else {
         LastPosition::Unknown
-    })
+    };
+    Ok((last, None))
 }
 
 async fn load_checkpoint(db: &Database, name: &str) -> Result<Position, sqlx::Error> {

@@ -332,23 +332,7 @@ async fn messages_nats_lost_after_acknowledging_them_are_republished() {
     // The server comes back having kept only the first 5 messages (lost acknowledged writes).
     nats.restart_empty().await;
     let js = nats.js().await;
-    ferry_messaging::relay::ensure_stream(&js, &cfg)
-        .await
-        .unwrap();
-    for m in &original[..5] {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", m.msg_id.clone().unwrap().as_str());
-        headers.insert("Ferry-Position", m.position.clone().unwrap().as_str());
-        js.publish_with_headers(
-            m.subject.clone(),
-            headers,
-            serde_json::to_vec(&m.body).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    }
+    recreate_with(&js, &cfg, &original, 5).await;
     let LastPosition::Found(kept) = last_ferry_position(&js, &cfg.stream_name).await.unwrap()
     else {
         panic!("no Ferry position in the stream")
