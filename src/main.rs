@@ -4,8 +4,8 @@
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use ferry_api::app::{init_tracing, open_database};
-use ferry_api::{Config, Server};
+use ferry_app::server::{init_tracing, open_database};
+use ferry_app::{Config, Server};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -181,7 +181,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     {
                         out(&format!(
                             "\nheld back: {}",
-                            ferry_api::app::holder_problem(&holder)
+                            ferry_api::router::holder_problem(&holder)
                         ))?;
                     }
                 }

@@ -225,7 +225,7 @@ fn schemas_check_finds_stale_files() {
 #[test]
 fn the_readme_documents_every_setting() {
     let readme = include_str!("../README.md");
-    for (key, env, _, _) in ferry_api::config::SETTINGS {
+    for (key, env, _, _) in ferry_app::config::SETTINGS {
         let name = if env.starts_with("FERRY_BASELINE_PROGRAM_") {
             "FERRY_BASELINE_PROGRAM_"
         } else {

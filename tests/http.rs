@@ -5,6 +5,7 @@ mod common;
 use common::*;
 use ferry_store::database::Backend;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 async fn declare(s: &TestServer, token: &str, env: &str, commit: &str) -> Value {
     let (status, body) = s
@@ -743,4 +744,55 @@ fn the_published_openapi_document_is_current() {
         published == ferry_api::openapi::document_text(),
         "schemas/openapi.json is stale: run `cargo run -- schemas`"
     );
+}
+
+#[tokio::test]
+async fn every_documented_operation_is_served_and_no_other_method_on_its_path() {
+    let s = TestServer::start(Backend::Sqlite).await;
+    let doc: Value = s
+        .client
+        .get(s.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let paths = doc["paths"].as_object().unwrap();
+    assert_eq!(paths.len(), 14, "{:?}", paths.keys().collect::<Vec<_>>());
+    let methods = ["get", "post", "put", "patch", "delete"];
+    for (template, item) in paths {
+        // Any value for a parameter: the router must match the path before a handler looks.
+        let path = template
+            .split('/')
+            .map(|segment| {
+                if segment.starts_with('{') {
+                    "00000000-0000-0000-0000-000000000000"
+                } else {
+                    segment
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("/");
+        for method in methods {
+            let request = s
+                .client
+                .request(method.to_uppercase().parse().unwrap(), s.url(&path))
+                .timeout(Duration::from_secs(10));
+            // The event stream never ends: its status line is all this test needs.
+            let status = request.send().await.unwrap().status().as_u16();
+            if item.get(method).is_some() {
+                assert!(
+                    status != 404 && status != 405,
+                    "{method} {template} is documented but answers {status}"
+                );
+            } else {
+                assert_eq!(
+                    status, 405,
+                    "{method} {template} is served but not documented"
+                );
+            }
+        }
+    }
+    s.stop().await;
 }

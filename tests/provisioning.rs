@@ -104,7 +104,7 @@ async fn start(backend: Backend) -> Fixture {
     start_tuned(backend, |_| {}).await
 }
 
-async fn start_tuned(backend: Backend, tune: impl FnOnce(&mut ferry_api::Config)) -> Fixture {
+async fn start_tuned(backend: Backend, tune: impl FnOnce(&mut ferry_app::Config)) -> Fixture {
     let root = tempfile::tempdir().unwrap();
     let (repo, good, failing) = repository(&root.path().join("acme"));
     let secret = format!("pw-{}", uuid::Uuid::new_v4().simple());

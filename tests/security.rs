@@ -300,7 +300,7 @@ async fn a_locked_embedded_store_answers_503_with_retry_after() {
     config.sqlite_busy_timeout = std::time::Duration::from_millis(50);
     let db = ferry_store::Database::open_sqlite_with(
         data.path(),
-        &ferry_api::app::store_options(&config),
+        &ferry_app::server::store_options(&config),
     )
     .await
     .unwrap();
@@ -308,7 +308,7 @@ async fn a_locked_embedded_store_answers_503_with_retry_after() {
     ferry_projections::projection::ensure_all_tables(&db)
         .await
         .unwrap();
-    let server = ferry_api::Server::start_with(&config, db.clone())
+    let server = ferry_app::Server::start_with(&config, db.clone())
         .await
         .unwrap();
     let base = format!("http://{}", server.addr);

@@ -4,6 +4,7 @@
 //! caller's tenant as Server-Sent Events, from a position, resumable with `Last-Event-ID`.
 
 use crate::auth::Caller;
+use crate::ports::{IntakeError, Poster};
 use crate::problem::ApiError;
 use crate::state::AppState;
 use axum::body::Bytes;
@@ -12,22 +13,65 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ferry_messaging::inbound::AcceptError;
 use std::collections::HashMap;
 
-impl From<AcceptError> for ApiError {
-    fn from(e: AcceptError) -> Self {
+impl From<IntakeError> for ApiError {
+    fn from(e: IntakeError) -> Self {
         match e {
-            AcceptError::Malformed(reason) => ApiError::bad_field("body", reason),
-            AcceptError::Forbidden(reason) => ApiError::Forbidden(reason),
-            AcceptError::Rejected(reason) => ApiError::Rule {
+            IntakeError::Malformed(reason) => ApiError::bad_field("body", reason),
+            IntakeError::Forbidden(reason) => ApiError::Forbidden(reason),
+            IntakeError::Rejected(reason) => ApiError::Rule {
                 detail: reason,
                 field: None,
             },
-            AcceptError::InProgress(_) => ApiError::Conflict,
-            AcceptError::Unavailable(reason) => ApiError::Unavailable(reason.into()),
+            IntakeError::InProgress(_) => ApiError::Conflict,
+            IntakeError::Unavailable(reason) => ApiError::Unavailable(reason.into()),
         }
     }
+}
+
+/// The body of `POST /factory/events`: one structured-mode CloudEvent, kept as the bytes
+/// that were sent (inbound processing validates and de-duplicates them).
+pub struct CloudEventBody(pub Bytes);
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for CloudEventBody {
+    // Axum's own answer (e.g. 413 past the body limit), as when the handler took `Bytes`.
+    type Rejection = axum::extract::rejection::BytesRejection;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
+        <Bytes as axum::extract::FromRequest<S>>::from_request(req, state)
+            .await
+            .map(Self)
+    }
+}
+
+impl aide::operation::OperationInput for CloudEventBody {
+    fn operation_input(
+        ctx: &mut aide::generate::GenContext,
+        operation: &mut aide::openapi::Operation,
+    ) {
+        let schema = ctx
+            .schema
+            .subschema_for::<ferry_domain::cloudevent::CloudEvent>();
+        crate::openapi::set_request_body(
+            ctx,
+            operation,
+            "application/cloudevents+json",
+            schema,
+            true,
+        );
+    }
+}
+
+/// The answer to an accepted event.
+#[derive(Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct EventAccepted {
+    /// The CloudEvent id.
+    pub id: String,
+    /// The event name (`ReleaseReady`, …).
+    pub event: String,
+    /// True when the id was handled before (nothing happened this time).
+    pub duplicate: bool,
 }
 
 /// `POST /factory/events`: one CloudEvent (structured JSON) from a service identity (scope
@@ -38,7 +82,7 @@ pub async fn post_event(
     State(state): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
-    body: Bytes,
+    CloudEventBody(body): CloudEventBody,
 ) -> Result<Response, ApiError> {
     caller.require_event_publisher()?;
     let content_type = headers
@@ -51,16 +95,19 @@ pub async fn post_event(
     {
         return Err(ApiError::UnsupportedMediaType);
     }
-    let poster = ferry_messaging::inbound::Poster {
+    let poster = Poster {
         tenant: caller.tenant.clone(),
         actor: caller.actor.clone(),
     };
-    let accepted =
-        ferry_messaging::inbound::accept_cloud_event(state.inbound(), &poster, &body).await?;
+    let accepted = state.intake().accept(&poster, &body).await?;
     tracing::info!(id = %accepted.id, event = %accepted.event, duplicate = accepted.duplicate, "event accepted");
     Ok((
         StatusCode::ACCEPTED,
-        Json(serde_json::json!({"id": accepted.id, "event": accepted.event, "duplicate": accepted.duplicate})),
+        Json(EventAccepted {
+            id: accepted.id,
+            event: accepted.event,
+            duplicate: accepted.duplicate,
+        }),
     )
         .into_response())
 }
@@ -84,7 +131,7 @@ pub async fn event_stream(
     }
     let after = query.get("after").map(String::as_str);
     if let Some(a) = after {
-        if ferry_messaging::parse_position(a).is_none() {
+        if !state.feed().is_position(a) {
             return Err(ApiError::bad_field(
                 "after",
                 "not a stream position (use an event's id)",
@@ -92,13 +139,7 @@ pub async fn event_stream(
         }
     }
     let last_event_id = headers.get("last-event-id").and_then(|v| v.to_str().ok());
-    let from = ferry_messaging::start_position(last_event_id, after);
-    let stream = ferry_messaging::sse_stream(
-        state.db().clone(),
-        caller.tenant.to_string(),
-        from,
-        state.db().subscribe_commits(),
-    );
+    let stream = state.feed().stream(&caller.tenant, last_event_id, after);
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())

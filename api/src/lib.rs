@@ -1,19 +1,18 @@
-//! Ferry's HTTP API and process wiring: configuration, bearer-token auth, problem+json
-//! errors, the provisioning routes, the OpenAPI document, and the server that runs the
-//! projections beside the API.
+//! Ferry's HTTP API: bearer-token auth, problem+json errors, the provisioning, environment
+//! and event routes, the OpenAPI document, and the operational endpoints. It is HTTP only:
+//! what it needs from NATS, the workers and the adapters comes through the traits in
+//! [`ports`], which the application crate (`ferry-app`) implements and wires.
 #![forbid(unsafe_code)]
 
-pub mod app;
 pub mod auth;
-pub mod config;
 pub mod environments;
 pub mod events;
 pub mod extract;
-pub mod inbound;
 pub mod openapi;
+pub mod ports;
 pub mod problem;
+pub mod router;
 pub mod routes;
 pub mod state;
 
-pub use app::{router, Server, StartError};
-pub use config::{Config, ConfigError};
+pub use router::router;

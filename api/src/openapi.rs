@@ -1,269 +1,289 @@
-//! The OpenAPI 3.1 document, built from the same types the handlers use (schemars), served
-//! at `/openapi.json` and written to `schemas/openapi.json` by `ferry schemas`.
+//! The OpenAPI 3.1 document, generated with `aide` from the route declarations in
+//! [`crate::router`]: a route is declared together with its documentation (`get_with`,
+//! `post_with`), request bodies come from the handlers' extractor types and responses from
+//! the view types (schemars), so the document and the router cannot drift apart. It is
+//! served at `/openapi.json` and written to `schemas/openapi.json` by `ferry schemas`.
 
-use crate::problem::Problem;
-use crate::routes::{
-    ApprovalRequest, CancelRequest, DeclareSpecificationRequest, PlanProvisioningRequest,
+use crate::auth::Caller;
+use crate::extract::{OptionalJson, RequestIds, ValidJson};
+use crate::problem::{ApiError, Problem};
+use aide::generate::GenContext;
+use aide::openapi::{
+    MediaType, OpenApi, Operation, Parameter, ReferenceOr, RequestBody, SchemaObject, StatusCode,
 };
-use ferry_domain::specification::SpecificationVersion;
-use ferry_projections::views::CurrentSpecificationView;
-use ferry_projections::{Page, RunView};
+use aide::operation::{set_body, OperationInput, OperationOutput};
+use aide::transform::{TransformOpenApi, TransformOperation};
 use schemars::generate::SchemaSettings;
-use serde_json::{json, Map, Value};
+use schemars::JsonSchema;
+use serde_json::{json, Value};
+use std::sync::OnceLock;
 
-fn problem_response(description: &str) -> Value {
-    json!({
-        "description": description,
-        "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
-    })
+/// The bearer scheme every protected operation names.
+const BEARER: &str = "bearer";
+/// Read scope.
+pub const READ: &str = "factory.provisioning.read";
+/// Apply scope.
+pub const APPLY: &str = "factory.provisioning.apply";
+/// Event-publishing scope (service identities).
+pub const PUBLISH: &str = "factory.events.publish";
+
+// The caller and the request ids are not part of the contract's shape: the bearer
+// requirement is named per operation, and request ids are optional headers.
+impl OperationInput for Caller {}
+impl OperationInput for RequestIds {}
+
+/// Documents the request body: `schema` as `content_type`.
+pub fn set_request_body(
+    ctx: &mut GenContext,
+    operation: &mut Operation,
+    content_type: &str,
+    schema: schemars::Schema,
+    required: bool,
+) {
+    let body = RequestBody {
+        required,
+        content: [(
+            content_type.to_string(),
+            MediaType {
+                schema: Some(SchemaObject {
+                    json_schema: schema,
+                    example: None,
+                    external_docs: None,
+                }),
+                ..MediaType::default()
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..RequestBody::default()
+    };
+    set_body(ctx, operation, body);
 }
 
-fn ok(description: &str, schema: Value) -> Value {
-    json!({"description": description, "content": {"application/json": {"schema": schema}}})
+impl<T: JsonSchema> OperationInput for ValidJson<T> {
+    fn operation_input(ctx: &mut GenContext, operation: &mut Operation) {
+        let schema = ctx.schema.subschema_for::<T>();
+        set_request_body(ctx, operation, "application/json", schema, true);
+    }
 }
 
-fn body(schema: Value, required: bool) -> Value {
-    json!({"required": required, "content": {"application/json": {"schema": schema}}})
+impl<T: JsonSchema> OperationInput for OptionalJson<T> {
+    fn operation_input(ctx: &mut GenContext, operation: &mut Operation) {
+        let schema = ctx.schema.subschema_for::<T>();
+        set_request_body(ctx, operation, "application/json", schema, false);
+    }
 }
 
-fn errors(codes: &[&str]) -> Map<String, Value> {
-    codes
-        .iter()
-        .map(|c| {
-            (
-                c.to_string(),
-                json!({"$ref": format!("#/components/responses/{c}")}),
-            )
-        })
-        .collect()
+// Error responses are named per operation (`errors`), as shared components.
+impl OperationOutput for ApiError {
+    type Inner = ();
 }
 
-fn responses(success: (&str, Value), codes: &[&str]) -> Value {
-    let mut map = errors(codes);
-    map.insert(success.0.to_string(), success.1);
-    Value::Object(map)
+/// Documentation helpers for the route declarations.
+pub trait Doc<'t>: Sized {
+    /// Needs a bearer token with `scope`.
+    fn scope(self, scope: &str) -> Self;
+    /// Needs no token.
+    fn public(self) -> Self;
+    /// The shared error responses this operation can answer with (e.g. `[400, 401]`).
+    fn errors(self, codes: &[u16]) -> Self;
+    /// A query parameter (never required).
+    fn query(self, name: &str, description: &str, schema: Value) -> Self;
+    /// A path parameter.
+    fn path(self, name: &str, description: &str, schema: Value) -> Self;
+    /// The `Idempotency-Key` header.
+    fn idempotency_key(self) -> Self;
+    /// `limit` and `cursor`.
+    fn paging(self) -> Self;
+    /// A success response whose body is `content_type` text.
+    fn text(self, status: u16, description: &str, content_type: &str) -> Self;
+    /// A response without a documented body.
+    fn bare(self, status: u16, description: &str) -> Self;
 }
 
-fn query(name: &str, description: &str, schema: Value) -> Value {
-    json!({"name": name, "in": "query", "required": false, "description": description, "schema": schema})
+fn parameter(value: Value) -> Parameter {
+    // The literals below are fixed; a test renders the document, so a bad one fails there.
+    serde_json::from_value(value).unwrap_or_else(|e| panic!("bad OpenAPI parameter: {e}"))
 }
 
-fn path(name: &str, description: &str, schema: Value) -> Value {
-    json!({"name": name, "in": "path", "required": true, "description": description, "schema": schema})
+fn set_response(
+    operation: &mut Operation,
+    status: u16,
+    response: ReferenceOr<aide::openapi::Response>,
+) {
+    operation
+        .responses
+        .get_or_insert_with(Default::default)
+        .responses
+        .insert(StatusCode::Code(status), response);
+}
+
+impl<'t> Doc<'t> for TransformOperation<'t> {
+    fn scope(self, scope: &str) -> Self {
+        self.security_requirement_scopes(BEARER, [scope])
+    }
+
+    fn public(mut self) -> Self {
+        self.inner_mut().security = Vec::new();
+        self
+    }
+
+    fn errors(mut self, codes: &[u16]) -> Self {
+        for code in codes {
+            set_response(
+                self.inner_mut(),
+                *code,
+                ReferenceOr::Reference {
+                    reference: format!("#/components/responses/{code}"),
+                    description: None,
+                    summary: None,
+                },
+            );
+        }
+        self
+    }
+
+    fn query(mut self, name: &str, description: &str, schema: Value) -> Self {
+        let p = parameter(
+            json!({"name": name, "in": "query", "required": false, "description": description, "schema": schema}),
+        );
+        self.inner_mut().parameters.push(ReferenceOr::Item(p));
+        self
+    }
+
+    fn path(mut self, name: &str, description: &str, schema: Value) -> Self {
+        let p = parameter(
+            json!({"name": name, "in": "path", "required": true, "description": description, "schema": schema}),
+        );
+        self.inner_mut().parameters.push(ReferenceOr::Item(p));
+        self
+    }
+
+    fn idempotency_key(mut self) -> Self {
+        let p = parameter(json!({
+            "name": "Idempotency-Key", "in": "header", "required": false,
+            "description": "A retry with the same key and body returns the first response; the same key with another body is refused (422).",
+            "schema": {"type": "string", "maxLength": 255}
+        }));
+        self.inner_mut().parameters.push(ReferenceOr::Item(p));
+        self
+    }
+
+    fn paging(self) -> Self {
+        self.query(
+            "limit",
+            "Page size, 1 to 200 (default 50).",
+            json!({"type": "integer", "minimum": 1, "maximum": 200}),
+        )
+        .query(
+            "cursor",
+            "The `nextCursor` of the previous page.",
+            json!({"type": "string"}),
+        )
+    }
+
+    fn text(mut self, status: u16, description: &str, content_type: &str) -> Self {
+        let response = serde_json::from_value(json!({
+            "description": description,
+            "content": {content_type: {"schema": {"type": "string"}}}
+        }))
+        .unwrap_or_else(|e| panic!("bad OpenAPI response: {e}"));
+        set_response(self.inner_mut(), status, ReferenceOr::Item(response));
+        self
+    }
+
+    fn bare(mut self, status: u16, description: &str) -> Self {
+        let response = aide::openapi::Response {
+            description: description.to_string(),
+            ..Default::default()
+        };
+        set_response(self.inner_mut(), status, ReferenceOr::Item(response));
+        self
+    }
+}
+
+/// The schema of `T` as a JSON value, in the document's generator (for parameters).
+pub fn schema_of<T: JsonSchema>() -> Value {
+    aide::generate::in_context(|ctx| ctx.schema.subschema_for::<T>().to_value())
+}
+
+/// Makes the generator write JSON Schema 2020-12 into `components/schemas`, and not guess
+/// responses: each operation names its own. Called before the routes are declared.
+pub fn prepare() {
+    aide::generate::infer_responses(false);
+    aide::generate::extract_schemas(true);
+    aide::generate::in_context(|ctx| {
+        ctx.schema = SchemaSettings::draft2020_12()
+            .with(|s| {
+                s.definitions_path = "#/components/schemas".into();
+                s.inline_subschemas = false;
+            })
+            .into_generator();
+    });
+    aide::generate::on_error(|error| tracing::warn!(%error, "OpenAPI generation"));
+}
+
+fn problem_response(description: &str) -> ReferenceOr<aide::openapi::Response> {
+    ReferenceOr::Item(
+        serde_json::from_value(json!({
+            "description": description,
+            "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+        }))
+        .unwrap_or_else(|e| panic!("bad OpenAPI response: {e}")),
+    )
+}
+
+/// The document-level parts: info, the bearer scheme, the shared error responses.
+pub fn finish(api: TransformOpenApi<'_>) -> TransformOpenApi<'_> {
+    let mut api = api
+        .title("Ferry")
+        .version(env!("CARGO_PKG_VERSION"))
+        .description("Delivery and provisioning control plane: desired-state specifications and provisioning runs that plan before they apply. Errors are RFC 9457 problem+json.");
+    aide::generate::in_context(|ctx| {
+        ctx.schema.subschema_for::<Problem>();
+    });
+    let inner = api.inner_mut();
+    let components = inner.components.get_or_insert_with(Default::default);
+    components.security_schemes.insert(
+        BEARER.to_string(),
+        ReferenceOr::Item(
+            serde_json::from_value(json!({"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
+                "description": "JWT with claims sub, tenant, scope (space-separated) and roles (Operator, PlatformAdmin, Observer)."}))
+            .unwrap_or_else(|e| panic!("bad OpenAPI security scheme: {e}")),
+        ),
+    );
+    for (code, description) in [
+        ("400", "Malformed JSON, query parameter or header."),
+        ("401", "No bearer token, or one that does not verify."),
+        ("403", "The token lacks the scope or role, or the caller may not do this (e.g. approve their own run)."),
+        ("404", "No such resource for this tenant."),
+        ("409", "Wrong state, or a concurrent change (retry after Retry-After)."),
+        ("415", "The body is not application/json."),
+        ("422", "A field is missing or refused, a referenced record does not exist, or an Idempotency-Key was reused with another body."),
+    ] {
+        components
+            .responses
+            .insert(code.to_string(), problem_response(description));
+    }
+    api
 }
 
 /// The OpenAPI document.
 pub fn document() -> Value {
-    let mut generator = SchemaSettings::draft2020_12()
-        .with(|s| s.definitions_path = "#/components/schemas".into())
-        .into_generator();
-    let mut schema =
-        |f: fn(&mut schemars::SchemaGenerator) -> schemars::Schema| f(&mut generator).to_value();
-    let declare = schema(|g| g.subschema_for::<DeclareSpecificationRequest>());
-    let plan = schema(|g| g.subschema_for::<PlanProvisioningRequest>());
-    let cancel = schema(|g| g.subschema_for::<CancelRequest>());
-    let approval = schema(|g| g.subschema_for::<ApprovalRequest>());
-    let version = schema(|g| g.subschema_for::<SpecificationVersion>());
-    let run = schema(|g| g.subschema_for::<RunView>());
-    let spec_page = schema(|g| g.subschema_for::<Page<SpecificationVersion>>());
-    let run_page = schema(|g| g.subschema_for::<Page<RunView>>());
-    let current = schema(|g| g.subschema_for::<CurrentSpecificationView>());
-    let cloud_event = schema(|g| g.subschema_for::<ferry_messaging::CloudEvent>());
-    let put_env = schema(|g| g.subschema_for::<crate::environments::PutEnvironmentRequest>());
-    let env_view = schema(|g| g.subschema_for::<crate::environments::EnvironmentView>());
-    let kind = schema(|g| g.subschema_for::<ferry_domain::SpecificationKind>());
-    let run_kind = schema(|g| g.subschema_for::<ferry_domain::ProvisioningKind>());
-    let state = schema(|g| g.subschema_for::<ferry_domain::ProvisioningState>());
-    schema(|g| g.subschema_for::<Problem>());
-    let schemas = generator.take_definitions(true);
-
-    let paging = [
-        query(
-            "limit",
-            "Page size, 1 to 200 (default 50).",
-            json!({"type": "integer", "minimum": 1, "maximum": 200}),
-        ),
-        query(
-            "cursor",
-            "The `nextCursor` of the previous page.",
-            json!({"type": "string"}),
-        ),
-    ];
-    let read = json!([{"bearer": ["factory.provisioning.read"]}]);
-    let apply = json!([{"bearer": ["factory.provisioning.apply"]}]);
-    let publish = json!([{"bearer": ["factory.events.publish"]}]);
-    let run_id = path(
-        "provisioningRunId",
-        "The run.",
-        json!({"type": "string", "format": "uuid"}),
-    );
-    let idempotency = json!({
-        "name": "Idempotency-Key", "in": "header", "required": false,
-        "description": "A retry with the same key and body returns the first response; the same key with another body is refused (422).",
-        "schema": {"type": "string", "maxLength": 255}
-    });
-
-    json!({
-        "openapi": "3.1.0",
-        "info": {
-            "title": "Ferry",
-            "version": env!("CARGO_PKG_VERSION"),
-            "description": "Delivery and provisioning control plane: desired-state specifications and provisioning runs that plan before they apply. Errors are RFC 9457 problem+json."
-        },
-        "paths": {
-            "/factory/provisioning/specifications": {
-                "get": {
-                    "operationId": "ListSpecifications",
-                    "summary": "Every declared specification version, newest first.",
-                    "security": read,
-                    "parameters": [
-                        query("environmentId", "Only this environment.", json!({"type": "string"})),
-                        query("projectId", "Only this project.", json!({"type": "string"})),
-                        query("kind", "Only this kind.", kind),
-                        query("specificationId", "Only this specification's versions.", json!({"type": "string", "format": "uuid"})),
-                        paging[0], paging[1]
-                    ],
-                    "responses": responses(("200", ok("A page of versions.", spec_page)), &["400", "401", "403"])
-                },
-                "post": {
-                    "operationId": "DeclareSpecification",
-                    "summary": "Declare a new immutable version of an environment's desired state.",
-                    "security": apply,
-                    "requestBody": body(declare, true),
-                    "responses": responses(("201", ok("The new version.", version)), &["400", "401", "403", "409", "415", "422"])
-                }
-            },
-            "/factory/provisioning/runs": {
-                "get": {
-                    "operationId": "ListProvisioningRuns",
-                    "summary": "Runs by environment, kind and state, with receipts, newest first.",
-                    "security": read,
-                    "parameters": [
-                        query("environmentId", "Only this environment.", json!({"type": "string"})),
-                        query("kind", "Only this kind.", run_kind),
-                        query("state", "Only this state.", state),
-                        paging[0], paging[1]
-                    ],
-                    "responses": responses(("200", ok("A page of runs.", run_page)), &["400", "401", "403"])
-                },
-                "post": {
-                    "operationId": "PlanProvisioning",
-                    "summary": "Plan a specification version against an environment; the run starts in Requested.",
-                    "security": apply,
-                    "parameters": [idempotency],
-                    "requestBody": body(plan, true),
-                    "responses": responses(("201", ok("The run.", run.clone())), &["400", "401", "403", "409", "415", "422"])
-                }
-            },
-            "/factory/provisioning/runs/{provisioningRunId}": {
-                "get": {
-                    "operationId": "GetProvisioningRun",
-                    "summary": "One run with its plan, approval, apply receipt and logs.",
-                    "security": read,
-                    "parameters": [run_id.clone()],
-                    "responses": responses(("200", ok("The run.", run.clone())), &["401", "403", "404"])
-                }
-            },
-            "/factory/provisioning/runs/{provisioningRunId}/cancel": {
-                "post": {
-                    "operationId": "CancelProvisioning",
-                    "summary": "Cancel a run before apply.",
-                    "security": apply,
-                    "parameters": [run_id.clone()],
-                    "requestBody": body(cancel, false),
-                    "responses": responses(("200", ok("The cancelled run.", run.clone())), &["401", "403", "404", "409", "415", "422"])
-                }
-            },
-            "/factory/provisioning/runs/{provisioningRunId}/approval": {
-                "post": {
-                    "operationId": "DecideApproval",
-                    "summary": "Approve or reject a run awaiting approval; the requester cannot approve.",
-                    "security": apply,
-                    "parameters": [run_id],
-                    "requestBody": body(approval, true),
-                    "responses": responses(("200", ok("The run after the decision.", run)), &["401", "403", "404", "409", "415", "422"])
-                }
-            },
-            "/factory/provisioning/environments/{environmentId}/current-specification": {
-                "get": {
-                    "operationId": "GetCurrentSpecification",
-                    "summary": "The newest declared and the last applied specification of each kind for an environment.",
-                    "security": read,
-                    "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
-                    "responses": responses(("200", ok("The environment's specifications.", current)), &["400", "401", "403", "404"])
-                }
-            },
-            "/factory/provisioning/runs/{provisioningRunId}/logs": {
-                "get": {
-                    "operationId": "GetProvisioningRunLogs",
-                    "summary": "The run's plan and apply logs as text (secrets redacted before storage).",
-                    "security": read,
-                    "parameters": [path("provisioningRunId", "The run.", json!({"type": "string", "format": "uuid"}))],
-                    "responses": responses(("200", json!({"description": "The logs.", "content": {"text/plain": {"schema": {"type": "string"}}}})), &["401", "403", "404"])
-                }
-            },
-            "/factory/environments/{environmentId}": {
-                "put": {
-                    "operationId": "PutEnvironment",
-                    "summary": "Record an environment (PlatformAdmin); a new one gets its baseline declared and planned.",
-                    "security": apply,
-                    "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
-                    "requestBody": body(put_env, true),
-                    "responses": responses(("200", ok("Updated or unchanged (201 when recorded for the first time).", env_view.clone())), &["400", "401", "403", "409", "415", "422"])
-                },
-                "get": {
-                    "operationId": "GetEnvironment",
-                    "summary": "An environment as Ferry knows it.",
-                    "security": read,
-                    "parameters": [path("environmentId", "The environment.", json!({"type": "string"}))],
-                    "responses": responses(("200", ok("The environment.", env_view)), &["400", "401", "403", "404"])
-                }
-            },
-            "/factory/events": {
-                "post": {
-                    "operationId": "PostEvent",
-                    "summary": "Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Only service identities (scope factory.events.publish, no human role) may post, from a source FERRY_TRUSTED_SOURCES trusts for the event. Redelivery of the same source and id has no second effect; a malformed event is dead-lettered.",
-                    "security": publish,
-                    "requestBody": {"required": true, "content": {"application/cloudevents+json": {"schema": cloud_event}}},
-                    "responses": responses(("202", json!({"description": "Handled (`duplicate` true when it was already).", "content": {"application/json": {"schema": {"type": "object", "properties": {"id": {"type": "string"}, "event": {"type": "string"}, "duplicate": {"type": "boolean"}}}}}})), &["400", "401", "403", "409", "415", "422"])
-                }
-            },
-            "/factory/events/stream": {
-                "get": {
-                    "operationId": "EventStream",
-                    "summary": "The tenant's events as Server-Sent Events (id = stream position, event = subject, data = CloudEvent); resume with Last-Event-ID or ?after=.",
-                    "security": read,
-                    "parameters": [query("after", "Start after this stream position (an event's id).", json!({"type": "string"}))],
-                    "responses": responses(("200", json!({"description": "text/event-stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}})), &["400", "401", "403"])
-                }
-            },
-            "/metrics": {"get": {"operationId": "Metrics", "summary": "Prometheus metrics.", "security": [], "responses": {"200": {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/healthz": {"get": {"operationId": "Health", "summary": "Liveness.", "security": [], "responses": {"200": {"description": "Alive."}}}},
-            "/readyz": {"get": {"operationId": "Ready", "summary": "Readiness: the store answers; subscriptions' positions and lag; the NATS relay and inbound consumers with their lag and last error.", "security": [], "responses": {"200": {"description": "Ready."}, "503": {"description": "The store does not answer."}}}},
-            "/openapi.json": {"get": {"operationId": "OpenApi", "summary": "This document.", "security": [], "responses": {"200": {"description": "The OpenAPI document."}}}}
-        },
-        "components": {
-            "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
-                    "description": "JWT with claims sub, tenant, scope (space-separated) and roles (Operator, PlatformAdmin, Observer)."}
-            },
-            "responses": {
-                "400": problem_response("Malformed JSON, query parameter or header."),
-                "401": problem_response("No bearer token, or one that does not verify."),
-                "403": problem_response("The token lacks the scope or role, or the caller may not do this (e.g. approve their own run)."),
-                "404": problem_response("No such resource for this tenant."),
-                "409": problem_response("Wrong state, or a concurrent change (retry after Retry-After)."),
-                "415": problem_response("The body is not application/json."),
-                "422": problem_response("A field is missing or refused, a referenced record does not exist, or an Idempotency-Key was reused with another body.")
-            },
-            "schemas": schemas
-        }
-    })
+    let mut api = OpenApi::default();
+    let _router = crate::router::api_router().finish_api_with(&mut api, finish);
+    let mut value = serde_json::to_value(&api).unwrap_or_default();
+    value["openapi"] = "3.1.0".into();
+    value
 }
 
-/// The document as written to `schemas/openapi.json`.
+/// The document as written to `schemas/openapi.json` (built once per process).
 pub fn document_text() -> String {
-    let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
-    text.push('\n');
-    text
+    static TEXT: OnceLock<String> = OnceLock::new();
+    TEXT.get_or_init(|| {
+        let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
+        text.push('\n');
+        text
+    })
+    .clone()
 }

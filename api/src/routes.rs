@@ -548,7 +548,7 @@ pub async fn plan_provisioning(
         idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
     }
     state
-        .metrics()
+        .telemetry()
         .run_reached(tenant, view.kind.as_str(), view.state.as_str());
     tracing::info!(provisioning_run_id = %run_id, "provisioning requested");
     Ok(created(
@@ -588,7 +588,7 @@ async fn run_command(
         })?;
     let view = fold(&done.history)?;
     if !done.events.is_empty() {
-        state.metrics().run_reached(
+        state.telemetry().run_reached(
             caller.tenant.as_str(),
             view.kind.as_str(),
             view.state.as_str(),

@@ -5,6 +5,7 @@
 //! aggregates through cqrs-es; everything they may decide lives here and is tested here.
 #![forbid(unsafe_code)]
 
+pub mod cloudevent;
 pub mod confinement;
 pub mod environment;
 pub mod ids;

@@ -62,7 +62,7 @@
 //! * `ferry schemas`: [`write_schemas`] into `schemas/`.
 #![forbid(unsafe_code)]
 
-pub mod cloudevent;
+pub use ferry_domain::cloudevent;
 pub mod health;
 pub mod inbound;
 pub mod nats;

@@ -2,7 +2,7 @@
 //! a small HTTP client.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use ferry_api::{Config, Server};
+use ferry_app::{Config, Server};
 use ferry_store::database::Backend;
 use ferry_store::testing::TestDatabase;
 use serde_json::Value;

@@ -1,23 +1,15 @@
-//! Process wiring: opening the store, starting the projections, building the router, and
-//! serving until a shutdown signal.
+//! Process wiring: opening the store, building the ports from the configuration, starting
+//! the projections, workers, relay and inbound consumers, and serving the HTTP API until a
+//! shutdown signal.
 
-use crate::auth::{load_or_create_key, Verifier};
 use crate::config::{Config, LogFormat, RunnerKind};
-use crate::extract::{RequestIds, MAX_BODY};
-use crate::problem::ApiError;
-use crate::routes;
-use crate::state::AppState;
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use crate::telemetry::{NatsHealth, ProcessTelemetry};
+use ferry_api::auth::{load_or_create_key, Verifier};
+use ferry_api::state::AppState;
 use ferry_projections::{Projector, ReadModels};
 use ferry_store::{stream, Database, DatabaseError};
 use std::net::SocketAddr;
 use tokio::sync::watch;
-use tower_http::trace::TraceLayer;
 
 /// Why the service could not start.
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +19,7 @@ pub enum StartError {
     Database(#[from] DatabaseError),
     /// The signing key.
     #[error(transparent)]
-    Key(#[from] crate::auth::KeyError),
+    Key(#[from] ferry_api::auth::KeyError),
     /// The listen address.
     #[error("cannot listen on FERRY_HTTP_ADDR={addr}")]
     Bind {
@@ -37,19 +29,19 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// Creating read-model tables.
-    #[error("cannot create read models: {0}")]
-    Projections(sqlx::Error),
+    #[error("cannot create read models")]
+    Projections(#[source] sqlx::Error),
     /// A policy file that does not compile (names the file and line).
-    #[error("FERRY_POLICY_DIR")]
+    #[error("FERRY_POLICY_DIR: a policy cannot be loaded")]
     Policy(#[from] ferry_adapters::policy::PolicyLoadError),
     /// The NATS relay could not be set up.
-    #[error("NATS_URL: {0}")]
+    #[error("NATS_URL: the relay to JetStream cannot start")]
     Relay(#[from] ferry_messaging::RelayError),
     /// The inbound consumers could not be set up.
-    #[error("NATS_URL: {0}")]
+    #[error("NATS_URL: the inbound consumers cannot start")]
     Inbound(#[from] ferry_messaging::inbound::InboundStartError),
     /// The artifact store URL.
-    #[error("FERRY_ARTIFACTS_URL")]
+    #[error("FERRY_ARTIFACTS_URL: the artifact store cannot be used")]
     Artifacts(#[from] ferry_adapters::artifacts::ArtifactConfigError),
     /// A setting that cannot be used (e.g. a tenant root holding Ferry's files).
     #[error(transparent)]
@@ -91,7 +83,7 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
         )),
         runner,
         secrets: Arc::new(SecretResolvers::new(
-            crate::auth::load_or_create_key_file(data, "secret-fingerprint.key")?,
+            ferry_api::auth::load_or_create_key_file(data, "secret-fingerprint.key")?,
             vault,
             confinement.clone(),
         )),
@@ -179,190 +171,6 @@ pub fn verifier(config: &Config) -> Result<Verifier, StartError> {
     })
 }
 
-async fn request_ids(mut request: Request, next: Next) -> Response {
-    let ids = RequestIds::from_headers(request.headers());
-    request.extensions_mut().insert(ids);
-    let span = tracing::info_span!("request", request_id = %ids.request_id, method = %request.method(), path = %request.uri().path());
-    let mut response = tracing::Instrument::instrument(next.run(request), span).await;
-    if let Ok(v) = HeaderValue::from_str(&ids.request_id.to_string()) {
-        response.headers_mut().insert("x-request-id", v);
-    }
-    response
-}
-
-async fn healthz() -> impl IntoResponse {
-    Json(serde_json::json!({"status": "ok"}))
-}
-
-/// `/readyz`: 503 when the store does not answer; otherwise 200 with `status` `ready`, or
-/// `degraded` with the `problems` an operator must look at (a subscription stuck on an event,
-/// a transaction holding the event stream back, the NATS relay or an inbound consumer
-/// failing, a stream found without the relay's messages), every subscription's position and
-/// lag, and with NATS the relay's and each inbound consumer's state, lag and last error.
-async fn readyz(State(state): State<AppState>) -> Response {
-    if !state.db().ping().await {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(
-                serde_json::json!({"status": "unavailable", "reason": "the store does not answer"}),
-            ),
-        )
-            .into_response();
-    }
-    let subscriptions = match stream::subscription_status(state.db()).await {
-        Ok(s) => s,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    let stuck = state.db().subscription_health().problems();
-    let holder = match stream::stream_holder(state.db(), state.stream_hold_warn()).await {
-        Ok(h) => h,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    let mut problems: Vec<String> = stuck
-        .iter()
-        .map(|p| {
-            format!(
-                "subscription {} is stuck (nothing skipped, {} attempts since {}): {}",
-                p.name,
-                p.attempts,
-                p.since.to_rfc3339(),
-                p.error
-            )
-        })
-        .collect();
-    if let Some(h) = &holder {
-        problems.push(holder_problem(h));
-    }
-    let nats = state.nats().map(|n| {
-        problems.extend(n.relay.problems(&n.stream));
-        problems.extend(n.consumers.problems());
-        let row = subscriptions.iter().find(|s| s.name == n.checkpoint);
-        let mut relay = serde_json::to_value(n.relay.status()).unwrap_or_default();
-        relay["stream"] = n.stream.clone().into();
-        if let Some(row) = row {
-            relay["checkpoint"] = serde_json::to_value(row.position).unwrap_or_default();
-            relay["lag"] = row.lag.into();
-        }
-        serde_json::json!({"relay": relay, "consumers": n.consumers.snapshot()})
-    });
-    let subscriptions: Vec<serde_json::Value> = subscriptions
-        .into_iter()
-        .map(|s| {
-            let mut v = serde_json::to_value(&s).unwrap_or_default();
-            if let Some(p) = stuck.iter().find(|p| p.name == s.name) {
-                v["stuck"] = serde_json::to_value(p).unwrap_or_default();
-            }
-            v
-        })
-        .collect();
-    let status = if problems.is_empty() {
-        "ready"
-    } else {
-        "degraded"
-    };
-    let mut body = serde_json::json!({
-        "status": status,
-        "problems": problems,
-        "subscriptions": subscriptions,
-    });
-    if let Some(h) = holder {
-        body["streamHeldBackBy"] = serde_json::to_value(h).unwrap_or_default();
-    }
-    if let Some(nats) = nats {
-        body["nats"] = nats;
-    }
-    Json(body).into_response()
-}
-
-/// One line naming the transaction that holds the event stream back.
-pub fn holder_problem(h: &ferry_store::stream::StreamHolder) -> String {
-    let who = match (&h.pid, &h.prepared_gid) {
-        (Some(pid), _) => format!("backend pid {pid}"),
-        (None, Some(gid)) => format!("prepared transaction {gid:?}"),
-        (None, None) => "a transaction".to_string(),
-    };
-    format!(
-        "{who} (database {}, {}, {}) has held the event stream back for {:.0} s; {} events wait behind it",
-        h.database.as_deref().unwrap_or("?"),
-        h.application
-            .as_deref()
-            .filter(|a| !a.is_empty())
-            .unwrap_or("no application name"),
-        h.state.as_deref().unwrap_or("unknown state"),
-        h.age_seconds,
-        h.waiting_events
-    )
-}
-
-async fn openapi() -> Response {
-    let mut response = crate::openapi::document_text().into_response();
-    response
-        .headers_mut()
-        .insert("content-type", HeaderValue::from_static("application/json"));
-    response
-}
-
-async fn metrics(State(state): State<AppState>) -> Response {
-    let mut text = state.render_metrics();
-    // Lag needs the store; a store that does not answer leaves it out (readyz says why).
-    match stream::subscription_status(state.db()).await {
-        Ok(subscriptions) => text.push_str(&state.render_lag(&subscriptions)),
-        Err(error) => tracing::warn!(%error, "cannot read subscription lag for /metrics"),
-    }
-    let mut response = text.into_response();
-    response.headers_mut().insert(
-        "content-type",
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
-    response
-}
-
-async fn not_found() -> ApiError {
-    ApiError::NotFound("no such endpoint".to_string())
-}
-
-async fn method_not_allowed() -> ApiError {
-    ApiError::MethodNotAllowed
-}
-
-/// The HTTP API.
-pub fn router(state: AppState) -> Router {
-    let run = "/factory/provisioning/runs/{provisioningRunId}";
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/openapi.json", get(openapi))
-        .route("/metrics", get(metrics))
-        .route("/factory/events", post(crate::events::post_event))
-        .route("/factory/events/stream", get(crate::events::event_stream))
-        .route(
-            "/factory/environments/{environmentId}",
-            get(crate::environments::get_environment).put(crate::environments::put_environment),
-        )
-        .route(
-            "/factory/provisioning/specifications",
-            get(routes::list_specifications).post(routes::declare_specification),
-        )
-        .route(
-            "/factory/provisioning/runs",
-            get(routes::list_runs).post(routes::plan_provisioning),
-        )
-        .route(run, get(routes::get_run))
-        .route(&format!("{run}/cancel"), post(routes::cancel_run))
-        .route(&format!("{run}/logs"), get(routes::run_logs))
-        .route(&format!("{run}/approval"), post(routes::decide_approval))
-        .route(
-            "/factory/provisioning/environments/{environmentId}/current-specification",
-            get(routes::current_specification),
-        )
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(middleware::from_fn(request_ids))
-        .layer(TraceLayer::new_for_http())
-        .with_state(state)
-}
-
 /// A running server.
 pub struct Server {
     /// Where it listens.
@@ -387,6 +195,7 @@ impl Server {
         let ports = ports(config)?;
         let artifacts = ports.artifacts.clone();
         let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::default());
+        let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
         let projector = Projector::start(&db, config.poll_interval, shutdown_rx.clone())
@@ -428,7 +237,7 @@ impl Server {
                     shutdown_rx.clone(),
                 )
                 .await?;
-                let health = crate::state::NatsHealth {
+                let health = NatsHealth {
                     stream: config.nats_stream.clone(),
                     checkpoint: relay_config.checkpoint_name(),
                     relay: relay.metrics(),
@@ -443,14 +252,19 @@ impl Server {
                 None,
             ),
         };
-        let services = crate::state::Services {
+        let services = ferry_api::state::Services {
             verifier,
             read_your_writes: config.read_your_writes,
-            metrics,
+            telemetry: std::sync::Arc::new(ProcessTelemetry::new(
+                db.clone(),
+                metrics,
+                inbound.metrics.clone(),
+                nats,
+            )),
             artifacts,
-            inbound,
-            nats,
-            stream_hold_warn: config.stream_hold_warn,
+            intake: std::sync::Arc::new(crate::events::Intake::new(inbound)),
+            feed: std::sync::Arc::new(crate::events::Feed::new(db.clone())),
+            stream_hold_warn,
             confinement,
         };
         let state = AppState::new(db.clone(), reads, services);
@@ -465,7 +279,7 @@ impl Server {
             source,
         })?;
         let mut stop = shutdown_rx;
-        let app = router(state);
+        let app = ferry_api::router(state);
         let handle = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(async move {

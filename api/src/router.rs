@@ -1,0 +1,375 @@
+//! The router: every route of the HTTP API, the request-id and tracing layers, and the
+//! operational endpoints (`/healthz`, `/readyz`, `/metrics`, `/openapi.json`).
+
+use crate::extract::{RequestIds, MAX_BODY};
+use crate::openapi::{schema_of, Doc, APPLY, PUBLISH, READ};
+use crate::problem::ApiError;
+use crate::state::AppState;
+use crate::{environments, events, routes};
+use aide::axum::routing::{get_with, post_with, put_with};
+use aide::axum::ApiRouter;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use ferry_domain::specification::SpecificationVersion;
+use ferry_domain::{ProvisioningKind, ProvisioningState, SpecificationKind};
+use ferry_projections::views::CurrentSpecificationView;
+use ferry_projections::{Page, RunView};
+use ferry_store::stream;
+use serde_json::json;
+use tower_http::trace::TraceLayer;
+
+async fn request_ids(mut request: Request, next: Next) -> Response {
+    let ids = RequestIds::from_headers(request.headers());
+    request.extensions_mut().insert(ids);
+    let span = tracing::info_span!("request", request_id = %ids.request_id, method = %request.method(), path = %request.uri().path());
+    let mut response = tracing::Instrument::instrument(next.run(request), span).await;
+    if let Ok(v) = HeaderValue::from_str(&ids.request_id.to_string()) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+/// `/readyz`: 503 when the store does not answer; otherwise 200 with `status` `ready`, or
+/// `degraded` with the `problems` an operator must look at (a subscription stuck on an event,
+/// a transaction holding the event stream back, the NATS relay or an inbound consumer
+/// failing, a stream found without the relay's messages), every subscription's position and
+/// lag, and with NATS the relay's and each inbound consumer's state, lag and last error.
+async fn readyz(State(state): State<AppState>) -> Response {
+    if !state.db().ping().await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                serde_json::json!({"status": "unavailable", "reason": "the store does not answer"}),
+            ),
+        )
+            .into_response();
+    }
+    let subscriptions = match stream::subscription_status(state.db()).await {
+        Ok(s) => s,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let stuck = state.db().subscription_health().problems();
+    let holder = match stream::stream_holder(state.db(), state.stream_hold_warn()).await {
+        Ok(h) => h,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let mut problems: Vec<String> = stuck
+        .iter()
+        .map(|p| {
+            format!(
+                "subscription {} is stuck (nothing skipped, {} attempts since {}): {}",
+                p.name,
+                p.attempts,
+                p.since.to_rfc3339(),
+                p.error
+            )
+        })
+        .collect();
+    if let Some(h) = &holder {
+        problems.push(holder_problem(h));
+    }
+    let readiness = state.telemetry().readiness(&subscriptions);
+    problems.extend(readiness.problems);
+    let subscriptions: Vec<serde_json::Value> = subscriptions
+        .into_iter()
+        .map(|s| {
+            let mut v = serde_json::to_value(&s).unwrap_or_default();
+            if let Some(p) = stuck.iter().find(|p| p.name == s.name) {
+                v["stuck"] = serde_json::to_value(p).unwrap_or_default();
+            }
+            v
+        })
+        .collect();
+    let status = if problems.is_empty() {
+        "ready"
+    } else {
+        "degraded"
+    };
+    let mut body = serde_json::json!({
+        "status": status,
+        "problems": problems,
+        "subscriptions": subscriptions,
+    });
+    if let Some(h) = holder {
+        body["streamHeldBackBy"] = serde_json::to_value(h).unwrap_or_default();
+    }
+    if let Some(nats) = readiness.nats {
+        body["nats"] = nats;
+    }
+    Json(body).into_response()
+}
+
+/// One line naming the transaction that holds the event stream back.
+pub fn holder_problem(h: &ferry_store::stream::StreamHolder) -> String {
+    let who = match (&h.pid, &h.prepared_gid) {
+        (Some(pid), _) => format!("backend pid {pid}"),
+        (None, Some(gid)) => format!("prepared transaction {gid:?}"),
+        (None, None) => "a transaction".to_string(),
+    };
+    format!(
+        "{who} (database {}, {}, {}) has held the event stream back for {:.0} s; {} events wait behind it",
+        h.database.as_deref().unwrap_or("?"),
+        h.application
+            .as_deref()
+            .filter(|a| !a.is_empty())
+            .unwrap_or("no application name"),
+        h.state.as_deref().unwrap_or("unknown state"),
+        h.age_seconds,
+        h.waiting_events
+    )
+}
+
+async fn openapi() -> Response {
+    let mut response = crate::openapi::document_text().into_response();
+    response
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/json"));
+    response
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    // Lag needs the store; a store that does not answer leaves it out (readyz says why).
+    let subscriptions = match stream::subscription_status(state.db()).await {
+        Ok(subscriptions) => Some(subscriptions),
+        Err(error) => {
+            tracing::warn!(%error, "cannot read subscription lag for /metrics");
+            None
+        }
+    };
+    let text = state.telemetry().render(subscriptions.as_deref());
+    let mut response = text.into_response();
+    response.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such endpoint".to_string())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// Every route of the API with its documentation: the one list the router and the OpenAPI
+/// document are both built from (a route cannot be served undocumented).
+pub fn api_router() -> ApiRouter<AppState> {
+    crate::openapi::prepare();
+    let run = "/factory/provisioning/runs/{provisioningRunId}";
+    let run_id = || json!({"type": "string", "format": "uuid"});
+    let environment_id = || json!({"type": "string"});
+    ApiRouter::new()
+        .api_route(
+            "/factory/provisioning/specifications",
+            get_with(routes::list_specifications, |op| {
+                op.id("ListSpecifications")
+                    .summary("Every declared specification version, newest first.")
+                    .scope(READ)
+                    .query("environmentId", "Only this environment.", json!({"type": "string"}))
+                    .query("projectId", "Only this project.", json!({"type": "string"}))
+                    .query("kind", "Only this kind.", schema_of::<SpecificationKind>())
+                    .query(
+                        "specificationId",
+                        "Only this specification's versions.",
+                        json!({"type": "string", "format": "uuid"}),
+                    )
+                    .paging()
+                    .response_with::<200, Json<Page<SpecificationVersion>>, _>(|r| {
+                        r.description("A page of versions.")
+                    })
+                    .errors(&[400, 401, 403])
+            })
+            .post_with(routes::declare_specification, |op| {
+                op.id("DeclareSpecification")
+                    .summary("Declare a new immutable version of an environment's desired state.")
+                    .scope(APPLY)
+                    .response_with::<201, Json<SpecificationVersion>, _>(|r| {
+                        r.description("The new version.")
+                    })
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/provisioning/runs",
+            get_with(routes::list_runs, |op| {
+                op.id("ListProvisioningRuns")
+                    .summary("Runs by environment, kind and state, with receipts, newest first.")
+                    .scope(READ)
+                    .query("environmentId", "Only this environment.", json!({"type": "string"}))
+                    .query("kind", "Only this kind.", schema_of::<ProvisioningKind>())
+                    .query("state", "Only this state.", schema_of::<ProvisioningState>())
+                    .paging()
+                    .response_with::<200, Json<Page<RunView>>, _>(|r| r.description("A page of runs."))
+                    .errors(&[400, 401, 403])
+            })
+            .post_with(routes::plan_provisioning, |op| {
+                op.id("PlanProvisioning")
+                    .summary("Plan a specification version against an environment; the run starts in Requested.")
+                    .scope(APPLY)
+                    .idempotency_key()
+                    .response_with::<201, Json<RunView>, _>(|r| r.description("The run."))
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            run,
+            get_with(routes::get_run, move |op| {
+                op.id("GetProvisioningRun")
+                    .summary("One run with its plan, approval, apply receipt and logs.")
+                    .scope(READ)
+                    .path("provisioningRunId", "The run.", run_id())
+                    .response_with::<200, Json<RunView>, _>(|r| r.description("The run."))
+                    .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            &format!("{run}/cancel"),
+            post_with(routes::cancel_run, move |op| {
+                op.id("CancelProvisioning")
+                    .summary("Cancel a run before apply.")
+                    .scope(APPLY)
+                    .path("provisioningRunId", "The run.", run_id())
+                    .response_with::<200, Json<RunView>, _>(|r| r.description("The cancelled run."))
+                    .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            &format!("{run}/approval"),
+            post_with(routes::decide_approval, move |op| {
+                op.id("DecideApproval")
+                    .summary("Approve or reject a run awaiting approval; the requester cannot approve.")
+                    .scope(APPLY)
+                    .path("provisioningRunId", "The run.", run_id())
+                    .response_with::<200, Json<RunView>, _>(|r| {
+                        r.description("The run after the decision.")
+                    })
+                    .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            &format!("{run}/logs"),
+            get_with(routes::run_logs, move |op| {
+                op.id("GetProvisioningRunLogs")
+                    .summary("The run's plan and apply logs as text (secrets redacted before storage).")
+                    .scope(READ)
+                    .path("provisioningRunId", "The run.", run_id())
+                    .text(200, "The logs.", "text/plain")
+                    .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/provisioning/environments/{environmentId}/current-specification",
+            get_with(routes::current_specification, move |op| {
+                op.id("GetCurrentSpecification")
+                    .summary("The newest declared and the last applied specification of each kind for an environment.")
+                    .scope(READ)
+                    .path("environmentId", "The environment.", environment_id())
+                    .response_with::<200, Json<CurrentSpecificationView>, _>(|r| {
+                        r.description("The environment's specifications.")
+                    })
+                    .errors(&[400, 401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/environments/{environmentId}",
+            put_with(environments::put_environment, move |op| {
+                op.id("PutEnvironment")
+                    .summary("Record an environment (PlatformAdmin); a new one gets its baseline declared and planned.")
+                    .scope(APPLY)
+                    .path("environmentId", "The environment.", environment_id())
+                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
+                        r.description("Updated or unchanged (201 when recorded for the first time).")
+                    })
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            })
+            .get_with(environments::get_environment, move |op| {
+                op.id("GetEnvironment")
+                    .summary("An environment as Ferry knows it.")
+                    .scope(READ)
+                    .path("environmentId", "The environment.", environment_id())
+                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
+                        r.description("The environment.")
+                    })
+                    .errors(&[400, 401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/events",
+            post_with(events::post_event, |op| {
+                op.id("PostEvent")
+                    .summary("Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Only service identities (scope factory.events.publish, no human role) may post, from a source FERRY_TRUSTED_SOURCES trusts for the event. Redelivery of the same source and id has no second effect; a malformed event is dead-lettered.")
+                    .scope(PUBLISH)
+                    .response_with::<202, Json<events::EventAccepted>, _>(|r| {
+                        r.description("Handled (`duplicate` true when it was already).")
+                    })
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/events/stream",
+            get_with(events::event_stream, |op| {
+                op.id("EventStream")
+                    .summary("The tenant's events as Server-Sent Events (id = stream position, event = subject, data = CloudEvent); resume with Last-Event-ID or ?after=.")
+                    .scope(READ)
+                    .query("after", "Start after this stream position (an event's id).", json!({"type": "string"}))
+                    .text(200, "text/event-stream", "text/event-stream")
+                    .errors(&[400, 401, 403])
+            }),
+        )
+        .api_route(
+            "/metrics",
+            get_with(metrics, |op| {
+                op.id("Metrics")
+                    .summary("Prometheus metrics.")
+                    .public()
+                    .text(200, "Prometheus text exposition.", "text/plain")
+            }),
+        )
+        .api_route(
+            "/healthz",
+            get_with(healthz, |op| {
+                op.id("Health").summary("Liveness.").public().bare(200, "Alive.")
+            }),
+        )
+        .api_route(
+            "/readyz",
+            get_with(readyz, |op| {
+                op.id("Ready")
+                    .summary("Readiness: the store answers; subscriptions' positions and lag; the NATS relay and inbound consumers with their lag and last error.")
+                    .public()
+                    .bare(200, "Ready.")
+                    .bare(503, "The store does not answer.")
+            }),
+        )
+        .api_route(
+            "/openapi.json",
+            get_with(openapi, |op| {
+                op.id("OpenApi")
+                    .summary("This document.")
+                    .public()
+                    .bare(200, "The OpenAPI document.")
+            }),
+        )
+}
+
+/// The HTTP API.
+pub fn router(state: AppState) -> Router {
+    let mut api = aide::openapi::OpenApi::default();
+    api_router()
+        .finish_api(&mut api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(request_ids))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
