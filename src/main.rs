@@ -60,7 +60,8 @@ enum Command {
         #[command(subcommand)]
         command: RelayCommand,
     },
-    /// Write the OpenAPI document (and other published schemas) to a folder.
+    /// Write the OpenAPI document (and other published schemas) to a folder, and the
+    /// configuration table into the README.md beside that folder.
     Schemas {
         /// Where to write.
         #[arg(long, default_value = "schemas")]
@@ -257,6 +258,23 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     std::fs::write(&path, text)
                         .with_context(|| format!("writing {}", path.display()))?;
                     out(&format!("wrote {}", path.display()))?;
+                }
+            }
+            // The README beside the schemas folder (as in the repository) carries the
+            // configuration table; a folder elsewhere has none to keep.
+            let readme = dir
+                .parent()
+                .unwrap_or(std::path::Path::new(""))
+                .join("README.md");
+            let current = std::fs::read_to_string(&readme).unwrap_or_default();
+            let fresh = ferry_app::config::with_markdown_table(&current);
+            if let Some(fresh) = fresh.filter(|fresh| *fresh != current) {
+                if check {
+                    stale.push(readme.display().to_string());
+                } else {
+                    std::fs::write(&readme, fresh)
+                        .with_context(|| format!("writing {}", readme.display()))?;
+                    out(&format!("wrote {}", readme.display()))?;
                 }
             }
             if !stale.is_empty() {

@@ -1,12 +1,23 @@
 //! Configuration, in layers: built-in defaults, then an optional TOML file (`--config` or
-//! `FERRY_CONFIG`), then `FERRY_*` environment variables and `DATABASE_URL`. Every value is
-//! checked at start; a bad one stops the process with a message naming the setting.
+//! `FERRY_CONFIG`), then `FERRY_*` environment variables and `DATABASE_URL`/`NATS_URL`.
+//! Every value is checked at start; a bad one stops the process with a message naming the
+//! setting as the user wrote it (`FERRY_HTTP_ADDR` or `http_addr`) and where it came from.
+//!
+//! Each setting is declared once, in the `settings!` list below: its file key, its variable
+//! (`FERRY_` and the key in upper case unless the declaration names another), its default
+//! and its meaning (the doc comment). From that list come the raw settings that figment
+//! layers, the variables Ferry knows, [`SETTINGS`] and the README's table
+//! ([`markdown_table`]). One validation step then turns the raw settings into a [`Config`],
+//! naming a refused value through figment's metadata for the layer that gave it.
 
 use ferry_domain::confinement::Confinement;
-use serde::Deserialize;
+use figment::providers::{Format, Serialized, Toml};
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider, Source};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A setting that could not be used.
@@ -140,872 +151,813 @@ pub enum RunnerKind {
     Http,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            http_addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            data_dir: PathBuf::from(".ferry"),
-            database_url: None,
-            jwt_hs256_key: None,
-            jwt_jwks_url: None,
-            jwt_issuer: None,
-            jwt_audience: None,
-            poll_interval: Duration::from_millis(500),
-            read_your_writes: Duration::from_secs(2),
-            log_format: LogFormat::Json,
-            log_filter: "info".to_string(),
-            runner: RunnerKind::Simulated,
-            pulumi_bin: "pulumi".to_string(),
-            runner_url: None,
-            runner_token: None,
-            apply_timeout: Duration::from_secs(45 * 60),
-            approval_expiry: Some(Duration::from_secs(24 * 60 * 60)),
-            policy_dir: None,
-            artifacts_url: None,
-            vault_addr: None,
-            vault_token: None,
-            baseline_programs: Vec::new(),
-            nats_url: None,
-            nats_stream: "FERRY_EVENTS".to_string(),
-            workers: true,
-            trusted_sources: ferry_messaging::TrustedSources::any(),
-            idle_in_transaction_timeout: Duration::from_secs(60),
-            store_acquire_timeout: Duration::from_secs(10),
-            sqlite_busy_timeout: Duration::from_secs(15),
-            stream_hold_warn: Duration::from_secs(5),
-            worker_lease: Duration::from_secs(60),
-            worker_recovery_grace: Duration::from_secs(30),
-            tenant_file_roots: None,
-            tenant_program_roots: None,
-            tenant_env_prefix: "TENANT_{tenant}".to_string(),
-            tenant_vault_prefix: "{tenant}/".to_string(),
-            tenant_program_url_prefixes: Vec::new(),
-            tenant_config_url_prefixes: Vec::new(),
-            config_file: None,
+/// Declares every setting once and generates from the list: [`RawSettings`] (what figment
+/// layers, defaults included), [`SETTINGS`] and the README rows ([`ROWS`]).
+///
+/// Each entry is the setting's meaning (its doc comment, the README's last column), its
+/// file key and raw type, then, in this order and each optional: `= default` (a literal;
+/// without one the setting is unset by default), `env "NAME"` (when its variable is not
+/// `FERRY_` and the key in upper case), `shown "text"` (the README's default column when it
+/// is not the default in backticks), `row (...)` or `row folded` (when one README row
+/// stands for several settings).
+macro_rules! settings {
+    ($(
+        $(#[doc = $doc:literal])+
+        $key:ident: $ty:ty $(= $default:literal)?
+            $(, env $env:literal)?
+            $(, shown $shown:literal)?
+            $(, row $row:tt)?
+        ;
+    )+) => {
+        /// Every setting as the defaults, the file and the environment give it, before any
+        /// check. An unknown key is refused: a misspelt one would otherwise be ignored.
+        #[derive(Debug, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct RawSettings {
+            $( $(#[doc = $doc])+ $key: raw_type!($ty $(= $default)?), )+
         }
+
+        impl Default for RawSettings {
+            fn default() -> Self {
+                Self { $( $key: raw_default!($ty $(= $default)?), )+ }
+            }
+        }
+
+        /// Every setting: (file key, environment variable, default as the README shows it,
+        /// meaning), in the README's order. The README's table is generated from it
+        /// ([`markdown_table`]).
+        pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
+            $( (
+                stringify!($key),
+                variable!($key $($env)?),
+                shown!($($shown)?; $($default)?),
+                concat!($($doc),+).trim_ascii(),
+            ), )+
+        ];
+
+        /// How each of [`SETTINGS`] shows in the README's table, in the same order.
+        const ROWS: &[Row] = &[ $( row!($($row)?), )+ ];
+    };
+}
+
+/// A raw setting's type: as declared when it has a default, else optional.
+macro_rules! raw_type {
+    ($ty:ty = $default:literal) => { $ty };
+    ($ty:ty) => { Option<$ty> };
+}
+
+/// A raw setting's default: the declared one, else unset.
+macro_rules! raw_default {
+    ($ty:ty = $default:literal) => {
+        <$ty>::from($default)
+    };
+    ($ty:ty) => {
+        None
+    };
+}
+
+/// A setting's variable: the declared one, else `FERRY_` and the key in upper case (made
+/// at compile time, so that [`SETTINGS`] stays a plain constant).
+macro_rules! variable {
+    ($key:ident $env:literal) => {
+        $env
+    };
+    ($key:ident) => {{
+        const NAME: [u8; FERRY_PREFIX.len() + stringify!($key).len()] =
+            ferry_variable(stringify!($key));
+        match ::core::str::from_utf8(&NAME) {
+            Ok(name) => name,
+            Err(_) => panic!("a setting's key is ASCII"),
+        }
+    }};
+}
+
+/// A setting's default as the README shows it: as declared, else the default in backticks.
+/// A setting with neither does not compile.
+macro_rules! shown {
+    ($shown:literal; $($default:literal)?) => {
+        $shown
+    };
+    (; $default:literal) => {
+        concat!("`", $default, "`")
+    };
+}
+
+/// A setting's README row.
+macro_rules! row {
+    () => {
+        Row::Own
+    };
+    (folded) => {
+        Row::Folded
+    };
+    (($key:literal, $variable:literal)) => {
+        Row::Named($key, $variable)
+    };
+}
+
+/// The prefix of Ferry's own variables.
+const FERRY_PREFIX: &str = "FERRY_";
+
+/// `FERRY_` and `key` in upper case, as bytes (`N` is their length).
+const fn ferry_variable<const N: usize>(key: &str) -> [u8; N] {
+    let (prefix, key) = (FERRY_PREFIX.as_bytes(), key.as_bytes());
+    let mut name = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        name[i] = if i < prefix.len() {
+            prefix[i]
+        } else {
+            key[i - prefix.len()].to_ascii_uppercase()
+        };
+        i += 1;
+    }
+    name
+}
+
+/// How a setting shows in the README's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Row {
+    /// A row of its own: its key and its variable.
+    Own,
+    /// A row with these first two cells, standing for it and the folded settings after it.
+    Named(&'static str, &'static str),
+    /// No row: the named row before it stands for it.
+    Folded,
+}
+
+settings! {
+    /// Address the HTTP API listens on.
+    http_addr: String = "127.0.0.1:8080";
+    /// Embedded store (`ferry.db`) and generated signing key.
+    data_dir: String = ".ferry", shown "`./.ferry`";
+    /// Postgres URL; events and read models live there.
+    database_url: String, env "DATABASE_URL", shown "unset: SQLite";
+    /// HS256 key for bearer tokens, at least 32 bytes.
+    jwt_hs256_key: String, shown "generated";
+    /// When set, RS256 tokens are verified against this JWKS.
+    jwt_jwks_url: String, shown "unset";
+    /// Required `iss` claim.
+    jwt_issuer: String, shown "unset";
+    /// Required `aud` claim.
+    jwt_audience: String, shown "unset";
+    /// Projection polling fallback (10 to 60000).
+    poll_interval_ms: Whole = 500;
+    /// How long a command waits for its read model (0 to 30000).
+    read_your_writes_ms: Whole = 2000;
+    /// `json` or `pretty`; logs go to stderr.
+    log_format: String = "json";
+    /// Log filter, e.g. `info,ferry_api=debug`.
+    log: String = "info";
+    /// Run the planner and applier here; `false` for API-only instances.
+    workers: Flag = true;
+    /// `simulated`, `pulumi` or `http`.
+    runner: String = "simulated";
+    /// The Pulumi CLI, for `FERRY_RUNNER=pulumi`.
+    pulumi_bin: String = "pulumi";
+    /// Remote runner base URL, for `FERRY_RUNNER=http` (protocol:
+    /// `schemas/runner-protocol.openapi.json`).
+    runner_url: String, shown "unset";
+    /// Bearer token for the remote runner.
+    runner_token: String, shown "unset";
+    /// Runner timeout per apply (`ApplyTimeoutMinutes`), 1 to 1440.
+    apply_timeout_minutes: Whole = 45;
+    /// A run awaiting approval longer is rejected; `0` = never.
+    approval_expiry_minutes: Whole = 1440;
+    /// Folder of Rego policies evaluated with the built-in set.
+    policy_dir: String, shown "unset";
+    /// `file://` folder, or `s3://bucket/prefix`, `az://container/prefix`, `gs://bucket/prefix`
+    /// configured by the usual `AWS_*`, `AZURE_*`, `GOOGLE_*` variables.
+    artifacts_url: String, shown "`<data dir>/artifacts`";
+    /// HashiCorp Vault for `vault://mount/path#key` secrets (KV v2).
+    vault_addr: String, shown "unset";
+    /// Vault token.
+    vault_token: String, shown "unset";
+    /// Default baseline program of a class, `<programRef>@<commit>`.
+    baseline_program_development: String, shown "unset", row (
+        "`baseline_program_<class>`",
+        "`FERRY_BASELINE_PROGRAM_DEVELOPMENT`, `_TEST`, `_STAGING`, `_PRODUCTION`"
+    );
+    /// Default baseline program of test environments.
+    baseline_program_test: String, shown "unset", row folded;
+    /// Default baseline program of staging environments.
+    baseline_program_staging: String, shown "unset", row folded;
+    /// Default baseline program of production environments.
+    baseline_program_production: String, shown "unset", row folded;
+    /// NATS server; when set, the relay publishes every event and the inbound consumers run.
+    nats_url: String, env "NATS_URL", shown "unset";
+    /// JetStream stream Ferry publishes to.
+    nats_stream: String = "FERRY_EVENTS";
+    /// CloudEvent sources trusted per inbound event (see the trust model).
+    trusted_sources: String, shown "unset: any source";
+    /// Postgres ends Ferry's sessions idle in a transaction this long (1000 to 3600000).
+    idle_in_transaction_timeout_ms: Whole = 60000;
+    /// How long a request waits for a store connection before 503 (100 to 120000).
+    store_acquire_timeout_ms: Whole = 10000;
+    /// How long an SQLite writer waits for the lock before 503 (10 to 120000).
+    sqlite_busy_timeout_ms: Whole = 15000;
+    /// A worker's claim on a step without renewal; the owner stops its runner at two thirds
+    /// of it (3 to 3600).
+    worker_lease_seconds: Whole = 60;
+    /// Postgres: how long past an apply's lease, its owner's lock free, before another
+    /// instance reports it interrupted (0 to 3600).
+    worker_recovery_grace_seconds: Whole = 30;
+    /// A transaction holding the event stream back longer is named by `/readyz` (100 to
+    /// 3600000).
+    stream_hold_warn_ms: Whole = 5000;
+    /// Absolute folders (comma-separated, or a TOML array; `{tenant}` = the tenant) that a
+    /// tenant's `file://` secrets and configuration may name. A root that could hold Ferry's
+    /// own files stops start-up.
+    tenant_file_roots: List, shown "`<data dir>/tenants/{tenant}`";
+    /// Absolute folders a tenant's local program repositories may be in.
+    tenant_program_roots: List, shown "`<data dir>/tenants/{tenant}`";
+    /// Prefix of the variables a tenant's `env://` secrets may name; `{tenant}` becomes the
+    /// tenant with `_` `.` `-` `:` written `_5F` `_2E` `_2D` `_3A`, then `__` (tenant `acme`:
+    /// `env://TENANT_acme__DB_PASSWORD`).
+    tenant_env_prefix: String = "TENANT_{tenant}";
+    /// Vault path prefix (`mount/path/`) of a tenant's `vault://` secrets; empty = any path.
+    tenant_vault_prefix: String = "{tenant}/";
+    /// URL prefixes a tenant's remote program repositories must start with (`https://`,
+    /// `http://`, `ssh://`, `git://`), e.g. `https://git.example.com/{tenant}/`.
+    tenant_program_url_prefixes: List, shown "none";
+    /// URL prefixes a tenant's `http(s)://` configuration must start with.
+    tenant_config_url_prefixes: List, shown "none";
+}
+
+/// A whole number: an integer in the file, its digits in a variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+struct Whole(u64);
+
+impl From<u64> for Whole {
+    fn from(value: u64) -> Self {
+        Self(value)
     }
 }
 
-/// A list in the file: an array of strings, or one comma-separated string.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum FileList {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl FileList {
-    fn into_raw(self) -> RawValue {
-        match self {
-            Self::One(text) => RawValue::Text(text),
-            Self::Many(items) => RawValue::List(items),
+impl<'de> Deserialize<'de> for Whole {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Whole;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number")
+            }
+            fn visit_u64<E: serde::de::Error>(self, value: u64) -> Result<Whole, E> {
+                Ok(Whole(value))
+            }
+            fn visit_i64<E: serde::de::Error>(self, value: i64) -> Result<Whole, E> {
+                u64::try_from(value)
+                    .map(Whole)
+                    .map_err(|_| E::custom(format!("{value} is not a whole number")))
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Whole, E> {
+                text.trim()
+                    .parse()
+                    .map(Whole)
+                    .map_err(|_| E::custom(format!("{text:?} is not a whole number")))
+            }
         }
+        deserializer.deserialize_any(Visitor)
     }
 }
 
-/// The file layer: every key optional, unknown keys refused.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileLayer {
-    http_addr: Option<String>,
-    data_dir: Option<String>,
-    database_url: Option<String>,
-    jwt_hs256_key: Option<String>,
-    jwt_jwks_url: Option<String>,
-    jwt_issuer: Option<String>,
-    jwt_audience: Option<String>,
-    poll_interval_ms: Option<u64>,
-    read_your_writes_ms: Option<u64>,
-    log_format: Option<String>,
-    log: Option<String>,
-    runner: Option<String>,
-    pulumi_bin: Option<String>,
-    runner_url: Option<String>,
-    runner_token: Option<String>,
-    apply_timeout_minutes: Option<u64>,
-    approval_expiry_minutes: Option<u64>,
-    policy_dir: Option<String>,
-    artifacts_url: Option<String>,
-    vault_addr: Option<String>,
-    vault_token: Option<String>,
-    baseline_program_development: Option<String>,
-    baseline_program_test: Option<String>,
-    baseline_program_staging: Option<String>,
-    baseline_program_production: Option<String>,
-    nats_url: Option<String>,
-    nats_stream: Option<String>,
-    workers: Option<bool>,
-    trusted_sources: Option<String>,
-    idle_in_transaction_timeout_ms: Option<u64>,
-    store_acquire_timeout_ms: Option<u64>,
-    sqlite_busy_timeout_ms: Option<u64>,
-    stream_hold_warn_ms: Option<u64>,
-    worker_lease_seconds: Option<u64>,
-    worker_recovery_grace_seconds: Option<u64>,
-    tenant_file_roots: Option<FileList>,
-    tenant_program_roots: Option<FileList>,
-    tenant_env_prefix: Option<String>,
-    tenant_vault_prefix: Option<String>,
-    tenant_program_url_prefixes: Option<FileList>,
-    tenant_config_url_prefixes: Option<FileList>,
+/// Yes or no: a boolean in the file; `true`, `1`, `yes` or `false`, `0`, `no` in a variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+struct Flag(bool);
+
+impl From<bool> for Flag {
+    fn from(value: bool) -> Self {
+        Self(value)
+    }
 }
 
-/// The documented settings: (file key, environment variable, default, meaning). The README
-/// table is written from this list.
-pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
-    (
-        "http_addr",
-        "FERRY_HTTP_ADDR",
-        "127.0.0.1:8080",
-        "Address the HTTP API listens on.",
-    ),
-    (
-        "data_dir",
-        "FERRY_DATA_DIR",
-        "./.ferry",
-        "Embedded store (`ferry.db`), generated signing key.",
-    ),
-    (
-        "database_url",
-        "DATABASE_URL",
-        "(unset: SQLite)",
-        "Postgres URL; when set, events and read models live there.",
-    ),
-    (
-        "jwt_hs256_key",
-        "FERRY_JWT_HS256_KEY",
-        "(generated)",
-        "HS256 key for bearer tokens; at least 32 bytes.",
-    ),
-    (
-        "jwt_jwks_url",
-        "FERRY_JWT_JWKS_URL",
-        "(unset)",
-        "JWKS URL; when set, RS256 tokens are verified against it.",
-    ),
-    (
-        "jwt_issuer",
-        "FERRY_JWT_ISSUER",
-        "(unset)",
-        "Required `iss` claim.",
-    ),
-    (
-        "jwt_audience",
-        "FERRY_JWT_AUDIENCE",
-        "(unset)",
-        "Required `aud` claim.",
-    ),
-    (
-        "poll_interval_ms",
-        "FERRY_POLL_INTERVAL_MS",
-        "500",
-        "Projection polling fallback, 10 to 60000 ms.",
-    ),
-    (
-        "read_your_writes_ms",
-        "FERRY_READ_YOUR_WRITES_MS",
-        "2000",
-        "How long a command waits for its read model, 0 to 30000 ms.",
-    ),
-    (
-        "log_format",
-        "FERRY_LOG_FORMAT",
-        "json",
-        "`json` or `pretty`.",
-    ),
-    (
-        "log",
-        "FERRY_LOG",
-        "info",
-        "Log filter, e.g. `info,ferry_api=debug`.",
-    ),
-    (
-        "runner",
-        "FERRY_RUNNER",
-        "simulated",
-        "`simulated`, `pulumi` or `http`.",
-    ),
-    (
-        "pulumi_bin",
-        "FERRY_PULUMI_BIN",
-        "pulumi",
-        "The Pulumi CLI, for `FERRY_RUNNER=pulumi`.",
-    ),
-    (
-        "runner_url",
-        "FERRY_RUNNER_URL",
-        "(unset)",
-        "Remote runner base URL, for `FERRY_RUNNER=http`.",
-    ),
-    (
-        "runner_token",
-        "FERRY_RUNNER_TOKEN",
-        "(unset)",
-        "Bearer token for the remote runner.",
-    ),
-    (
-        "apply_timeout_minutes",
-        "FERRY_APPLY_TIMEOUT_MINUTES",
-        "45",
-        "Runner timeout per apply, 1 to 1440.",
-    ),
-    (
-        "approval_expiry_minutes",
-        "FERRY_APPROVAL_EXPIRY_MINUTES",
-        "1440",
-        "A run awaiting approval longer is rejected; 0 = never.",
-    ),
-    (
-        "policy_dir",
-        "FERRY_POLICY_DIR",
-        "(unset)",
-        "Folder of Rego policies evaluated with the built-in set.",
-    ),
-    (
-        "artifacts_url",
-        "FERRY_ARTIFACTS_URL",
-        "(data dir)",
-        "Artifact store: unset = `<data dir>/artifacts`, or `s3://`, `az://`, `gs://`.",
-    ),
-    (
-        "vault_addr",
-        "FERRY_VAULT_ADDR",
-        "(unset)",
-        "HashiCorp Vault address for `vault://` secrets.",
-    ),
-    (
-        "vault_token",
-        "FERRY_VAULT_TOKEN",
-        "(unset)",
-        "Vault token.",
-    ),
-    (
-        "baseline_program_development",
-        "FERRY_BASELINE_PROGRAM_DEVELOPMENT",
-        "(unset)",
-        "Default baseline program of the class, `<programRef>@<commit>`.",
-    ),
-    (
-        "baseline_program_test",
-        "FERRY_BASELINE_PROGRAM_TEST",
-        "(unset)",
-        "Same, for test environments.",
-    ),
-    (
-        "baseline_program_staging",
-        "FERRY_BASELINE_PROGRAM_STAGING",
-        "(unset)",
-        "Same, for staging environments.",
-    ),
-    (
-        "baseline_program_production",
-        "FERRY_BASELINE_PROGRAM_PRODUCTION",
-        "(unset)",
-        "Same, for production environments.",
-    ),
-    (
-        "nats_url",
-        "NATS_URL",
-        "(unset)",
-        "NATS server; when set, events are published to JetStream and inbound events consumed.",
-    ),
-    (
-        "nats_stream",
-        "FERRY_NATS_STREAM",
-        "FERRY_EVENTS",
-        "JetStream stream Ferry publishes to.",
-    ),
-    (
-        "workers",
-        "FERRY_WORKERS",
-        "true",
-        "Run the planner and applier here; `false` for API-only instances.",
-    ),
-    (
-        "trusted_sources",
-        "FERRY_TRUSTED_SOURCES",
-        "(unset: any source)",
-        "CloudEvent sources trusted per inbound event: `<event>=<source>[,<source>…]`, `;`-separated; set, an event no entry names is refused.",
-    ),
-    (
-        "idle_in_transaction_timeout_ms",
-        "FERRY_IDLE_IN_TRANSACTION_TIMEOUT_MS",
-        "60000",
-        "Postgres ends Ferry's sessions idle inside a transaction this long, 1000 to 3600000 ms.",
-    ),
-    (
-        "store_acquire_timeout_ms",
-        "FERRY_STORE_ACQUIRE_TIMEOUT_MS",
-        "10000",
-        "How long a request waits for a store connection before answering 503, 100 to 120000 ms.",
-    ),
-    (
-        "sqlite_busy_timeout_ms",
-        "FERRY_SQLITE_BUSY_TIMEOUT_MS",
-        "15000",
-        "How long an SQLite writer waits for the lock before answering 503, 10 to 120000 ms.",
-    ),
-    (
-        "stream_hold_warn_ms",
-        "FERRY_STREAM_HOLD_WARN_MS",
-        "5000",
-        "A transaction holding the event stream back longer is named by `/readyz` and `ferry projections status`, 100 to 3600000 ms.",
-    ),
-    (
-        "worker_lease_seconds",
-        "FERRY_WORKER_LEASE_SECONDS",
-        "60",
-        "A worker's claim on a step without renewal; the owner stops its runner at two thirds of it, 3 to 3600.",
-    ),
-    (
-        "worker_recovery_grace_seconds",
-        "FERRY_WORKER_RECOVERY_GRACE_SECONDS",
-        "30",
-        "Postgres: how long past an apply's lease, its owner's lock free, before it is reported interrupted, 0 to 3600.",
-    ),
-    (
-        "tenant_file_roots",
-        "FERRY_TENANT_FILE_ROOTS",
-        "<data dir>/tenants/{tenant}",
-        "Absolute folders (comma-separated templates; `{tenant}` = the tenant) that a tenant's `file://` secrets and configuration may name.",
-    ),
-    (
-        "tenant_program_roots",
-        "FERRY_TENANT_PROGRAM_ROOTS",
-        "<data dir>/tenants/{tenant}",
-        "Absolute folders (templates) a tenant's local program repositories may be in.",
-    ),
-    (
-        "tenant_env_prefix",
-        "FERRY_TENANT_ENV_PREFIX",
-        "TENANT_{tenant}",
-        "Prefix of the variables a tenant's `env://` secrets may name; `{tenant}` becomes the tenant with `_` `.` `-` `:` written `_5F` `_2E` `_2D` `_3A`, then `__` (tenant `acme`: `TENANT_acme__DB_PASSWORD`).",
-    ),
-    (
-        "tenant_vault_prefix",
-        "FERRY_TENANT_VAULT_PREFIX",
-        "{tenant}/",
-        "Vault path prefix (`mount/path/`) a tenant's `vault://` secrets must start with; empty = any path.",
-    ),
-    (
-        "tenant_program_url_prefixes",
-        "FERRY_TENANT_PROGRAM_URL_PREFIXES",
-        "(none)",
-        "URL prefixes (comma-separated templates) a tenant's remote program repositories must start with (`https://`, `http://`, `ssh://`, `git://`).",
-    ),
-    (
-        "tenant_config_url_prefixes",
-        "FERRY_TENANT_CONFIG_URL_PREFIXES",
-        "(none)",
-        "URL prefixes (templates) a tenant's `http(s)://` configuration must start with.",
-    ),
-];
-
-struct Layer<'a> {
-    source: &'a str,
-    by_env_name: bool,
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Flag;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true or false")
+            }
+            fn visit_bool<E: serde::de::Error>(self, value: bool) -> Result<Flag, E> {
+                Ok(Flag(value))
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Flag, E> {
+                match text {
+                    "true" | "1" | "yes" => Ok(Flag(true)),
+                    "false" | "0" | "no" => Ok(Flag(false)),
+                    other => Err(E::custom(format!("{other:?} is not true or false"))),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
-impl Layer<'_> {
-    fn err(&self, key: &str, env: &str, reason: impl Into<String>) -> ConfigError {
+/// A list: an array of strings in the file, or one comma-separated string (a variable's only
+/// form). Items are trimmed and blanks dropped, so "" is the empty list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+struct List(Vec<String>);
+
+impl List {
+    fn new<I: IntoIterator<Item = S>, S: AsRef<str>>(items: I) -> Self {
+        Self(
+            items
+                .into_iter()
+                .map(|item| item.as_ref().trim().to_string())
+                .filter(|item| !item.is_empty())
+                .collect(),
+        )
+    }
+}
+
+impl<'de> Deserialize<'de> for List {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = List;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of strings or one comma-separated string")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<List, E> {
+                Ok(List::new(text.split(',')))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<List, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<String>()? {
+                    items.push(item);
+                }
+                Ok(List::new(items))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// The name of the environment layer, as errors give it.
+const ENVIRONMENT: &str = "environment";
+
+/// The variable of the setting `key` (its declared one, or `FERRY_` and the key in upper
+/// case for a key not declared).
+fn variable_of(key: &str) -> String {
+    SETTINGS.iter().find(|(k, _, _, _)| *k == key).map_or_else(
+        || format!("{FERRY_PREFIX}{}", key.to_ascii_uppercase()),
+        |(_, variable, _, _)| variable.to_string(),
+    )
+}
+
+/// The environment layer: each declared setting's variable, read from the variables `load`
+/// is handed (figment's own `Env` reads only the process's environment, and callers and
+/// tests decide what Ferry sees). Values stay text, never guessed into numbers or lists:
+/// each setting's raw type reads its text.
+struct Environment<'a>(&'a HashMap<String, String>);
+
+impl Provider for Environment<'_> {
+    fn metadata(&self) -> Metadata {
+        // A value from here is named by its variable, e.g. `FERRY_HTTP_ADDR`, `DATABASE_URL`.
+        Metadata::named(ENVIRONMENT).interpolater(|_: &Profile, keys: &[&str]| {
+            keys.first()
+                .map_or_else(String::new, |key| variable_of(key))
+        })
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let values: Dict = SETTINGS
+            .iter()
+            .filter_map(|(key, variable, _, _)| {
+                let value = self.0.get(*variable)?;
+                Some((key.to_string(), Value::from(value.clone())))
+            })
+            .collect();
+        Ok(Profile::Default.collect(values))
+    }
+}
+
+/// The setting `key` as the layer that gave it names it, and that layer: the file by the
+/// key and its path, the environment by the variable, the built-in defaults by the key.
+fn named_by(metadata: Option<&Metadata>, key: &str) -> (String, String) {
+    match metadata {
+        Some(md) => match &md.source {
+            Some(Source::File(path)) => (key.to_string(), path.display().to_string()),
+            Some(Source::Code(_)) => (key.to_string(), "default".to_string()),
+            _ => (
+                md.interpolate(&Profile::Default, &[key]),
+                md.name.to_string(),
+            ),
+        },
+        None => (key.to_string(), "configuration".to_string()),
+    }
+}
+
+/// A value figment could not read into [`RawSettings`] (wrong type, unknown key, a file
+/// that is not TOML), named through the error's path and metadata.
+fn unreadable(error: figment::Error) -> ConfigError {
+    let Some(key) = error.path.first() else {
+        // Not one value but a whole layer: the file is not TOML.
+        let (_, source_name) = named_by(error.metadata.as_ref(), "");
+        return ConfigError {
+            setting: "file".to_string(),
+            source_name,
+            reason: error.kind.to_string(),
+        };
+    };
+    let (setting, source_name) = named_by(error.metadata.as_ref(), key);
+    let reason = match &error.kind {
+        figment::error::Kind::UnknownField(name, _) => format!("unknown setting `{name}`"),
+        kind => kind.to_string(),
+    };
+    ConfigError {
+        setting,
+        source_name,
+        reason,
+    }
+}
+
+/// Refuses a `FERRY_*` variable no setting has: a misspelt one would otherwise be ignored.
+fn refuse_unknown_variables(env: &HashMap<String, String>) -> Result<(), ConfigError> {
+    let unknown = env
+        .keys()
+        .filter(|name| name.starts_with(FERRY_PREFIX) && name.as_str() != "FERRY_CONFIG")
+        .filter(|name| !SETTINGS.iter().any(|(_, variable, _, _)| variable == name))
+        .min();
+    match unknown {
+        Some(name) => Err(ConfigError {
+            setting: name.clone(),
+            source_name: ENVIRONMENT.to_string(),
+            reason: "unknown setting".to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `(key, value)` of a raw setting, the key spelt by the compiler from the field.
+macro_rules! at {
+    ($raw:ident . $key:ident) => {
+        (stringify!($key), $raw.$key)
+    };
+}
+
+/// A raw setting's key and value.
+type At<T> = (&'static str, T);
+
+/// The checks of single values; a refused value is named by the layer that gave it.
+struct Check<'a>(&'a Figment);
+
+impl Check<'_> {
+    fn refuse(&self, key: &str, reason: impl Into<String>) -> ConfigError {
+        let (setting, source_name) = named_by(self.0.find_metadata(key), key);
         ConfigError {
-            setting: if self.by_env_name { env } else { key }.to_string(),
-            source_name: self.source.to_string(),
+            setting,
+            source_name,
             reason: reason.into(),
         }
     }
-}
 
-fn non_empty(value: String, layer: &Layer, key: &str, env: &str) -> Result<String, ConfigError> {
-    if value.trim().is_empty() {
-        Err(layer.err(key, env, "must not be empty"))
-    } else {
-        Ok(value)
+    /// `check` applied to the value when the setting is set.
+    fn opt<T, U>(
+        &self,
+        (key, value): At<Option<T>>,
+        check: impl FnOnce(&Self, At<T>) -> Result<U, ConfigError>,
+    ) -> Result<Option<U>, ConfigError> {
+        value.map(|value| check(self, (key, value))).transpose()
+    }
+
+    fn non_empty(&self, (key, value): At<String>) -> Result<String, ConfigError> {
+        if value.trim().is_empty() {
+            Err(self.refuse(key, "must not be empty"))
+        } else {
+            Ok(value)
+        }
+    }
+
+    fn url(&self, at: At<String>, schemes: &[&str], what: &str) -> Result<String, ConfigError> {
+        let key = at.0;
+        let value = self.non_empty(at)?;
+        if schemes.iter().any(|scheme| value.starts_with(scheme)) {
+            Ok(value)
+        } else {
+            Err(self.refuse(key, format!("must be {what}")))
+        }
+    }
+
+    fn one_of<T: Copy>(
+        &self,
+        (key, value): At<String>,
+        names: &[(&str, T)],
+    ) -> Result<T, ConfigError> {
+        names
+            .iter()
+            .find(|(name, _)| *name == value)
+            .map(|(_, it)| *it)
+            .ok_or_else(|| {
+                let names: Vec<&str> = names.iter().map(|(name, _)| *name).collect();
+                let (last, others) = names.split_last().unwrap_or((&"", &[]));
+                self.refuse(
+                    key,
+                    format!("{value:?} is not {} or {last}", others.join(", ")),
+                )
+            })
+    }
+
+    fn in_range(
+        &self,
+        (key, Whole(value)): At<Whole>,
+        min: u64,
+        max: u64,
+        unit: &str,
+    ) -> Result<u64, ConfigError> {
+        if (min..=max).contains(&value) {
+            Ok(value)
+        } else {
+            Err(self.refuse(key, format!("must be between {min} and {max} {unit}")))
+        }
+    }
+
+    fn millis(&self, at: At<Whole>, min: u64, max: u64) -> Result<Duration, ConfigError> {
+        self.in_range(at, min, max, "milliseconds")
+            .map(Duration::from_millis)
+    }
+
+    fn seconds(&self, at: At<Whole>, min: u64, max: u64) -> Result<Duration, ConfigError> {
+        self.in_range(at, min, max, "seconds")
+            .map(Duration::from_secs)
+    }
+
+    fn template(&self, key: &str, value: &str) -> Result<(), ConfigError> {
+        ferry_domain::confinement::Template::parse(value)
+            .map(|_| ())
+            .map_err(|e| self.refuse(key, e.to_string()))
+    }
+
+    /// Templates of absolute folders.
+    fn roots(&self, (key, List(roots)): At<List>) -> Result<Vec<String>, ConfigError> {
+        for root in &roots {
+            self.template(key, root)?;
+            if !Path::new(root).is_absolute() {
+                return Err(self.refuse(key, format!("{root:?} must be an absolute path")));
+            }
+        }
+        Ok(roots)
+    }
+
+    /// Templates of URL prefixes (their schemes are checked with the confinement rules).
+    fn prefixes(&self, (key, List(prefixes)): At<List>) -> Result<Vec<String>, ConfigError> {
+        for prefix in &prefixes {
+            self.template(key, prefix)?;
+        }
+        Ok(prefixes)
+    }
+
+    /// `<programRef>@<commit>`.
+    fn baseline(
+        &self,
+        class: ferry_domain::EnvironmentClass,
+        (key, value): At<String>,
+    ) -> Result<(ferry_domain::EnvironmentClass, String, String), ConfigError> {
+        let (program, commit) = value
+            .rsplit_once('@')
+            .ok_or_else(|| self.refuse(key, "must be <programRef>@<commit>"))?;
+        ferry_domain::ProgramRef::parse(program)
+            .map_err(|e| self.refuse(key, format!("program: {e}")))?;
+        ferry_domain::ProgramVersion::parse(commit)
+            .map_err(|e| self.refuse(key, format!("commit: {e}")))?;
+        Ok((class, program.to_string(), commit.to_string()))
     }
 }
 
-fn ms_in(
-    value: u64,
-    min: u64,
-    max: u64,
-    layer: &Layer,
-    key: &str,
-    env: &str,
-) -> Result<Duration, ConfigError> {
-    if (min..=max).contains(&value) {
-        Ok(Duration::from_millis(value))
-    } else {
-        Err(layer.err(
-            key,
-            env,
-            format!("must be between {min} and {max} milliseconds"),
-        ))
+/// The one validation step: every raw setting checked and made into a [`Config`] (without
+/// the checks across settings, see [`Config::check_combinations`]).
+fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
+    use ferry_domain::EnvironmentClass as Class;
+    let c = Check(layers);
+    let http = &["http://", "https://"];
+    let (key, http_addr) = at!(raw.http_addr);
+    let baselines = [
+        (Class::Development, at!(raw.baseline_program_development)),
+        (Class::Test, at!(raw.baseline_program_test)),
+        (Class::Staging, at!(raw.baseline_program_staging)),
+        (Class::Production, at!(raw.baseline_program_production)),
+    ];
+    Ok(Config {
+        http_addr: http_addr.parse().map_err(|_| {
+            c.refuse(
+                key,
+                format!("{http_addr:?} is not a socket address like 127.0.0.1:8080"),
+            )
+        })?,
+        data_dir: PathBuf::from(c.non_empty(at!(raw.data_dir))?),
+        database_url: c.opt(at!(raw.database_url), |c, at| {
+            c.url(
+                at,
+                &["postgres://", "postgresql://"],
+                "a postgres:// or postgresql:// URL",
+            )
+        })?,
+        jwt_hs256_key: c.opt(at!(raw.jwt_hs256_key), |c, (key, value)| {
+            if value.len() < 32 {
+                Err(c.refuse(key, "must be at least 32 bytes"))
+            } else {
+                Ok(value)
+            }
+        })?,
+        jwt_jwks_url: c.opt(at!(raw.jwt_jwks_url), |c, at| {
+            c.url(at, http, "an http(s) URL")
+        })?,
+        jwt_issuer: c.opt(at!(raw.jwt_issuer), Check::non_empty)?,
+        jwt_audience: c.opt(at!(raw.jwt_audience), Check::non_empty)?,
+        poll_interval: c.millis(at!(raw.poll_interval_ms), 10, 60_000)?,
+        read_your_writes: c.millis(at!(raw.read_your_writes_ms), 0, 30_000)?,
+        log_format: c.one_of(
+            at!(raw.log_format),
+            &[("json", LogFormat::Json), ("pretty", LogFormat::Pretty)],
+        )?,
+        log_filter: {
+            let (key, filter) = at!(raw.log);
+            let filter = c.non_empty((key, filter))?;
+            tracing_subscriber::EnvFilter::try_new(&filter)
+                .map_err(|e| c.refuse(key, format!("not a log filter: {e}")))?;
+            filter
+        },
+        runner: c.one_of(
+            at!(raw.runner),
+            &[
+                ("simulated", RunnerKind::Simulated),
+                ("pulumi", RunnerKind::Pulumi),
+                ("http", RunnerKind::Http),
+            ],
+        )?,
+        pulumi_bin: c.non_empty(at!(raw.pulumi_bin))?,
+        runner_url: c.opt(at!(raw.runner_url), |c, at| {
+            c.url(at, http, "a URL starting with http:// or https://")
+        })?,
+        runner_token: c.opt(at!(raw.runner_token), Check::non_empty)?,
+        apply_timeout: Duration::from_secs(
+            c.in_range(at!(raw.apply_timeout_minutes), 1, 1440, "minutes")? * 60,
+        ),
+        approval_expiry: {
+            let Whole(minutes) = raw.approval_expiry_minutes;
+            (minutes > 0).then(|| Duration::from_secs(minutes.saturating_mul(60)))
+        },
+        policy_dir: c
+            .opt(at!(raw.policy_dir), Check::non_empty)?
+            .map(PathBuf::from),
+        artifacts_url: c.opt(at!(raw.artifacts_url), |c, at| {
+            c.url(
+                at,
+                &["s3://", "az://", "gs://", "file://"],
+                "an s3://, az://, gs:// or file:// URL",
+            )
+        })?,
+        vault_addr: c.opt(at!(raw.vault_addr), |c, at| {
+            c.url(at, http, "a URL starting with http:// or https://")
+        })?,
+        vault_token: c.opt(at!(raw.vault_token), Check::non_empty)?,
+        baseline_programs: baselines
+            .into_iter()
+            .filter_map(|(class, (key, value))| Some(c.baseline(class, (key, value?))))
+            .collect::<Result<_, _>>()?,
+        nats_url: c.opt(at!(raw.nats_url), |c, at| {
+            c.url(
+                at,
+                &["nats://", "tls://"],
+                "a URL starting with nats:// or tls://",
+            )
+        })?,
+        nats_stream: {
+            let (key, stream) = at!(raw.nats_stream);
+            let stream = c.non_empty((key, stream))?;
+            if !stream
+                .chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+            {
+                return Err(c.refuse(key, "may only contain letters, digits, '_' and '-'"));
+            }
+            stream
+        },
+        workers: raw.workers.0,
+        trusted_sources: c
+            .opt(at!(raw.trusted_sources), |c, (key, sources)| {
+                let sources = c.non_empty((key, sources))?;
+                ferry_messaging::TrustedSources::parse(&sources)
+                    .map_err(|e| c.refuse(key, e.to_string()))
+            })?
+            .unwrap_or_else(ferry_messaging::TrustedSources::any),
+        idle_in_transaction_timeout: c.millis(
+            at!(raw.idle_in_transaction_timeout_ms),
+            1_000,
+            3_600_000,
+        )?,
+        store_acquire_timeout: c.millis(at!(raw.store_acquire_timeout_ms), 100, 120_000)?,
+        sqlite_busy_timeout: c.millis(at!(raw.sqlite_busy_timeout_ms), 10, 120_000)?,
+        stream_hold_warn: c.millis(at!(raw.stream_hold_warn_ms), 100, 3_600_000)?,
+        worker_lease: c.seconds(at!(raw.worker_lease_seconds), 3, 3600)?,
+        worker_recovery_grace: c.seconds(at!(raw.worker_recovery_grace_seconds), 0, 3600)?,
+        tenant_file_roots: c.opt(at!(raw.tenant_file_roots), Check::roots)?,
+        tenant_program_roots: c.opt(at!(raw.tenant_program_roots), Check::roots)?,
+        tenant_env_prefix: {
+            let (key, prefix) = at!(raw.tenant_env_prefix);
+            let prefix = c.non_empty((key, prefix))?;
+            c.template(key, &prefix)?;
+            prefix
+        },
+        tenant_vault_prefix: {
+            let (key, prefix) = at!(raw.tenant_vault_prefix);
+            let prefix = prefix.trim().to_string();
+            c.template(key, &prefix)?;
+            prefix
+        },
+        tenant_program_url_prefixes: c
+            .opt(at!(raw.tenant_program_url_prefixes), Check::prefixes)?
+            .unwrap_or_default(),
+        tenant_config_url_prefixes: c
+            .opt(at!(raw.tenant_config_url_prefixes), Check::prefixes)?
+            .unwrap_or_default(),
+        config_file: None,
+    })
+}
+
+/// The built-in defaults, the first layer.
+fn defaults() -> Figment {
+    Figment::from(Serialized::defaults(RawSettings::default()))
+}
+
+impl Default for Config {
+    /// The declared defaults.
+    fn default() -> Self {
+        // They pass every check (a test loads them): a refusal here is a mistake in the
+        // declarations above, not something a user can cause.
+        convert(RawSettings::default(), &defaults())
+            .unwrap_or_else(|e| panic!("a declared default is refused: {e}"))
     }
+}
+
+/// Where the README's configuration table starts; [`markdown_table`] goes after it.
+pub const TABLE_START: &str = "<!-- config-table -->";
+/// Where the README's configuration table ends.
+pub const TABLE_END: &str = "<!-- /config-table -->";
+
+/// The README's configuration table (Markdown, one line per row), from [`SETTINGS`].
+pub fn markdown_table() -> String {
+    let rows: String = SETTINGS
+        .iter()
+        .zip(ROWS)
+        .filter_map(|((key, variable, default, meaning), row)| {
+            let (key, variable) = match row {
+                Row::Own => (format!("`{key}`"), format!("`{variable}`")),
+                Row::Named(key, variable) => (key.to_string(), variable.to_string()),
+                Row::Folded => return None,
+            };
+            Some(format!("| {key} | {variable} | {default} | {meaning} |\n"))
+        })
+        .collect();
+    format!("| File key | Variable | Default | |\n|---|---|---|---|\n{rows}")
+}
+
+/// `readme` with the text between [`TABLE_START`] and [`TABLE_END`] replaced by
+/// [`markdown_table`]; `None` when it lacks the markers.
+pub fn with_markdown_table(readme: &str) -> Option<String> {
+    let start = readme.find(TABLE_START)? + TABLE_START.len();
+    let end = start + readme[start..].find(TABLE_END)?;
+    Some(format!(
+        "{}\n{}{}",
+        &readme[..start],
+        markdown_table(),
+        &readme[end..]
+    ))
 }
 
 impl Config {
-    /// Defaults, then the file (if any), then the environment.
-    pub fn load(
-        file: Option<&std::path::Path>,
-        env: &HashMap<String, String>,
-    ) -> Result<Self, ConfigError> {
-        let mut config = Self::default();
+    /// Defaults, then the file (if any: `file`, else `FERRY_CONFIG`), then the environment.
+    pub fn load(file: Option<&Path>, env: &HashMap<String, String>) -> Result<Self, ConfigError> {
+        refuse_unknown_variables(env)?;
         let file = file
-            .map(std::path::Path::to_path_buf)
+            .map(Path::to_path_buf)
             .or_else(|| env.get("FERRY_CONFIG").map(PathBuf::from));
-        if let Some(path) = file {
-            let source = path.display().to_string();
-            let text = std::fs::read_to_string(&path).map_err(|e| ConfigError {
+        let mut layers = defaults();
+        if let Some(path) = &file {
+            // figment would tell a missing file like a malformed one; say which it is.
+            std::fs::read_to_string(path).map_err(|e| ConfigError {
                 setting: "FERRY_CONFIG".to_string(),
-                source_name: source.clone(),
+                source_name: path.display().to_string(),
                 reason: format!("cannot read the file: {e}"),
             })?;
-            let layer: FileLayer = toml::from_str(&text).map_err(|e| ConfigError {
-                setting: "file".to_string(),
-                source_name: source.clone(),
-                reason: e.message().to_string(),
-            })?;
-            config.apply_file(layer, &source)?;
-            config.config_file = Some(path);
+            // `file_exact`: a relative path is not looked for in the parent folders.
+            layers = layers.merge(Toml::file_exact(path));
         }
-        config.apply_env(env)?;
-        config.validate()?;
+        let layers = layers.merge(Environment(env));
+        let raw: RawSettings = layers.extract().map_err(unreadable)?;
+        let mut config = convert(raw, &layers)?;
+        config.config_file = file;
+        config.check_combinations()?;
+        config.confinement()?;
         Ok(config)
     }
 
-    fn set(
-        &mut self,
-        key: &str,
-        env_name: &str,
-        raw: RawValue,
-        layer: &Layer,
-    ) -> Result<(), ConfigError> {
-        let text = |raw: RawValue| match raw {
-            RawValue::Text(t) => Ok(t),
-            RawValue::Int(i) => Ok(i.to_string()),
-            RawValue::List(_) => Err(layer.err(key, env_name, "must be a single value")),
-        };
-        let int = |raw: RawValue| match raw {
-            RawValue::Int(i) => Ok(i),
-            RawValue::Text(t) => t
-                .trim()
-                .parse::<u64>()
-                .map_err(|_| layer.err(key, env_name, format!("{t:?} is not a whole number"))),
-            RawValue::List(_) => Err(layer.err(key, env_name, "must be a single value")),
-        };
-        // Comma-separated text or a list; blanks dropped, so "" is the empty list.
-        let list = |raw: RawValue| -> Vec<String> {
-            let items = match raw {
-                RawValue::Text(t) => t.split(',').map(str::to_string).collect(),
-                RawValue::Int(i) => vec![i.to_string()],
-                RawValue::List(items) => items,
-            };
-            items
-                .into_iter()
-                .map(|i| i.trim().to_string())
-                .filter(|i| !i.is_empty())
-                .collect()
-        };
-        let template = |value: &str| {
-            ferry_domain::confinement::Template::parse(value)
-                .map(|_| ())
-                .map_err(|e| layer.err(key, env_name, e.to_string()))
-        };
-        match key {
-            "http_addr" => {
-                let t = text(raw)?;
-                self.http_addr = t.parse().map_err(|_| {
-                    layer.err(
-                        key,
-                        env_name,
-                        format!("{t:?} is not a socket address like 127.0.0.1:8080"),
-                    )
-                })?;
-            }
-            "data_dir" => {
-                self.data_dir = PathBuf::from(non_empty(text(raw)?, layer, key, env_name)?)
-            }
-            "database_url" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                if !(t.starts_with("postgres://") || t.starts_with("postgresql://")) {
-                    return Err(layer.err(
-                        key,
-                        env_name,
-                        "must be a postgres:// or postgresql:// URL",
-                    ));
-                }
-                self.database_url = Some(t);
-            }
-            "jwt_hs256_key" => {
-                let t = text(raw)?;
-                if t.len() < 32 {
-                    return Err(layer.err(key, env_name, "must be at least 32 bytes"));
-                }
-                self.jwt_hs256_key = Some(t);
-            }
-            "jwt_jwks_url" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                if !(t.starts_with("https://") || t.starts_with("http://")) {
-                    return Err(layer.err(key, env_name, "must be an http(s) URL"));
-                }
-                self.jwt_jwks_url = Some(t);
-            }
-            "jwt_issuer" => self.jwt_issuer = Some(non_empty(text(raw)?, layer, key, env_name)?),
-            "jwt_audience" => {
-                self.jwt_audience = Some(non_empty(text(raw)?, layer, key, env_name)?)
-            }
-            "poll_interval_ms" => {
-                self.poll_interval = ms_in(int(raw)?, 10, 60_000, layer, key, env_name)?
-            }
-            "read_your_writes_ms" => {
-                self.read_your_writes = ms_in(int(raw)?, 0, 30_000, layer, key, env_name)?;
-            }
-            "log_format" => {
-                self.log_format = match text(raw)?.as_str() {
-                    "json" => LogFormat::Json,
-                    "pretty" => LogFormat::Pretty,
-                    other => {
-                        return Err(layer.err(
-                            key,
-                            env_name,
-                            format!("{other:?} is not json or pretty"),
-                        ))
-                    }
-                }
-            }
-            "log" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                tracing_subscriber::EnvFilter::try_new(&t)
-                    .map_err(|e| layer.err(key, env_name, format!("not a log filter: {e}")))?;
-                self.log_filter = t;
-            }
-            "runner" => {
-                self.runner = match text(raw)?.as_str() {
-                    "simulated" => RunnerKind::Simulated,
-                    "pulumi" => RunnerKind::Pulumi,
-                    "http" => RunnerKind::Http,
-                    other => {
-                        return Err(layer.err(
-                            key,
-                            env_name,
-                            format!("{other:?} is not simulated, pulumi or http"),
-                        ))
-                    }
-                }
-            }
-            "pulumi_bin" => self.pulumi_bin = non_empty(text(raw)?, layer, key, env_name)?,
-            "runner_url" | "vault_addr" | "nats_url" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                let schemes: &[&str] = if key == "nats_url" {
-                    &["nats://", "tls://"]
-                } else {
-                    &["http://", "https://"]
-                };
-                if !schemes.iter().any(|s| t.starts_with(s)) {
-                    return Err(layer.err(
-                        key,
-                        env_name,
-                        format!("must start with {}", schemes.join(" or ")),
-                    ));
-                }
-                match key {
-                    "runner_url" => self.runner_url = Some(t),
-                    "vault_addr" => self.vault_addr = Some(t),
-                    _ => self.nats_url = Some(t),
-                }
-            }
-            "runner_token" => {
-                self.runner_token = Some(non_empty(text(raw)?, layer, key, env_name)?)
-            }
-            "vault_token" => self.vault_token = Some(non_empty(text(raw)?, layer, key, env_name)?),
-            "apply_timeout_minutes" => {
-                let m = int(raw)?;
-                if !(1..=1440).contains(&m) {
-                    return Err(layer.err(key, env_name, "must be between 1 and 1440 minutes"));
-                }
-                self.apply_timeout = Duration::from_secs(m * 60);
-            }
-            "approval_expiry_minutes" => {
-                let m = int(raw)?;
-                self.approval_expiry = (m > 0).then(|| Duration::from_secs(m.saturating_mul(60)));
-            }
-            "policy_dir" => {
-                self.policy_dir = Some(PathBuf::from(non_empty(text(raw)?, layer, key, env_name)?))
-            }
-            "artifacts_url" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                if !["s3://", "az://", "gs://", "file://"]
-                    .iter()
-                    .any(|s| t.starts_with(s))
-                {
-                    return Err(layer.err(
-                        key,
-                        env_name,
-                        "must be an s3://, az://, gs:// or file:// URL",
-                    ));
-                }
-                self.artifacts_url = Some(t);
-            }
-            "nats_stream" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                if !t
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-                {
-                    return Err(layer.err(
-                        key,
-                        env_name,
-                        "may only contain letters, digits, '_' and '-'",
-                    ));
-                }
-                self.nats_stream = t;
-            }
-            k if k.starts_with("baseline_program_") => {
-                let class = match &k["baseline_program_".len()..] {
-                    "development" => ferry_domain::EnvironmentClass::Development,
-                    "test" => ferry_domain::EnvironmentClass::Test,
-                    "staging" => ferry_domain::EnvironmentClass::Staging,
-                    _ => ferry_domain::EnvironmentClass::Production,
-                };
-                let t = text(raw)?;
-                let (program, commit) = t
-                    .rsplit_once('@')
-                    .ok_or_else(|| layer.err(key, env_name, "must be <programRef>@<commit>"))?;
-                ferry_domain::ProgramRef::parse(program)
-                    .map_err(|e| layer.err(key, env_name, format!("program: {e}")))?;
-                ferry_domain::ProgramVersion::parse(commit)
-                    .map_err(|e| layer.err(key, env_name, format!("commit: {e}")))?;
-                self.baseline_programs.retain(|(c, _, _)| *c != class);
-                self.baseline_programs
-                    .push((class, program.to_string(), commit.to_string()));
-            }
-            "trusted_sources" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                self.trusted_sources = ferry_messaging::TrustedSources::parse(&t)
-                    .map_err(|e| layer.err(key, env_name, e.to_string()))?;
-            }
-            "idle_in_transaction_timeout_ms" => {
-                self.idle_in_transaction_timeout =
-                    ms_in(int(raw)?, 1_000, 3_600_000, layer, key, env_name)?;
-            }
-            "store_acquire_timeout_ms" => {
-                self.store_acquire_timeout = ms_in(int(raw)?, 100, 120_000, layer, key, env_name)?;
-            }
-            "sqlite_busy_timeout_ms" => {
-                self.sqlite_busy_timeout = ms_in(int(raw)?, 10, 120_000, layer, key, env_name)?;
-            }
-            "stream_hold_warn_ms" => {
-                self.stream_hold_warn = ms_in(int(raw)?, 100, 3_600_000, layer, key, env_name)?;
-            }
-            "worker_lease_seconds" | "worker_recovery_grace_seconds" => {
-                let (min, value) = (u64::from(key == "worker_lease_seconds") * 3, int(raw)?);
-                if !(min..=3600).contains(&value) {
-                    return Err(layer.err(
-                        key,
-                        env_name,
-                        format!("must be between {min} and 3600 seconds"),
-                    ));
-                }
-                if key == "worker_lease_seconds" {
-                    self.worker_lease = Duration::from_secs(value);
-                } else {
-                    self.worker_recovery_grace = Duration::from_secs(value);
-                }
-            }
-            "tenant_file_roots" | "tenant_program_roots" => {
-                let roots = list(raw);
-                for root in &roots {
-                    template(root)?;
-                    if !std::path::Path::new(root).is_absolute() {
-                        return Err(layer.err(
-                            key,
-                            env_name,
-                            format!("{root:?} must be an absolute path"),
-                        ));
-                    }
-                }
-                if key == "tenant_file_roots" {
-                    self.tenant_file_roots = Some(roots);
-                } else {
-                    self.tenant_program_roots = Some(roots);
-                }
-            }
-            "tenant_env_prefix" => {
-                let t = non_empty(text(raw)?, layer, key, env_name)?;
-                template(&t)?;
-                self.tenant_env_prefix = t;
-            }
-            "tenant_vault_prefix" => {
-                let t = text(raw)?.trim().to_string();
-                template(&t)?;
-                self.tenant_vault_prefix = t;
-            }
-            "tenant_program_url_prefixes" | "tenant_config_url_prefixes" => {
-                let prefixes = list(raw);
-                for prefix in &prefixes {
-                    template(prefix)?;
-                }
-                if key == "tenant_program_url_prefixes" {
-                    self.tenant_program_url_prefixes = prefixes;
-                } else {
-                    self.tenant_config_url_prefixes = prefixes;
-                }
-            }
-            "workers" => {
-                self.workers = match text(raw)?.as_str() {
-                    "true" | "1" | "yes" => true,
-                    "false" | "0" | "no" => false,
-                    other => {
-                        return Err(layer.err(
-                            key,
-                            env_name,
-                            format!("{other:?} is not true or false"),
-                        ))
-                    }
-                }
-            }
-            _ => return Err(layer.err(key, env_name, "unknown setting")),
-        }
-        Ok(())
-    }
-
-    fn apply_file(&mut self, f: FileLayer, source: &str) -> Result<(), ConfigError> {
-        let layer = Layer {
-            source,
-            by_env_name: false,
-        };
-        let entries: [(&str, Option<RawValue>); 41] = [
-            ("http_addr", f.http_addr.map(RawValue::Text)),
-            ("data_dir", f.data_dir.map(RawValue::Text)),
-            ("database_url", f.database_url.map(RawValue::Text)),
-            ("jwt_hs256_key", f.jwt_hs256_key.map(RawValue::Text)),
-            ("jwt_jwks_url", f.jwt_jwks_url.map(RawValue::Text)),
-            ("jwt_issuer", f.jwt_issuer.map(RawValue::Text)),
-            ("jwt_audience", f.jwt_audience.map(RawValue::Text)),
-            ("poll_interval_ms", f.poll_interval_ms.map(RawValue::Int)),
-            (
-                "read_your_writes_ms",
-                f.read_your_writes_ms.map(RawValue::Int),
-            ),
-            ("log_format", f.log_format.map(RawValue::Text)),
-            ("log", f.log.map(RawValue::Text)),
-            ("runner", f.runner.map(RawValue::Text)),
-            ("pulumi_bin", f.pulumi_bin.map(RawValue::Text)),
-            ("runner_url", f.runner_url.map(RawValue::Text)),
-            ("runner_token", f.runner_token.map(RawValue::Text)),
-            (
-                "apply_timeout_minutes",
-                f.apply_timeout_minutes.map(RawValue::Int),
-            ),
-            (
-                "approval_expiry_minutes",
-                f.approval_expiry_minutes.map(RawValue::Int),
-            ),
-            ("policy_dir", f.policy_dir.map(RawValue::Text)),
-            ("artifacts_url", f.artifacts_url.map(RawValue::Text)),
-            ("vault_addr", f.vault_addr.map(RawValue::Text)),
-            ("vault_token", f.vault_token.map(RawValue::Text)),
-            (
-                "baseline_program_development",
-                f.baseline_program_development.map(RawValue::Text),
-            ),
-            (
-                "baseline_program_test",
-                f.baseline_program_test.map(RawValue::Text),
-            ),
-            (
-                "baseline_program_staging",
-                f.baseline_program_staging.map(RawValue::Text),
-            ),
-            (
-                "baseline_program_production",
-                f.baseline_program_production.map(RawValue::Text),
-            ),
-            ("nats_url", f.nats_url.map(RawValue::Text)),
-            ("nats_stream", f.nats_stream.map(RawValue::Text)),
-            ("workers", f.workers.map(|b| RawValue::Text(b.to_string()))),
-            ("trusted_sources", f.trusted_sources.map(RawValue::Text)),
-            (
-                "idle_in_transaction_timeout_ms",
-                f.idle_in_transaction_timeout_ms.map(RawValue::Int),
-            ),
-            (
-                "store_acquire_timeout_ms",
-                f.store_acquire_timeout_ms.map(RawValue::Int),
-            ),
-            (
-                "sqlite_busy_timeout_ms",
-                f.sqlite_busy_timeout_ms.map(RawValue::Int),
-            ),
-            (
-                "stream_hold_warn_ms",
-                f.stream_hold_warn_ms.map(RawValue::Int),
-            ),
-            (
-                "worker_lease_seconds",
-                f.worker_lease_seconds.map(RawValue::Int),
-            ),
-            (
-                "worker_recovery_grace_seconds",
-                f.worker_recovery_grace_seconds.map(RawValue::Int),
-            ),
-            (
-                "tenant_file_roots",
-                f.tenant_file_roots.map(FileList::into_raw),
-            ),
-            (
-                "tenant_program_roots",
-                f.tenant_program_roots.map(FileList::into_raw),
-            ),
-            ("tenant_env_prefix", f.tenant_env_prefix.map(RawValue::Text)),
-            (
-                "tenant_vault_prefix",
-                f.tenant_vault_prefix.map(RawValue::Text),
-            ),
-            (
-                "tenant_program_url_prefixes",
-                f.tenant_program_url_prefixes.map(FileList::into_raw),
-            ),
-            (
-                "tenant_config_url_prefixes",
-                f.tenant_config_url_prefixes.map(FileList::into_raw),
-            ),
-        ];
-        for (key, value) in entries {
-            if let Some(value) = value {
-                let env_name = env_name_of(key);
-                self.set(key, env_name, value, &layer)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn apply_env(&mut self, env: &HashMap<String, String>) -> Result<(), ConfigError> {
-        let layer = Layer {
-            source: "environment",
-            by_env_name: true,
-        };
-        for (key, env_name, _, _) in SETTINGS {
-            if let Some(value) = env.get(*env_name) {
-                self.set(key, env_name, RawValue::Text(value.clone()), &layer)?;
-            }
-        }
-        // A misspelt FERRY_ variable would otherwise be ignored in silence.
-        for name in env.keys().filter(|k| k.starts_with("FERRY_")) {
-            let known = SETTINGS.iter().any(|(_, e, _, _)| e == name)
-                || matches!(name.as_str(), "FERRY_CONFIG");
-            if !known {
-                return Err(ConfigError {
-                    setting: name.clone(),
-                    source_name: "environment".to_string(),
-                    reason: "unknown setting".to_string(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// The checks across settings.
+    fn check_combinations(&self) -> Result<(), ConfigError> {
         if self.runner == RunnerKind::Http && self.runner_url.is_none() {
             return Err(ConfigError {
                 setting: "FERRY_RUNNER_URL".to_string(),
@@ -1021,7 +973,6 @@ impl Config {
                     .to_string(),
             });
         }
-        self.confinement()?;
         Ok(())
     }
 
@@ -1101,19 +1052,6 @@ fn real_path(path: &std::path::Path) -> PathBuf {
             _ => return absolute,
         }
     }
-}
-
-enum RawValue {
-    Text(String),
-    Int(u64),
-    List(Vec<String>),
-}
-
-fn env_name_of(key: &str) -> &'static str {
-    SETTINGS
-        .iter()
-        .find(|(k, _, _, _)| *k == key)
-        .map_or("", |(_, e, _, _)| e)
 }
 
 #[cfg(test)]
@@ -1339,5 +1277,134 @@ mod tests {
             Config::load(Some(&file), &env(&[("FERRY_DATA_DIR", "/elsewhere/data")])).unwrap_err();
         assert_eq!(e.setting, "FERRY_TENANT_FILE_ROOTS");
         assert!(e.reason.contains("configuration file"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_in_the_file_is_named_by_its_key_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        let source = file.display().to_string();
+        for (text, setting, reason) in [
+            ("http_addr = \"nowhere\"\n", "http_addr", "socket address"),
+            // Wrong types are figment's to refuse, named by its error's path.
+            ("http_addr = 8080\n", "http_addr", "string"),
+            (
+                "poll_interval_ms = -5\n",
+                "poll_interval_ms",
+                "whole number",
+            ),
+            ("workers = \"maybe\"\n", "workers", "true or false"),
+            (
+                "tenant_file_roots = [\"/srv/a\", 7]\n",
+                "tenant_file_roots",
+                "string",
+            ),
+            (
+                "worker_lease_seconds = 1\n",
+                "worker_lease_seconds",
+                "between 3 and 3600",
+            ),
+            ("log_format = \"xml\"\n", "log_format", "json or pretty"),
+            ("htp_addr = \"x\"\n", "htp_addr", "unknown setting"),
+        ] {
+            std::fs::write(&file, text).unwrap();
+            let e = Config::load(Some(&file), &env(&[])).unwrap_err();
+            assert_eq!(
+                (e.setting.as_str(), e.source_name.as_str()),
+                (setting, source.as_str()),
+                "{text}: {e}"
+            );
+            assert!(e.reason.contains(reason), "{text}: {e}");
+        }
+        std::fs::write(&file, "http_addr = \n").unwrap();
+        let e = Config::load(Some(&file), &env(&[])).unwrap_err();
+        assert_eq!(
+            (e.setting.as_str(), e.source_name.as_str()),
+            ("file", source.as_str()),
+            "{e}"
+        );
+        let e = Config::load(Some(&dir.path().join("missing.toml")), &env(&[])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_CONFIG", "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_in_the_environment_is_named_by_its_variable() {
+        for (name, value, reason) in [
+            ("FERRY_WORKER_LEASE_SECONDS", "1", "between 3 and 3600"),
+            ("FERRY_READ_YOUR_WRITES_MS", "-1", "whole number"),
+            ("FERRY_WORKERS", "maybe", "true or false"),
+            ("FERRY_LOG_FORMAT", "xml", "json or pretty"),
+            ("FERRY_TENANT_FILE_ROOTS", "/srv/a, relative", "absolute"),
+            ("NATS_URL", "", "empty"),
+        ] {
+            let e = Config::load(None, &env(&[(name, value)])).unwrap_err();
+            assert_eq!(
+                (e.setting.as_str(), e.source_name.as_str()),
+                (name, "environment"),
+                "{name}={value}: {e}"
+            );
+            assert!(e.reason.contains(reason), "{name}={value}: {e}");
+        }
+        // Only the value in force is checked: the environment's, over the file's.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(&file, "workers = false\npoll_interval_ms = 5\n").unwrap();
+        let c = Config::load(
+            Some(&file),
+            &env(&[("FERRY_WORKERS", "yes"), ("FERRY_POLL_INTERVAL_MS", " 20 ")]),
+        )
+        .unwrap();
+        assert!(c.workers);
+        assert_eq!(c.poll_interval, Duration::from_millis(20));
+        // Neither a variable Ferry does not read nor its own FERRY_CONFIG is a setting.
+        std::fs::write(&file, "workers = false\n").unwrap();
+        let path = file.display().to_string();
+        let c = Config::load(None, &env(&[("HOME", "/root"), ("FERRY_CONFIG", &path)])).unwrap();
+        assert_eq!(c.config_file.as_deref(), Some(file.as_path()));
+        assert!(!c.workers);
+    }
+
+    #[test]
+    fn the_declared_defaults_are_the_configs_defaults() {
+        assert_eq!(Config::load(None, &env(&[])).unwrap(), Config::default());
+        let c = Config::default();
+        assert_eq!(c.http_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.approval_expiry, Some(Duration::from_secs(24 * 60 * 60)));
+        assert_eq!(c.trusted_sources, ferry_messaging::TrustedSources::any());
+        assert!(c.workers && c.tenant_file_roots.is_none());
+    }
+
+    #[test]
+    fn each_variable_is_ferry_and_the_key_but_the_documented_exceptions() {
+        assert_eq!(SETTINGS.len(), ROWS.len());
+        for (key, variable, default, meaning) in SETTINGS {
+            match *variable {
+                "DATABASE_URL" | "NATS_URL" => assert_eq!(variable.to_lowercase(), *key),
+                _ => assert_eq!(*variable, format!("FERRY_{}", key.to_uppercase())),
+            }
+            assert!(!default.is_empty() && !meaning.is_empty(), "{key}");
+            assert!(
+                !meaning.starts_with(' ') && !meaning.contains("  "),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_readme_table_is_the_generated_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md");
+        let readme = std::fs::read_to_string(path).unwrap();
+        let fresh = with_markdown_table(&readme)
+            .expect("README.md marks its configuration table with <!-- config-table -->");
+        assert!(
+            fresh == readme,
+            "README.md's configuration table is stale: run `cargo run -- schemas`"
+        );
+        let table = markdown_table();
+        assert!(table.contains(
+            "| `baseline_program_<class>` | `FERRY_BASELINE_PROGRAM_DEVELOPMENT`, `_TEST`"
+        ));
+        assert!(!table.contains("`baseline_program_test`"));
+        assert_eq!(with_markdown_table("no markers"), None);
     }
 }
