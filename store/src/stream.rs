@@ -488,8 +488,8 @@ pub enum HandlerError {
     /// aggregate type Ferry does not know (see [`crate::events`]).
     #[error(transparent)]
     Decode(#[from] DecodeError),
-    /// A record the handler keeps beside the events (e.g. a read model's row) is missing or
-    /// unreadable although the events say it must be there.
+    /// A record the handler needs besides the event (a read model's row, the run's request)
+    /// is missing or unreadable although the events say it must be there.
     #[error("{what}: {source}")]
     Record {
         /// Which record.
