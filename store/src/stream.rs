@@ -469,7 +469,9 @@ pub async fn stream_holder(
     ))
 }
 
-/// What a subscription does with each event, inside the batch's transaction.
+/// What a subscription does with each event, inside the batch's transaction. It sees events
+/// as stored; Ferry's subscriptions are [`crate::events::Subscription`]s, which decode them
+/// (through the upcasters) for one typed subscriber per aggregate.
 #[async_trait::async_trait]
 pub trait Handler: Send + Sync {
     /// The subscription's checkpoint name.
