@@ -11,7 +11,7 @@
 
 use crate::ids::{Actor, EnvironmentId, TenantId};
 use crate::values::{EnvironmentClass, ProgramRef, ProgramVersion};
-use crate::TenantOwned;
+use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -126,18 +126,24 @@ pub enum EnvironmentEvent {
     },
 }
 
+impl EnvironmentEvent {
+    /// The name and version this event is stored under (see [`crate::event_type`]).
+    pub fn stored_type(&self) -> EventType {
+        match self {
+            Self::EnvironmentRegistered(_) => EventType::first("EnvironmentRegistered"),
+            Self::EnvironmentUpdated { .. } => EventType::first("EnvironmentUpdated"),
+            Self::EnvironmentClassLowered { .. } => EventType::first("EnvironmentClassLowered"),
+            Self::EnvironmentStateChanged { .. } => EventType::first("EnvironmentStateChanged"),
+        }
+    }
+}
+
 impl DomainEvent for EnvironmentEvent {
     fn event_type(&self) -> String {
-        match self {
-            Self::EnvironmentRegistered(_) => "EnvironmentRegistered",
-            Self::EnvironmentUpdated { .. } => "EnvironmentUpdated",
-            Self::EnvironmentClassLowered { .. } => "EnvironmentClassLowered",
-            Self::EnvironmentStateChanged { .. } => "EnvironmentStateChanged",
-        }
-        .to_string()
+        self.stored_type().name.to_string()
     }
     fn event_version(&self) -> String {
-        "1.0".to_string()
+        self.stored_type().version.to_string()
     }
 }
 

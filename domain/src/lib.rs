@@ -8,6 +8,7 @@
 pub mod cloudevent;
 pub mod confinement;
 pub mod environment;
+pub mod event_type;
 pub mod ids;
 pub mod ports;
 pub mod receipts;
@@ -15,6 +16,7 @@ pub mod run;
 pub mod specification;
 pub mod values;
 
+pub use event_type::EventType;
 pub use ids::*;
 pub use values::*;
 

@@ -23,7 +23,7 @@ use crate::ids::{
 };
 use crate::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
 use crate::values::{is_production, EnvironmentClass, ProvisioningKind, ProvisioningState};
-use crate::TenantOwned;
+use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -385,26 +385,32 @@ pub enum RunEvent {
     },
 }
 
+impl RunEvent {
+    /// The name and version this event is stored under (see [`crate::event_type`]).
+    pub fn stored_type(&self) -> EventType {
+        match self {
+            Self::ProvisioningRequested(_) => EventType::first("ProvisioningRequested"),
+            Self::PromotionApprovalVerified(_) => EventType::first("PromotionApprovalVerified"),
+            Self::ProvisioningPlanned { .. } => EventType::first("ProvisioningPlanned"),
+            Self::ApprovalRequired { .. } => EventType::first("ApprovalRequired"),
+            Self::ApprovalGranted(_) => EventType::first("ApprovalGranted"),
+            Self::ApprovalRejected(_) => EventType::first("ApprovalRejected"),
+            Self::ApplyStarted { .. } => EventType::first("ApplyStarted"),
+            Self::ProvisioningApplied { .. } => EventType::first("ProvisioningApplied"),
+            Self::ProvisioningFailed { .. } => EventType::first("ProvisioningFailed"),
+            Self::ProvisioningCancelled { .. } => EventType::first("ProvisioningCancelled"),
+            Self::ProvisioningSuperseded { .. } => EventType::first("ProvisioningSuperseded"),
+            Self::PolicyDenied { .. } => EventType::first("PolicyDenied"),
+        }
+    }
+}
+
 impl DomainEvent for RunEvent {
     fn event_type(&self) -> String {
-        match self {
-            Self::ProvisioningRequested(_) => "ProvisioningRequested",
-            Self::PromotionApprovalVerified(_) => "PromotionApprovalVerified",
-            Self::ProvisioningPlanned { .. } => "ProvisioningPlanned",
-            Self::ApprovalRequired { .. } => "ApprovalRequired",
-            Self::ApprovalGranted(_) => "ApprovalGranted",
-            Self::ApprovalRejected(_) => "ApprovalRejected",
-            Self::ApplyStarted { .. } => "ApplyStarted",
-            Self::ProvisioningApplied { .. } => "ProvisioningApplied",
-            Self::ProvisioningFailed { .. } => "ProvisioningFailed",
-            Self::ProvisioningCancelled { .. } => "ProvisioningCancelled",
-            Self::ProvisioningSuperseded { .. } => "ProvisioningSuperseded",
-            Self::PolicyDenied { .. } => "PolicyDenied",
-        }
-        .to_string()
+        self.stored_type().name.to_string()
     }
     fn event_version(&self) -> String {
-        "1.0".to_string()
+        self.stored_type().version.to_string()
     }
 }
 

@@ -6,7 +6,7 @@ use crate::ids::{Actor, EnvironmentId, ProjectId, ReleaseId, SpecificationId, Te
 use crate::values::{
     ConfigRef, ProgramRef, ProgramVersion, RefMap, SecretRef, SpecificationKind, Strategy,
 };
-use crate::TenantOwned;
+use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -93,14 +93,21 @@ pub enum SpecificationEvent {
     SpecificationDeclared(Box<SpecificationVersion>),
 }
 
-impl DomainEvent for SpecificationEvent {
-    fn event_type(&self) -> String {
+impl SpecificationEvent {
+    /// The name and version this event is stored under (see [`crate::event_type`]).
+    pub fn stored_type(&self) -> EventType {
         match self {
-            Self::SpecificationDeclared(_) => "SpecificationDeclared".to_string(),
+            Self::SpecificationDeclared(_) => EventType::first("SpecificationDeclared"),
         }
     }
+}
+
+impl DomainEvent for SpecificationEvent {
+    fn event_type(&self) -> String {
+        self.stored_type().name.to_string()
+    }
     fn event_version(&self) -> String {
-        "1.0".to_string()
+        self.stored_type().version.to_string()
     }
 }
 

@@ -1,9 +1,14 @@
 //! Turns a stored event into the CloudEvent Ferry publishes (relay) or streams (SSE).
 //!
-//! Integration events get their fixed payloads; any other event, or an integration event
-//! whose payload cannot be built (which would be a bug: it is logged and counted), goes on
-//! `ferry.events.<aggregate>.<event>` with the domain event's inner object as data, so the
-//! audit trail stays complete and the relay never stops on one odd event.
+//! Events of Ferry's aggregates are decoded first, through their upcasters
+//! ([`ferry_store::events`]); one that does not decode is an error, at which the relay stops
+//! and which it reports until it goes through: nothing is skipped. Integration events get
+//! their fixed payloads; every other event goes on `ferry.events.<aggregate>.<event>` with
+//! the domain event's inner object as data. An integration event whose payload cannot be
+//! built (its run has no request: a bug, logged and counted) goes on its domain subject
+//! instead, so the audit trail stays complete. An event of an aggregate type this version
+//! does not know (e.g. written by a newer one) is published as stored on its domain
+//! subject: the relay publishes every event, and it cannot decode this one.
 
 use crate::cloudevent::{CloudEvent, JSON, SPEC_VERSION};
 use crate::payloads::{
@@ -11,11 +16,15 @@ use crate::payloads::{
     SpecificationDeclaredPayload,
 };
 use crate::subjects;
-use ferry_domain::run::{RunEvent, RunRequest};
-use ferry_domain::specification::SpecificationEvent;
-use ferry_store::database::Pool;
-use ferry_store::{Database, Position, StoredEvent};
+use cqrs_es::DomainEvent;
+use ferry_domain::environment::{Environment, EnvironmentEvent};
+use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
+use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
+use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
+use ferry_store::events::{first_event, Decoder, ReadError};
+use ferry_store::{Database, Position, StoredEvent, Typed};
 use serde_json::Value;
+use std::sync::OnceLock;
 
 /// Default CloudEvent `source` of Ferry's events.
 pub const DEFAULT_SOURCE: &str = "urn:ferry";
@@ -49,44 +58,51 @@ pub fn parse_position(token: &str) -> Option<Position> {
     })
 }
 
-/// Why an integration payload could not be built.
-#[derive(Debug, thiserror::Error)]
-enum Unmappable {
-    #[error("database: {0}")]
-    Sql(#[from] sqlx::Error),
-    #[error("{0}")]
-    Data(String),
+/// A stored event of one of Ferry's aggregates, decoded.
+enum Decoded {
+    Run(Typed<RunEvent>),
+    Specification(Typed<SpecificationEvent>),
+    Environment(Typed<EnvironmentEvent>),
 }
 
-/// The CloudEvent for `event`. Only a database error fails (the caller retries).
+/// Decodes the events of every aggregate Ferry stores.
+fn decoder() -> &'static Decoder<Decoded> {
+    static DECODER: OnceLock<Decoder<Decoded>> = OnceLock::new();
+    DECODER.get_or_init(|| {
+        Decoder::new()
+            .on::<ProvisioningRun>(Decoded::Run)
+            .on::<DeploymentSpecification>(Decoded::Specification)
+            .on::<Environment>(Decoded::Environment)
+    })
+}
+
+/// A message's subject and data, and why it is degraded if it is.
+struct Message {
+    subject: String,
+    data: Value,
+    degraded: Option<String>,
+}
+
+/// The CloudEvent for `event`. Fails when the store fails (the caller retries) or when an
+/// event of one of Ferry's aggregates does not decode (the relay stops at it).
 pub async fn to_outbound(
     db: &Database,
     source: &str,
     event: &StoredEvent,
-) -> Result<Outbound, sqlx::Error> {
-    let (subject, data, degraded) =
-        match subjects::integration_subject(&event.aggregate_type, &event.event_type) {
-            Some(subject) => match integration_payload(db, event).await {
-                Ok(data) => (subject.to_string(), data, None),
-                Err(Unmappable::Sql(e)) => return Err(e),
-                Err(Unmappable::Data(reason)) => {
-                    tracing::error!(
-                        event_id = %event.event_id, event_type = %event.event_type, %reason,
-                        "integration payload cannot be built; publishing the domain event instead"
-                    );
-                    (
-                        subjects::domain_subject(&event.aggregate_type, &event.event_type),
-                        inner_payload(&event.payload),
-                        Some(reason),
-                    )
-                }
-            },
-            None => (
-                subjects::domain_subject(&event.aggregate_type, &event.event_type),
-                inner_payload(&event.payload),
-                None,
-            ),
-        };
+) -> Result<Outbound, ReadError> {
+    let message = match decoder().decode(event)? {
+        Some(Decoded::Run(run)) => run_message(db, event, &run).await?,
+        Some(Decoded::Specification(specification)) => {
+            specification_message(event, &specification.event)
+        }
+        Some(Decoded::Environment(environment)) => domain_message(event, &environment.event),
+        // An aggregate type this version does not know: published as stored.
+        None => Message {
+            subject: subjects::domain_subject(&event.aggregate_type, &event.event_type),
+            data: inner_payload(&event.payload),
+            degraded: None,
+        },
+    };
     let meta = |key: &str| {
         event
             .metadata
@@ -99,7 +115,7 @@ pub async fn to_outbound(
             specversion: SPEC_VERSION.to_string(),
             id: event.event_id.to_string(),
             source: source.to_string(),
-            event_type: subject.clone(),
+            event_type: message.subject.clone(),
             subject: Some(event.aggregate_id.clone()),
             time: Some(event.recorded_at),
             datacontenttype: Some(JSON.to_string()),
@@ -109,10 +125,10 @@ pub async fn to_outbound(
             ferryposition: Some(position_token(event.position)),
             correlationid: meta("correlationId"),
             causationid: meta("causationId"),
-            data,
+            data: message.data,
         },
-        subject,
-        degraded,
+        subject: message.subject,
+        degraded: message.degraded,
     })
 }
 
@@ -124,107 +140,157 @@ pub fn inner_payload(payload: &Value) -> Value {
     }
 }
 
-fn decode<T: serde::de::DeserializeOwned>(what: &str, v: &Value) -> Result<T, Unmappable> {
-    serde_json::from_value(v.clone())
-        .map_err(|e| Unmappable::Data(format!("{what} does not decode: {e}")))
-}
-
-async fn integration_payload(db: &Database, event: &StoredEvent) -> Result<Value, Unmappable> {
-    let value = if event.aggregate_type == "DeploymentSpecification" {
-        let SpecificationEvent::SpecificationDeclared(v) =
-            decode::<SpecificationEvent>(&event.event_type, &event.payload)?;
-        serde_json::to_value(SpecificationDeclaredPayload {
-            specification_id: v.specification_id,
-            tenant_id: v.tenant_id,
-            environment_id: v.environment_id,
-            kind: v.kind,
-            version: v.version,
-            program_version: v.program_version.to_string(),
-        })
-    } else {
-        let run_event = decode::<RunEvent>(&event.event_type, &event.payload)?;
-        let request = run_request(db, &event.aggregate_id).await?;
-        match run_event {
-            RunEvent::ProvisioningPlanned { plan_receipt, .. } => {
-                serde_json::to_value(ProvisioningPlannedPayload {
-                    provisioning_run_id: request.provisioning_run_id,
-                    tenant_id: request.tenant_id,
-                    environment_id: request.environment_id,
-                    kind: request.kind,
-                    promotion_id: request.promotion_id,
-                    plan_summary: PlanSummary {
-                        adds: plan_receipt.adds,
-                        changes: plan_receipt.changes,
-                        deletes: plan_receipt.deletes,
-                        replaces: plan_receipt.replaces,
-                        resources: u32::try_from(plan_receipt.resources.len()).unwrap_or(u32::MAX),
-                    },
-                })
-            }
-            RunEvent::ProvisioningApplied { apply_receipt, .. } => {
-                serde_json::to_value(ProvisioningAppliedPayload {
-                    provisioning_run_id: request.provisioning_run_id,
-                    tenant_id: request.tenant_id,
-                    project_id: request.project_id,
-                    environment_id: request.environment_id,
-                    kind: request.kind,
-                    promotion_id: request.promotion_id,
-                    specification_version: request.specification_version,
-                    outputs: apply_receipt.outputs,
-                })
-            }
-            RunEvent::ProvisioningFailed { reason, .. } => {
-                serde_json::to_value(ProvisioningFailedPayload {
-                    provisioning_run_id: request.provisioning_run_id,
-                    tenant_id: request.tenant_id,
-                    environment_id: request.environment_id,
-                    kind: request.kind,
-                    promotion_id: request.promotion_id,
-                    reason,
-                })
-            }
-            other => {
-                return Err(Unmappable::Data(format!(
-                    "stored type {} holds a different event {other:?}",
-                    event.event_type
-                )))
+/// The domain event on `ferry.events.<aggregate>.<event>`, its inner object as data.
+fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
+    let subject = subjects::domain_subject(&stored.aggregate_type, &event.event_type());
+    match serde_json::to_value(event) {
+        Ok(value) => Message {
+            subject,
+            data: inner_payload(&value),
+            degraded: None,
+        },
+        // Ferry's events always serialize; should one not, the stored object still tells.
+        Err(e) => {
+            let reason = format!("the event does not serialize: {e}");
+            log_degraded(stored, &reason);
+            Message {
+                subject,
+                data: inner_payload(&stored.payload),
+                degraded: Some(reason),
             }
         }
-    };
-    value.map_err(|e| Unmappable::Data(e.to_string()))
-}
-
-/// The run's `ProvisioningRequested` payload, read from the events table.
-async fn run_request(db: &Database, run_id: &str) -> Result<RunRequest, Unmappable> {
-    const SQL: &str = "SELECT payload FROM events
-        WHERE aggregate_type = 'ProvisioningRun' AND aggregate_id = $1
-          AND event_type = 'ProvisioningRequested'
-        ORDER BY sequence LIMIT 1";
-    let payload: Option<Value> = match db.pool() {
-        Pool::Postgres(p) => {
-            sqlx::query_scalar(SQL)
-                .bind(run_id)
-                .fetch_optional(p)
-                .await?
-        }
-        Pool::Sqlite(p) => {
-            let text: Option<String> = sqlx::query_scalar(&db.sql(SQL))
-                .bind(run_id)
-                .fetch_optional(p)
-                .await?;
-            text.map(|t| serde_json::from_str(&t))
-                .transpose()
-                .map_err(|e| Unmappable::Data(format!("ProvisioningRequested: {e}")))?
-        }
-    };
-    let payload = payload
-        .ok_or_else(|| Unmappable::Data(format!("run {run_id} has no ProvisioningRequested")))?;
-    match decode::<RunEvent>("ProvisioningRequested", &payload)? {
-        RunEvent::ProvisioningRequested(request) => Ok(*request),
-        _ => Err(Unmappable::Data(
-            "ProvisioningRequested holds another event".to_string(),
-        )),
     }
+}
+
+/// An integration event whose payload cannot be built goes on its domain subject.
+fn integration_failed<E: DomainEvent>(stored: &StoredEvent, event: &E, reason: String) -> Message {
+    log_degraded(stored, &reason);
+    Message {
+        degraded: Some(reason),
+        ..domain_message(stored, event)
+    }
+}
+
+fn log_degraded(stored: &StoredEvent, reason: &str) {
+    tracing::error!(
+        event_id = %stored.event_id, event_type = %stored.event_type, %reason,
+        "integration payload cannot be built; publishing the domain event instead"
+    );
+}
+
+/// A built integration payload on `subject`, or the domain event when it cannot be built.
+fn integration<E: DomainEvent>(
+    stored: &StoredEvent,
+    event: &E,
+    subject: &str,
+    data: Result<Value, serde_json::Error>,
+) -> Message {
+    match data {
+        Ok(data) => Message {
+            subject: subject.to_string(),
+            data,
+            degraded: None,
+        },
+        Err(e) => integration_failed(stored, event, e.to_string()),
+    }
+}
+
+fn specification_message(stored: &StoredEvent, event: &SpecificationEvent) -> Message {
+    let SpecificationEvent::SpecificationDeclared(v) = event;
+    let data = serde_json::to_value(SpecificationDeclaredPayload {
+        specification_id: v.specification_id,
+        tenant_id: v.tenant_id.clone(),
+        environment_id: v.environment_id.clone(),
+        kind: v.kind,
+        version: v.version,
+        program_version: v.program_version.to_string(),
+    });
+    integration(stored, event, subjects::SPECIFICATION_DECLARED, data)
+}
+
+/// The run events that are integration events, with what their payloads need.
+enum RunIntegration<'a> {
+    Planned(&'a PlanReceipt),
+    Applied(&'a ApplyReceipt),
+    Failed(&'a str),
+}
+
+async fn run_message(
+    db: &Database,
+    stored: &StoredEvent,
+    run: &Typed<RunEvent>,
+) -> Result<Message, ReadError> {
+    let which = match &run.event {
+        RunEvent::ProvisioningPlanned { plan_receipt, .. } => RunIntegration::Planned(plan_receipt),
+        RunEvent::ProvisioningApplied { apply_receipt, .. } => {
+            RunIntegration::Applied(apply_receipt)
+        }
+        RunEvent::ProvisioningFailed { reason, .. } => RunIntegration::Failed(reason),
+        other => return Ok(domain_message(stored, other)),
+    };
+    let request = match run_request(db, &run.aggregate_id).await? {
+        Ok(request) => request,
+        Err(reason) => return Ok(integration_failed(stored, &run.event, reason)),
+    };
+    let (subject, data) = match which {
+        RunIntegration::Planned(receipt) => (
+            subjects::PROVISIONING_PLANNED,
+            serde_json::to_value(ProvisioningPlannedPayload {
+                provisioning_run_id: request.provisioning_run_id,
+                tenant_id: request.tenant_id,
+                environment_id: request.environment_id,
+                kind: request.kind,
+                promotion_id: request.promotion_id,
+                plan_summary: PlanSummary {
+                    adds: receipt.adds,
+                    changes: receipt.changes,
+                    deletes: receipt.deletes,
+                    replaces: receipt.replaces,
+                    resources: u32::try_from(receipt.resources.len()).unwrap_or(u32::MAX),
+                },
+            }),
+        ),
+        RunIntegration::Applied(receipt) => (
+            subjects::PROVISIONING_APPLIED,
+            serde_json::to_value(ProvisioningAppliedPayload {
+                provisioning_run_id: request.provisioning_run_id,
+                tenant_id: request.tenant_id,
+                project_id: request.project_id,
+                environment_id: request.environment_id,
+                kind: request.kind,
+                promotion_id: request.promotion_id,
+                specification_version: request.specification_version,
+                outputs: receipt.outputs.clone(),
+            }),
+        ),
+        RunIntegration::Failed(reason) => (
+            subjects::PROVISIONING_FAILED,
+            serde_json::to_value(ProvisioningFailedPayload {
+                provisioning_run_id: request.provisioning_run_id,
+                tenant_id: request.tenant_id,
+                environment_id: request.environment_id,
+                kind: request.kind,
+                promotion_id: request.promotion_id,
+                reason: reason.to_string(),
+            }),
+        ),
+    };
+    Ok(integration(stored, &run.event, subject, data))
+}
+
+/// The run's request (its first event), or why there is none.
+async fn run_request(db: &Database, run_id: &str) -> Result<Result<RunRequest, String>, ReadError> {
+    Ok(match first_event::<ProvisioningRun>(db, run_id).await? {
+        Some(Typed {
+            event: RunEvent::ProvisioningRequested(request),
+            ..
+        }) => Ok(*request),
+        Some(first) => Err(format!(
+            "run {run_id} has no ProvisioningRequested (its first event is {})",
+            first.event.stored_type().name
+        )),
+        None => Err(format!("run {run_id} has no ProvisioningRequested")),
+    })
 }
 
 #[cfg(test)]
@@ -248,6 +314,13 @@ mod tests {
         assert_eq!(parse_position("x.1"), None);
         assert_eq!(parse_position("-1.1"), None);
         assert_eq!(parse_position(""), None);
+    }
+
+    #[test]
+    fn every_aggregate_ferry_stores_is_decoded() {
+        for aggregate_type in ferry_store::events::AGGREGATE_TYPES {
+            assert!(decoder().declares(aggregate_type), "{aggregate_type}");
+        }
     }
 
     #[test]

@@ -21,6 +21,9 @@
 //!   about what its consumers read: it is reported (log, `ferry_nats_relay_stream_resets_total`,
 //!   `/readyz`) and history is **not** replayed; new events go on from the checkpoint. A read
 //!   of the stream that fails is an error to retry, never taken for "no message".
+//! * Events are decoded before they are published ([`crate::outbound`]): one that does not
+//!   decode stops the relay at it, shown by `/readyz` and retried; nothing after it is
+//!   published meanwhile, and it is never skipped.
 //! * Failures carry their cause. One that only a change of configuration fixes (e.g. the
 //!   stream's subjects overlap another stream's) is logged once as an error saying what to
 //!   change, shown by `/readyz`, and retried slowly.
@@ -35,6 +38,7 @@ use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURC
 use crate::subjects::STREAM_SUBJECTS;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use chrono::{DateTime, Utc};
+use ferry_store::events::{DecodeError, ReadError};
 use ferry_store::stream::read_after;
 use ferry_store::{Database, Position, Tx};
 use serde::Serialize;
@@ -328,6 +332,17 @@ pub enum RelayError {
     /// An event could not be serialized.
     #[error("serialize: {0}")]
     Serialize(#[from] serde_json::Error),
+    /// A stored event of one of Ferry's aggregates does not decode: the relay publishes
+    /// nothing past it and retries until it does (it is never skipped).
+    #[error("event {event_id} at position {position} cannot be published: {source}")]
+    Undecodable {
+        /// The event.
+        event_id: uuid::Uuid,
+        /// Its position (`txid.position`).
+        position: String,
+        /// Why it does not decode.
+        source: DecodeError,
+    },
 }
 
 /// A running relay.
@@ -812,7 +827,16 @@ impl Worker {
     }
 
     async fn publish(&mut self, event: &ferry_store::StoredEvent) -> Result<(), RelayError> {
-        let out = to_outbound(&self.db, &self.config.source, event).await?;
+        let out = to_outbound(&self.db, &self.config.source, event)
+            .await
+            .map_err(|e| match e {
+                ReadError::Sql(e) => RelayError::Store(e),
+                ReadError::Decode(source) => RelayError::Undecodable {
+                    event_id: event.event_id,
+                    position: position_token(event.position),
+                    source,
+                },
+            })?;
         if out.degraded.is_some() {
             self.metrics.degraded.fetch_add(1, Ordering::Relaxed);
         }

@@ -8,6 +8,7 @@
 
 use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
 use axum::response::sse::Event;
+use ferry_store::events::ReadError;
 use ferry_store::stream::read_after;
 use ferry_store::{Database, Position};
 use futures::Stream;
@@ -101,8 +102,9 @@ pub fn sse_stream_with_source(
     })
 }
 
-/// Reads the next batch; true when anything was read (even if none was the tenant's).
-async fn fill(s: &mut State) -> Result<bool, sqlx::Error> {
+/// Reads the next batch; true when anything was read (even if none was the tenant's). An
+/// event that does not decode is an error like a store error: retried, never skipped.
+async fn fill(s: &mut State) -> Result<bool, ReadError> {
     let events = read_after(&s.db, s.after, BATCH).await?;
     let Some(last) = events.last().map(|e| e.position) else {
         return Ok(false);

@@ -88,3 +88,46 @@ async fn unknown_and_unmappable_events_fall_back_on_postgres() {
 async fn unknown_and_unmappable_events_fall_back_on_sqlite() {
     fallbacks(Backend::Sqlite).await;
 }
+
+async fn undecodable(backend: Backend) {
+    let t = TestDatabase::new(backend).await;
+    let db = &t.db;
+    // An event of one of Ferry's aggregates that does not decode is an error (the relay stops
+    // at it and reports it), never published half-understood.
+    insert_raw(
+        db,
+        "ProvisioningRun",
+        "r-1",
+        "ProvisioningRequested",
+        json!({"ProvisioningRequested": {"not": "a request"}}),
+    )
+    .await;
+    // A run event whose request does not decode: its integration payload cannot be built.
+    let sql = db.sql(
+        "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+         VALUES ('ProvisioningRun', 'r-1', 2, 'ProvisioningFailed', '1.0', $1, '{}')",
+    );
+    let failed = json!({"ProvisioningFailed": {"stage": "plan", "reason": "x", "failedAt": "2026-12-02T10:00:00Z"}});
+    ferry_store::on_pool!(db, pool => sqlx::query(&sql)
+        .bind(sqlx::types::Json(failed)).execute(pool).await.unwrap().rows_affected());
+    wait_events(db, 2).await;
+    let events = read_after(db, Position::default(), 10).await.unwrap();
+    for event in &events {
+        let result = to_outbound(db, "urn:test", event).await;
+        assert!(
+            matches!(&result, Err(ferry_store::events::ReadError::Decode(e)) if e.to_string().contains("r-1 event 1")),
+            "{result:?}"
+        );
+    }
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_event_that_does_not_decode_is_an_error_on_postgres() {
+    undecodable(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn an_event_that_does_not_decode_is_an_error_on_sqlite() {
+    undecodable(Backend::Sqlite).await;
+}

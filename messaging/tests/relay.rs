@@ -911,3 +911,79 @@ async fn a_stream_ahead_with_other_events_than_the_stores_is_not_skipped_over() 
     relay.abort();
     t.cleanup().await;
 }
+
+/// Stores a run's request that is not one (as a buggy or newer version could have).
+async fn insert_broken_request(db: &Database, run: &str) -> String {
+    let sql = db.sql(
+        "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+         VALUES ('ProvisioningRun', $1, 1, 'ProvisioningRequested', '1.0', $2, $3)",
+    );
+    let payload = json!({"ProvisioningRequested": {"not": "a request"}});
+    let metadata = json!({"tenantId": "acme"});
+    ferry_store::on_pool!(db, pool => sqlx::query(&sql)
+        .bind(run).bind(sqlx::types::Json(&payload)).bind(sqlx::types::Json(&metadata))
+        .execute(pool).await.unwrap().rows_affected());
+    let sql = db.sql("SELECT CAST(event_id AS text) FROM events WHERE aggregate_id = $1");
+    ferry_store::on_pool!(db, pool => sqlx::query_scalar(&sql).bind(run).fetch_one(pool).await.unwrap())
+}
+
+async fn stops_at_an_event_that_does_not_decode(backend: Backend) {
+    let nats = Nats::start().await;
+    let t = TestDatabase::new(backend).await;
+    let db = t.db.clone();
+    declare(&db, "acme").await;
+    let broken = insert_broken_request(&db, "broken-run").await;
+    declare(&db, "globex").await;
+    wait_events(&db, 3).await;
+
+    let (stop, shutdown) = watch::channel(false);
+    let relay = Relay::start(db.clone(), config(&nats), shutdown)
+        .await
+        .unwrap();
+    let metrics = relay.metrics();
+    wait_for("the relay to report the event", 30, || {
+        let metrics = metrics.clone();
+        let broken = broken.clone();
+        async move {
+            metrics
+                .status()
+                .last_error
+                .is_some_and(|e| e.error.contains(&broken))
+        }
+    })
+    .await;
+    let problems = metrics.problems("FERRY_EVENTS");
+    assert!(problems.iter().any(|p| p.contains(&broken)), "{problems:?}");
+    // The event before it is published; nothing after it, and it is retried, not skipped.
+    let messages = stream_messages(&nats.js().await, "FERRY_EVENTS").await;
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert_eq!(
+        messages[0].subject,
+        "provisioning.specifications.v1.specification-declared"
+    );
+    assert_eq!(metrics.checkpoint.load(Ordering::Relaxed), 1);
+    wait_for("a retry", 30, || {
+        let metrics = metrics.clone();
+        async move { metrics.status().last_error.is_some_and(|e| e.attempts > 1) }
+    })
+    .await;
+    assert_eq!(
+        stream_messages(&nats.js().await, "FERRY_EVENTS")
+            .await
+            .len(),
+        1
+    );
+    stop.send(true).unwrap();
+    relay.join().await;
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_event_that_does_not_decode_stops_the_relay_on_postgres() {
+    stops_at_an_event_that_does_not_decode(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn an_event_that_does_not_decode_stops_the_relay_on_sqlite() {
+    stops_at_an_event_that_does_not_decode(Backend::Sqlite).await;
+}

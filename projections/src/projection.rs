@@ -1,13 +1,16 @@
 //! The projections: how each event changes the read-model tables, the table definitions,
 //! and the runner that ties a projection to its checkpoint.
+//!
+//! Each projection declares the aggregates it reads and a [`Subscriber`] per aggregate that
+//! writes its tables; the events arrive decoded ([`ferry_store::events`]).
 
 use crate::views::{AppliedSpecification, RunView};
-use ferry_domain::run::RunEvent;
-use ferry_domain::specification::SpecificationEvent;
+use ferry_domain::run::{ProvisioningRun, RunEvent};
+use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
 use ferry_domain::{ProvisioningRunId, SpecificationId};
 use ferry_store::database::Backend;
 use ferry_store::stream::{run_subscription, Handler, HandlerError, Param, StoredEvent, Tx};
-use ferry_store::Database;
+use ferry_store::{Database, Subscriber, Subscription, Typed};
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -36,19 +39,14 @@ impl TableNames {
 }
 
 /// A read model built from the global stream.
-#[async_trait::async_trait]
 pub trait Projection: Send + Sync {
     /// Its name: the checkpoint and the `ferry projections rebuild NAME` argument.
     fn name(&self) -> &'static str;
     /// The tables it owns.
     fn tables(&self) -> &'static [TableSpec];
-    /// Applies one event to the tables.
-    async fn apply(
-        &self,
-        tx: &mut Tx,
-        tables: &TableNames,
-        event: &StoredEvent,
-    ) -> Result<(), HandlerError>;
+    /// Adds to `subscription` the aggregates it reads, each with a subscriber that writes
+    /// `tables` (the live tables or a rebuild's copies).
+    fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription;
 }
 
 /// Every projection Ferry keeps.
@@ -60,11 +58,14 @@ pub fn all_projections() -> Vec<Arc<dyn Projection>> {
     ]
 }
 
-fn decode<T: DeserializeOwned>(event: &StoredEvent) -> Result<T, HandlerError> {
-    serde_json::from_value(event.payload.clone()).map_err(|e| HandlerError::Decode {
-        event_type: event.event_type.clone(),
-        position: event.position.global_position,
-        reason: e.to_string(),
+/// Reads a document the projection stored itself.
+fn read_document<T: DeserializeOwned>(
+    what: impl FnOnce() -> String,
+    doc: serde_json::Value,
+) -> Result<T, HandlerError> {
+    serde_json::from_value(doc).map_err(|e| HandlerError::Record {
+        what: what(),
+        source: Box::new(e),
     })
 }
 
@@ -79,10 +80,9 @@ fn int(v: impl Into<i64>) -> Param {
 fn json<T: serde::Serialize>(v: &T) -> Result<Param, HandlerError> {
     serde_json::to_value(v)
         .map(|v| Param::Json(Some(v)))
-        .map_err(|e| HandlerError::Decode {
-            event_type: "document".to_string(),
-            position: 0,
-            reason: e.to_string(),
+        .map_err(|e| HandlerError::Record {
+            what: "a read-model document".to_string(),
+            source: Box::new(e),
         })
 }
 
@@ -101,7 +101,6 @@ const SPEC_TABLES: &[TableSpec] = &[TableSpec {
     ],
 }];
 
-#[async_trait::async_trait]
 impl Projection for SpecificationsProjection {
     fn name(&self) -> &'static str {
         "specifications"
@@ -109,20 +108,22 @@ impl Projection for SpecificationsProjection {
     fn tables(&self) -> &'static [TableSpec] {
         SPEC_TABLES
     }
-    async fn apply(
-        &self,
-        tx: &mut Tx,
-        t: &TableNames,
-        event: &StoredEvent,
-    ) -> Result<(), HandlerError> {
-        if event.aggregate_type != "DeploymentSpecification" {
-            return Ok(());
-        }
-        let SpecificationEvent::SpecificationDeclared(v) = decode(event)?;
+    fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
+        subscription.on::<DeploymentSpecification>(SpecificationRows(tables.clone()))
+    }
+}
+
+/// Writes `rm_specification_versions` (or its rebuild copy).
+struct SpecificationRows(TableNames);
+
+#[async_trait::async_trait]
+impl Subscriber<DeploymentSpecification> for SpecificationRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<SpecificationEvent>) -> Result<(), HandlerError> {
+        let SpecificationEvent::SpecificationDeclared(v) = &event.event;
         let sql = format!(
             "INSERT INTO {} (tenant_id, specification_id, version, environment_id, project_id, kind, position, declared_at, document)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
-            t.get("rm_specification_versions")
+            self.0.get("rm_specification_versions")
         );
         tx.execute(
             &sql,
@@ -135,7 +136,7 @@ impl Projection for SpecificationsProjection {
                 text(v.kind.as_str()),
                 int(event.position.global_position),
                 Param::Time(Some(v.declared_at)),
-                json(&v)?,
+                json(v)?,
             ],
         )
         .await?;
@@ -158,7 +159,6 @@ const RUN_TABLES: &[TableSpec] = &[TableSpec {
     ],
 }];
 
-#[async_trait::async_trait]
 impl Projection for RunsProjection {
     fn name(&self) -> &'static str {
         "runs"
@@ -166,18 +166,19 @@ impl Projection for RunsProjection {
     fn tables(&self) -> &'static [TableSpec] {
         RUN_TABLES
     }
-    async fn apply(
-        &self,
-        tx: &mut Tx,
-        t: &TableNames,
-        event: &StoredEvent,
-    ) -> Result<(), HandlerError> {
-        if event.aggregate_type != "ProvisioningRun" {
-            return Ok(());
-        }
-        let run_event: RunEvent = decode(event)?;
-        let table = t.get("rm_runs");
-        if let Some(view) = RunView::start(&run_event) {
+    fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
+        subscription.on::<ProvisioningRun>(RunRows(tables.clone()))
+    }
+}
+
+/// Writes `rm_runs` (or its rebuild copy).
+struct RunRows(TableNames);
+
+#[async_trait::async_trait]
+impl Subscriber<ProvisioningRun> for RunRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<RunEvent>) -> Result<(), HandlerError> {
+        let table = self.0.get("rm_runs");
+        if let Some(view) = RunView::start(&event.event) {
             let sql = format!(
                 "INSERT INTO {table} (provisioning_run_id, tenant_id, environment_id, kind, state, position, version, updated_at, document)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING"
@@ -200,22 +201,18 @@ impl Projection for RunsProjection {
             return Ok(());
         }
         let select = format!("SELECT document FROM {table} WHERE provisioning_run_id = $1");
+        let what = || format!("the {table} row of run {}", event.aggregate_id);
         let Some(doc) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await? else {
-            return Err(HandlerError::Decode {
-                event_type: event.event_type.clone(),
-                position: event.position.global_position,
-                reason: format!("run {} has no ProvisioningRequested", event.aggregate_id),
+            return Err(HandlerError::Record {
+                what: what(),
+                source: "missing: the run's ProvisioningRequested was not projected".into(),
             });
         };
-        let mut view: RunView = serde_json::from_value(doc).map_err(|e| HandlerError::Decode {
-            event_type: "RunView".to_string(),
-            position: event.position.global_position,
-            reason: e.to_string(),
-        })?;
+        let mut view: RunView = read_document(what, doc)?;
         if view.version >= event.sequence as u64 {
             return Ok(()); // already applied
         }
-        view.apply(&run_event);
+        view.apply(&event.event);
         let update = format!(
             "UPDATE {table} SET state = $2, version = $3, updated_at = $4, document = $5 WHERE provisioning_run_id = $1"
         );
@@ -255,7 +252,6 @@ const ENV_TABLES: &[TableSpec] = &[
     },
 ];
 
-#[async_trait::async_trait]
 impl Projection for EnvironmentsProjection {
     fn name(&self) -> &'static str {
         "environments"
@@ -263,94 +259,103 @@ impl Projection for EnvironmentsProjection {
     fn tables(&self) -> &'static [TableSpec] {
         ENV_TABLES
     }
-    async fn apply(
-        &self,
-        tx: &mut Tx,
-        t: &TableNames,
-        event: &StoredEvent,
-    ) -> Result<(), HandlerError> {
-        let specs = t.get("rm_environment_specifications");
-        let targets = t.get("rm_environment_run_targets");
-        match event.aggregate_type.as_str() {
-            "DeploymentSpecification" => {
-                let SpecificationEvent::SpecificationDeclared(v) = decode(event)?;
+    fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
+        let rows = Arc::new(EnvironmentRows(tables.clone()));
+        subscription
+            .on::<DeploymentSpecification>(rows.clone())
+            .on::<ProvisioningRun>(rows)
+    }
+}
+
+/// Writes `rm_environment_specifications` and `rm_environment_run_targets` (or their
+/// rebuild copies): declarations set the latest version, runs the applied one.
+struct EnvironmentRows(TableNames);
+
+#[async_trait::async_trait]
+impl Subscriber<DeploymentSpecification> for EnvironmentRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<SpecificationEvent>) -> Result<(), HandlerError> {
+        let specs = self.0.get("rm_environment_specifications");
+        let SpecificationEvent::SpecificationDeclared(v) = &event.event;
+        let sql = format!(
+            "INSERT INTO {specs} (tenant_id, environment_id, kind, specification_id, latest_version, latest)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (tenant_id, environment_id, kind)
+             DO UPDATE SET latest_version = excluded.latest_version, latest = excluded.latest
+             WHERE {specs}.latest_version < excluded.latest_version"
+        );
+        tx.execute(
+            &sql,
+            &[
+                text(&v.tenant_id),
+                text(&v.environment_id),
+                text(v.kind.as_str()),
+                text(v.specification_id),
+                int(v.version),
+                json(v)?,
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Subscriber<ProvisioningRun> for EnvironmentRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<RunEvent>) -> Result<(), HandlerError> {
+        let specs = self.0.get("rm_environment_specifications");
+        let targets = self.0.get("rm_environment_run_targets");
+        match &event.event {
+            RunEvent::ProvisioningRequested(r) => {
                 let sql = format!(
-                    "INSERT INTO {specs} (tenant_id, environment_id, kind, specification_id, latest_version, latest)
-                     VALUES ($1, $2, $3, $4, $5, $6)
-                     ON CONFLICT (tenant_id, environment_id, kind)
-                     DO UPDATE SET latest_version = excluded.latest_version, latest = excluded.latest
-                     WHERE {specs}.latest_version < excluded.latest_version"
+                    "INSERT INTO {targets} (provisioning_run_id, tenant_id, specification_id, target)
+                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
                 );
+                let target = RunTarget {
+                    specification_id: r.specification_id,
+                    specification_version: r.specification_version,
+                };
                 tx.execute(
                     &sql,
                     &[
-                        text(&v.tenant_id),
-                        text(&v.environment_id),
-                        text(v.kind.as_str()),
-                        text(v.specification_id),
-                        int(v.version),
-                        json(&v)?,
+                        text(r.provisioning_run_id),
+                        text(&r.tenant_id),
+                        text(r.specification_id),
+                        json(&target)?,
                     ],
                 )
                 .await?;
             }
-            "ProvisioningRun" => match decode::<RunEvent>(event)? {
-                RunEvent::ProvisioningRequested(r) => {
-                    let sql = format!(
-                        "INSERT INTO {targets} (provisioning_run_id, tenant_id, specification_id, target)
-                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
-                    );
-                    let target = RunTarget {
-                        specification_id: r.specification_id,
-                        specification_version: r.specification_version,
-                    };
-                    tx.execute(
-                        &sql,
-                        &[
-                            text(r.provisioning_run_id),
-                            text(&r.tenant_id),
-                            text(r.specification_id),
-                            json(&target)?,
-                        ],
-                    )
-                    .await?;
-                }
-                RunEvent::ProvisioningApplied { applied_at, .. } => {
-                    let select =
-                        format!("SELECT target FROM {targets} WHERE provisioning_run_id = $1");
-                    let Some(target) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await?
-                    else {
-                        return Ok(());
-                    };
-                    let target: RunTarget =
-                        serde_json::from_value(target).map_err(|e| HandlerError::Decode {
-                            event_type: "RunTarget".to_string(),
-                            position: event.position.global_position,
-                            reason: e.to_string(),
-                        })?;
-                    let applied = AppliedSpecification {
-                        version: target.specification_version,
-                        provisioning_run_id: ProvisioningRunId::parse(&event.aggregate_id)
-                            .map_err(|e| HandlerError::Decode {
-                                event_type: event.event_type.clone(),
-                                position: event.position.global_position,
-                                reason: e.to_string(),
-                            })?,
-                        applied_at,
-                    };
-                    // The last apply wins; runs apply one at a time per environment.
-                    let sql = format!(
-                        "UPDATE {specs} SET applied = $3 WHERE tenant_id = $1 AND specification_id = $2"
-                    );
-                    let tenant = event.tenant_id().unwrap_or_default().to_string();
-                    tx.execute(
-                        &sql,
-                        &[text(tenant), text(target.specification_id), json(&applied)?],
-                    )
-                    .await?;
-                }
-                _ => {}
-            },
+            RunEvent::ProvisioningApplied { applied_at, .. } => {
+                let select = format!("SELECT target FROM {targets} WHERE provisioning_run_id = $1");
+                let Some(target) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await?
+                else {
+                    return Ok(());
+                };
+                let target: RunTarget = read_document(
+                    || format!("the {targets} row of run {}", event.aggregate_id),
+                    target,
+                )?;
+                let applied = AppliedSpecification {
+                    version: target.specification_version,
+                    provisioning_run_id: ProvisioningRunId::parse(&event.aggregate_id).map_err(
+                        |e| HandlerError::Record {
+                            what: format!("run id {:?}", event.aggregate_id),
+                            source: Box::new(e),
+                        },
+                    )?,
+                    applied_at: *applied_at,
+                };
+                // The last apply wins; runs apply one at a time per environment.
+                let sql = format!(
+                    "UPDATE {specs} SET applied = $3 WHERE tenant_id = $1 AND specification_id = $2"
+                );
+                let tenant = event.tenant_id().unwrap_or_default().to_string();
+                tx.execute(
+                    &sql,
+                    &[text(tenant), text(target.specification_id), json(&applied)?],
+                )
+                .await?;
+            }
             _ => {}
         }
         Ok(())
@@ -368,7 +373,7 @@ struct RunTarget {
 pub struct ProjectionRunner {
     projection: Arc<dyn Projection>,
     tables: TableNames,
-    checkpoint: String,
+    subscription: Subscription,
 }
 
 impl ProjectionRunner {
@@ -387,10 +392,11 @@ impl ProjectionRunner {
                 .collect(),
         );
         let checkpoint = format!("{}{suffix}", projection.name());
+        let subscription = projection.subscribe(Subscription::new(checkpoint), &tables);
         Self {
             projection,
             tables,
-            checkpoint,
+            subscription,
         }
     }
 
@@ -450,10 +456,10 @@ impl ProjectionRunner {
 #[async_trait::async_trait]
 impl Handler for ProjectionRunner {
     fn name(&self) -> &str {
-        &self.checkpoint
+        self.subscription.name()
     }
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
-        self.projection.apply(tx, &self.tables, event).await
+        self.subscription.handle(tx, event).await
     }
 }
 

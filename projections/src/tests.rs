@@ -460,3 +460,64 @@ ferry_store::test_on_both_engines! {
         tdb.cleanup().await;
     }
 }
+
+ferry_store::test_on_both_engines! {
+    async fn a_run_event_that_does_not_decode_stops_the_projections_that_read_runs(backend) {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        let w = World::new(db);
+        // A request that is not one (written by a buggy or newer version), then a declaration.
+        let sql = db.sql(
+            "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+             VALUES ('ProvisioningRun', 'broken-run', 1, 'ProvisioningRequested', '1.0', $1, $2)",
+        );
+        let payload = serde_json::json!({"ProvisioningRequested": {"not": "a request"}});
+        let metadata = serde_json::json!({"tenantId": "a"});
+        on_pool!(db, pool => sqlx::query(&sql)
+            .bind(sqlx::types::Json(&payload)).bind(sqlx::types::Json(&metadata))
+            .execute(pool).await.unwrap().rows_affected());
+        w.declare("a", "dev", "aaaaaaa").await;
+
+        let reads = ReadModels::new(db.clone(), None);
+        for projection in all_projections() {
+            let runner = ProjectionRunner::live(projection.clone());
+            runner.ensure_tables(db).await.unwrap();
+            if projection.name() == "specifications" {
+                // It does not read runs: it passes over the broken event and goes on.
+                eventually("the declaration", || async {
+                    catch_up(db, &runner).await.unwrap();
+                    let page = reads
+                        .list_specifications(&t("a"), &SpecificationFilter::default(), 50, None)
+                        .await
+                        .unwrap();
+                    (page.items.len() == 1).then_some(())
+                })
+                .await;
+                continue;
+            }
+            let error = eventually("the decode error", || async {
+                catch_up(db, &runner).await.err()
+            })
+            .await;
+            let ferry_store::HandlerError::AtEvent { position, source, .. } = &error else {
+                panic!("{}: {error:?}", projection.name())
+            };
+            assert!(
+                matches!(source.as_ref(), ferry_store::HandlerError::Decode(_)),
+                "{}: {error:?}",
+                projection.name()
+            );
+            assert_eq!(position.global_position, 1);
+        }
+        // Nothing was skipped: the run projections' checkpoints have not moved.
+        let status = ferry_store::stream::subscription_status(db).await.unwrap();
+        assert!(
+            status
+                .iter()
+                .filter(|s| s.name != "specifications")
+                .all(|s| s.position.global_position == 0),
+            "{status:?}"
+        );
+        tdb.cleanup().await;
+    }
+}

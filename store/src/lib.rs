@@ -7,9 +7,12 @@
 //!   event metadata, and returns the new state.
 //! * [`stream`]: the durable, globally ordered stream of stored events that projections and
 //!   other subscriptions read with their own checkpoints (ARCHITECTURE.md, The global stream).
+//! * [`events`]: the same events decoded once, through each aggregate's upcasters, into the
+//!   aggregate's event type; subscriptions made of one subscriber per aggregate.
 #![forbid(unsafe_code)]
 
 pub mod database;
+pub mod events;
 pub mod idempotency;
 pub mod metadata;
 pub mod repository;
@@ -18,6 +21,7 @@ pub mod stream;
 pub mod testing;
 
 pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOptions};
+pub use events::{DecodeError, StoredAggregate, Subscriber, Subscription, Typed};
 pub use metadata::EventMetadata;
 pub use repository::{error_chain, BoxError, CommandError, Executed, LinkedWrite, Repository};
 pub use stream::{Handler, HandlerError, Param, Position, StoredEvent, Tx};

@@ -10,6 +10,7 @@
 //! exists exactly when the effect does.
 
 use crate::database::{is_unavailable, Database, Pool};
+use crate::events::StoredAggregate;
 use crate::metadata::EventMetadata;
 use crate::stream::{Param, Tx};
 use cqrs_es::event_sink::EventSink;
@@ -151,17 +152,20 @@ pub struct Repository<A: Aggregate + Send + Sync> {
 
 impl<A> Repository<A>
 where
-    A: Aggregate + TenantOwned + Clone + Send + Sync,
+    A: StoredAggregate + TenantOwned + Clone + Send + Sync,
 {
-    /// A repository over `db`.
+    /// A repository over `db`. It loads events through `A`'s upcasters, as the global
+    /// stream's readers do.
     pub fn new(db: Database, services: A::Services) -> Self {
         let store = match db.pool() {
-            Pool::Postgres(pool) => Store::Postgres(PersistedEventStore::new_event_store(
-                PostgresEventRepository::new(pool.clone()),
-            )),
-            Pool::Sqlite(pool) => Store::Sqlite(PersistedEventStore::new_event_store(
-                SqliteEventRepository::new(pool.clone()),
-            )),
+            Pool::Postgres(pool) => Store::Postgres(
+                PersistedEventStore::new_event_store(PostgresEventRepository::new(pool.clone()))
+                    .with_upcasters(A::upcasters()),
+            ),
+            Pool::Sqlite(pool) => Store::Sqlite(
+                PersistedEventStore::new_event_store(SqliteEventRepository::new(pool.clone()))
+                    .with_upcasters(A::upcasters()),
+            ),
         };
         Self {
             db,

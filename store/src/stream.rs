@@ -11,6 +11,8 @@
 //! event takes effect exactly once.
 
 use crate::database::{Backend, Database, DatabaseError, Pool};
+use crate::events::DecodeError;
+use crate::repository::BoxError;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::postgres::PgRow;
@@ -118,7 +120,7 @@ SELECT global_position, 0 AS transaction_id, event_id, aggregate_type, aggregate
  ORDER BY global_position
  LIMIT ?2";
 
-fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
+pub(crate) fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
     let event_id: String = row.try_get("event_id")?;
     Ok(StoredEvent {
         position: Position {
@@ -137,7 +139,7 @@ fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
     })
 }
 
-fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
+pub(crate) fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
     let event_id: String = row.try_get("event_id")?;
     let recorded_at: String = row.try_get("recorded_at")?;
     let payload: String = row.try_get("payload")?;
@@ -467,7 +469,9 @@ pub async fn stream_holder(
     ))
 }
 
-/// What a subscription does with each event, inside the batch's transaction.
+/// What a subscription does with each event, inside the batch's transaction. It sees events
+/// as stored; Ferry's subscriptions are [`crate::events::Subscription`]s, which decode them
+/// (through the upcasters) for one typed subscriber per aggregate.
 #[async_trait::async_trait]
 pub trait Handler: Send + Sync {
     /// The subscription's checkpoint name.
@@ -482,15 +486,18 @@ pub enum HandlerError {
     /// A database error.
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
-    /// A stored payload that does not deserialize into its event type.
-    #[error("event {event_type} at position {position} does not decode: {reason}")]
-    Decode {
-        /// Event type.
-        event_type: String,
-        /// Its global position.
-        position: i64,
-        /// Why.
-        reason: String,
+    /// A stored event that does not decode into its aggregate's event type, or whose
+    /// aggregate type Ferry does not know (see [`crate::events`]).
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    /// A record the handler needs besides the event (a read model's row, the run's request)
+    /// is missing or unreadable although the events say it must be there.
+    #[error("{what}: {source}")]
+    Record {
+        /// Which record.
+        what: String,
+        /// What is wrong with it.
+        source: BoxError,
     },
     /// The handler failed on this event; the batch was rolled back and nothing is skipped.
     #[error("event {event_id} ({event_type}) at position {}: {source}", .position.global_position)]

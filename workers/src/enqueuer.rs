@@ -7,9 +7,17 @@
 //! | `ApplyStarted`, `ApprovalGranted` | apply the run |
 //! | `ApprovalRequired` | reject it when the approval expires (if expiry is configured) |
 //! | `EnvironmentRegistered` | declare and plan the environment's baseline |
+//!
+//! It reads runs and environments as typed events ([`ferry_store::events`]): one that does
+//! not decode stops the subscription, which reports it and retries, rather than leaving
+//! work undone.
 
 use crate::queue::{enqueue, now_ms, Step};
-use ferry_store::stream::{Handler, HandlerError, Param, StoredEvent, Tx};
+use ferry_domain::environment::{Environment, EnvironmentEvent};
+use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
+use ferry_store::stream::{HandlerError, Tx};
+use ferry_store::{Subscriber, Subscription, Typed};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The subscription.
@@ -18,125 +26,104 @@ pub struct Enqueuer {
     pub approval_expiry: Option<Duration>,
 }
 
-fn inner(event: &StoredEvent) -> Option<&serde_json::Value> {
-    event.payload.get(&event.event_type)
+impl Enqueuer {
+    /// The `workers` subscription: runs and environments make work.
+    pub fn subscription(self) -> Subscription {
+        let enqueuer = Arc::new(self);
+        Subscription::new("workers")
+            .on::<ProvisioningRun>(enqueuer.clone())
+            .on::<Environment>(enqueuer)
+    }
 }
 
-fn correlation(event: &StoredEvent) -> (Option<String>, Option<String>) {
+/// The event's correlation (kept from its metadata) and causation (the event itself).
+fn correlation<E>(event: &Typed<E>) -> (Option<String>, Option<String>) {
     (
-        event
-            .metadata
-            .get("correlationId")
-            .and_then(|v| v.as_str())
-            .map(str::to_string),
+        event.meta("correlationId").map(str::to_string),
         Some(event.event_id.to_string()),
     )
 }
 
-/// The tenant and environment of a run, from its first event.
-async fn run_environment(
-    tx: &mut Tx,
-    run_id: &str,
-) -> Result<Option<(String, String)>, HandlerError> {
-    let payload = tx
-        .fetch_json(
-            "SELECT payload FROM events WHERE aggregate_type = 'ProvisioningRun' AND aggregate_id = $1 AND sequence = 1",
-            &[Param::Text(Some(run_id.to_string()))],
-        )
-        .await?;
-    Ok(payload.and_then(|p| {
-        let r = p.get("ProvisioningRequested")?;
-        Some((
-            r.get("tenantId")?.as_str()?.to_string(),
-            r.get("environmentId")?.as_str()?.to_string(),
-        ))
-    }))
+/// The run's request: its first event.
+async fn run_request(tx: &mut Tx, run_id: &str) -> Result<RunRequest, HandlerError> {
+    match tx.first_event::<ProvisioningRun>(run_id).await? {
+        Some(Typed {
+            event: RunEvent::ProvisioningRequested(request),
+            ..
+        }) => Ok(*request),
+        other => Err(HandlerError::Record {
+            what: format!("the request of run {run_id}"),
+            source: match other {
+                Some(first) => format!("its first event is {}", first.event.stored_type().name),
+                None => "the run has no events".to_string(),
+            }
+            .into(),
+        }),
+    }
+}
+
+/// The tenant and the environment key (`<tenant>/<environment>`) of a run's work.
+fn work_keys(request: &RunRequest) -> (String, String) {
+    let tenant = request.tenant_id.to_string();
+    let environment_key = format!("{tenant}/{}", request.environment_id);
+    (tenant, environment_key)
 }
 
 #[async_trait::async_trait]
-impl Handler for Enqueuer {
-    fn name(&self) -> &str {
-        "workers"
-    }
-
-    async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
-        let (correlation_id, causation_id) = correlation(event);
-        let now = now_ms();
-        match (event.aggregate_type.as_str(), event.event_type.as_str()) {
-            ("ProvisioningRun", "ProvisioningRequested") => {
-                let Some((tenant, env)) = run_environment(tx, &event.aggregate_id).await? else {
-                    return Ok(());
-                };
-                enqueue(
-                    tx,
-                    &event.aggregate_id,
-                    Step::Plan,
-                    &tenant,
-                    &format!("{tenant}/{env}"),
-                    now,
-                    correlation_id,
-                    causation_id,
-                )
-                .await?;
+impl Subscriber<ProvisioningRun> for Enqueuer {
+    async fn on(&self, tx: &mut Tx, event: &Typed<RunEvent>) -> Result<(), HandlerError> {
+        let (step, not_before, (tenant, environment_key)) = match &event.event {
+            RunEvent::ProvisioningRequested(request) => (Step::Plan, now_ms(), work_keys(request)),
+            RunEvent::ApplyStarted { .. } | RunEvent::ApprovalGranted(_) => {
+                let request = run_request(tx, &event.aggregate_id).await?;
+                (Step::Apply, now_ms(), work_keys(&request))
             }
-            ("ProvisioningRun", "ApplyStarted" | "ApprovalGranted") => {
-                let Some((tenant, env)) = run_environment(tx, &event.aggregate_id).await? else {
-                    return Ok(());
-                };
-                enqueue(
-                    tx,
-                    &event.aggregate_id,
-                    Step::Apply,
-                    &tenant,
-                    &format!("{tenant}/{env}"),
-                    now,
-                    correlation_id,
-                    causation_id,
-                )
-                .await?;
-            }
-            ("ProvisioningRun", "ApprovalRequired") => {
+            RunEvent::ApprovalRequired { .. } => {
                 let Some(expiry) = self.approval_expiry else {
                     return Ok(());
                 };
-                let Some((tenant, env)) = run_environment(tx, &event.aggregate_id).await? else {
-                    return Ok(());
-                };
+                let request = run_request(tx, &event.aggregate_id).await?;
                 let required_at = event.recorded_at.timestamp_millis();
-                enqueue(
-                    tx,
-                    &event.aggregate_id,
-                    Step::Expiry,
-                    &tenant,
-                    &format!("{tenant}/{env}"),
-                    required_at + expiry.as_millis() as i64,
-                    correlation_id,
-                    causation_id,
-                )
-                .await?;
+                let not_before = required_at + expiry.as_millis() as i64;
+                (Step::Expiry, not_before, work_keys(&request))
             }
-            ("Environment", "EnvironmentRegistered") => {
-                let Some(r) = inner(event) else { return Ok(()) };
-                let (Some(tenant), Some(env)) = (
-                    r.get("tenantId").and_then(|v| v.as_str()),
-                    r.get("environmentId").and_then(|v| v.as_str()),
-                ) else {
-                    return Ok(());
-                };
-                enqueue(
-                    tx,
-                    &event.aggregate_id,
-                    Step::Baseline,
-                    tenant,
-                    &format!("{tenant}/{env}"),
-                    now,
-                    correlation_id,
-                    causation_id,
-                )
-                .await?;
-            }
-            _ => {}
-        }
+            _ => return Ok(()),
+        };
+        let (correlation_id, causation_id) = correlation(event);
+        enqueue(
+            tx,
+            &event.aggregate_id,
+            step,
+            &tenant,
+            &environment_key,
+            not_before,
+            correlation_id,
+            causation_id,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Subscriber<Environment> for Enqueuer {
+    async fn on(&self, tx: &mut Tx, event: &Typed<EnvironmentEvent>) -> Result<(), HandlerError> {
+        let EnvironmentEvent::EnvironmentRegistered(registration) = &event.event else {
+            return Ok(());
+        };
+        let (correlation_id, causation_id) = correlation(event);
+        let tenant = registration.tenant_id.as_str();
+        enqueue(
+            tx,
+            &event.aggregate_id,
+            Step::Baseline,
+            tenant,
+            &format!("{tenant}/{}", registration.environment_id),
+            now_ms(),
+            correlation_id,
+            causation_id,
+        )
+        .await?;
         Ok(())
     }
 }

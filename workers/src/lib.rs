@@ -180,12 +180,12 @@ impl Workers {
 
     /// Starts the `workers` subscription and the worker loop.
     pub fn start(self: &Arc<Self>, shutdown: watch::Receiver<bool>) {
-        let enqueuer = Arc::new(enqueuer::Enqueuer {
+        let enqueuer = enqueuer::Enqueuer {
             approval_expiry: self.settings.approval_expiry,
-        });
+        };
         tokio::spawn(run_subscription(
             self.db.clone(),
-            enqueuer,
+            Arc::new(enqueuer.subscription()),
             self.settings.poll,
             shutdown.clone(),
             None,

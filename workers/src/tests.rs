@@ -1455,3 +1455,75 @@ async fn a_renewal_that_hangs_does_not_delay_the_fence() {
     assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
     w.stop().await;
 }
+
+/// Stores a run event as a buggy or newer version of Ferry could have.
+async fn insert_run_event(db: &Database, run: &str, sequence: i64, payload: serde_json::Value) {
+    let event_type = payload.as_object().unwrap().keys().next().unwrap().clone();
+    let sql = db.sql(
+        "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+         VALUES ('ProvisioningRun', $1, $2, $3, '1.0', $4, $5)",
+    );
+    let metadata = serde_json::json!({"tenantId": "acme", "correlationId": "c-1"});
+    on_pool!(db, pool => sqlx::query(&sql)
+        .bind(run).bind(sequence).bind(event_type)
+        .bind(sqlx::types::Json(payload)).bind(sqlx::types::Json(metadata))
+        .execute(pool).await.unwrap().rows_affected());
+}
+
+async fn work_items(db: &Database) -> i64 {
+    on_pool!(db, pool => sqlx::query_scalar("SELECT count(*) FROM work_items").fetch_one(pool).await.unwrap())
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_request_that_does_not_decode_stops_the_enqueuer_instead_of_planning_nothing(backend) {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        insert_run_event(db, "broken-run", 1,
+            serde_json::json!({"ProvisioningRequested": {"not": "a request"}})).await;
+        let workers = crate::enqueuer::Enqueuer { approval_expiry: None }.subscription();
+        let error = eventually("the decode error", || async {
+            ferry_store::stream::catch_up(db, &workers).await.err()
+        })
+        .await;
+        let ferry_store::HandlerError::AtEvent { position, source, .. } = &error else {
+            panic!("not tied to the event: {error:?}")
+        };
+        assert!(
+            matches!(source.as_ref(), ferry_store::HandlerError::Decode(ferry_store::DecodeError::Payload { .. })),
+            "{error:?}"
+        );
+        assert_eq!(position.global_position, 1);
+        assert_eq!(work_items(db).await, 0);
+        // It stays stopped on the event: retried, never skipped.
+        assert!(ferry_store::stream::catch_up(db, &workers).await.is_err());
+        let status = ferry_store::stream::subscription_status(db).await.unwrap();
+        assert!(status.iter().all(|s| s.position.global_position == 0), "{status:?}");
+        tdb.cleanup().await;
+    }
+}
+
+ferry_store::test_on_both_engines! {
+    async fn an_apply_of_a_run_without_its_request_stops_the_enqueuer(backend) {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        // A run whose history does not start with its request (impossible through the
+        // aggregate): the apply cannot be keyed to an environment, so nothing is enqueued.
+        insert_run_event(db, "headless-run", 1,
+            serde_json::json!({"ApplyStarted": {"authorization": {"type": "notRequired"}, "startedAt": "2026-12-02T10:00:00Z"}})).await;
+        let workers = crate::enqueuer::Enqueuer { approval_expiry: None }.subscription();
+        let error = eventually("the missing request", || async {
+            ferry_store::stream::catch_up(db, &workers).await.err()
+        })
+        .await;
+        let ferry_store::HandlerError::AtEvent { source, .. } = &error else {
+            panic!("not tied to the event: {error:?}")
+        };
+        assert!(
+            matches!(source.as_ref(), ferry_store::HandlerError::Record { what, .. } if what.contains("headless-run")),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("ApplyStarted"), "{error}");
+        assert_eq!(work_items(db).await, 0);
+        tdb.cleanup().await;
+    }
+}

@@ -763,6 +763,23 @@ fn events_have_stable_types_and_round_trip() {
 }
 
 #[test]
+fn each_event_is_stored_under_its_variant_name_at_the_first_version() {
+    // The store decodes a stored event by its serde tag and then checks that the decoded
+    // event names the stored type: the two must agree for every variant.
+    for state in ProvisioningState::ALL {
+        for event in history(state) {
+            let json = serde_json::to_value(&event).unwrap();
+            let tag = json.as_object().unwrap().keys().next().unwrap().clone();
+            let stored = event.stored_type();
+            assert_eq!(tag, stored.name, "{event:?}");
+            assert_eq!(stored.version, crate::event_type::FIRST_VERSION);
+            assert_eq!(event.event_type(), stored.name);
+            assert_eq!(event.event_version(), stored.version);
+        }
+    }
+}
+
+#[test]
 fn a_policy_deny_rejects_the_run_with_its_evidence() {
     Fixture::with(())
         .given(history(S::Planned))

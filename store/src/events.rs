@@ -1,0 +1,473 @@
+//! Typed events: every stored event is decoded once, through its aggregate's upcasters, into
+//! the aggregate's event type, and handed on as a [`Typed`] envelope (ARCHITECTURE.md, The
+//! global stream).
+//!
+//! * [`StoredAggregate`] declares, once per aggregate, the upcasters that bring old versions
+//!   of its events to the current shape. The [`crate::Repository`] loads through them and so
+//!   does every reader of the global stream, so an upcaster reaches projections too.
+//! * [`Subscription`] is a [`Handler`] made of one [`Subscriber`] per aggregate it reads.
+//!   An event of an aggregate it did not declare is not its business and is passed over; an
+//!   event of a declared aggregate that does not decode, or of an aggregate type Ferry does
+//!   not know at all, is an error: the subscription stops there, reports it and retries.
+//! * [`Decoder`] does the same decoding for readers outside a subscription's transaction
+//!   (the relay, the SSE stream).
+//! * [`Tx::first_event`] and [`first_event`] read an aggregate's first event, typed.
+
+use crate::database::{Database, Pool};
+use crate::stream::{pg_event, sqlite_event, Handler, HandlerError, Position, StoredEvent, Tx};
+use chrono::{DateTime, Utc};
+use cqrs_es::persist::{EventUpcaster, SemanticVersion, SerializedEvent};
+use cqrs_es::{Aggregate, DomainEvent};
+use ferry_domain::environment::Environment;
+use ferry_domain::run::ProvisioningRun;
+use ferry_domain::specification::DeploymentSpecification;
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// An aggregate whose events Ferry stores, with the upcasters of its old event versions.
+pub trait StoredAggregate: Aggregate + 'static {
+    /// Upcasters for stored events of older versions, in the order they apply (an upcaster
+    /// to version 2 before one to version 3). Stored events are never rewritten: a new shape
+    /// of an event is a new version, and its upcaster goes here.
+    fn upcasters() -> Vec<Box<dyn EventUpcaster>>;
+}
+
+impl StoredAggregate for ProvisioningRun {
+    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
+        Vec::new()
+    }
+}
+
+impl StoredAggregate for DeploymentSpecification {
+    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
+        Vec::new()
+    }
+}
+
+impl StoredAggregate for Environment {
+    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
+        Vec::new()
+    }
+}
+
+/// Every aggregate type Ferry stores events of (each has a [`StoredAggregate`] impl above).
+pub const AGGREGATE_TYPES: [&str; 3] = [
+    ProvisioningRun::TYPE,
+    DeploymentSpecification::TYPE,
+    Environment::TYPE,
+];
+
+/// True when `aggregate_type` is one of [`AGGREGATE_TYPES`].
+pub fn is_known(aggregate_type: &str) -> bool {
+    AGGREGATE_TYPES.contains(&aggregate_type)
+}
+
+/// A stored event decoded into its aggregate's event type `E`, with its place in the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Typed<E> {
+    /// Where it is in the stream.
+    pub position: Position,
+    /// Unique per event; the CloudEvent id and `Nats-Msg-Id` downstream.
+    pub event_id: Uuid,
+    /// The aggregate's id.
+    pub aggregate_id: String,
+    /// The aggregate's sequence number of this event.
+    pub sequence: i64,
+    /// The metadata map (tenantId, actor, correlationId, causationId, requestId).
+    pub metadata: Value,
+    /// When the store recorded it.
+    pub recorded_at: DateTime<Utc>,
+    /// The event, in its current version.
+    pub event: E,
+}
+
+impl<E> Typed<E> {
+    /// The tenant from the metadata.
+    pub fn tenant_id(&self) -> Option<&str> {
+        self.meta("tenantId")
+    }
+
+    /// A text field of the metadata, e.g. `correlationId`.
+    pub fn meta(&self, key: &str) -> Option<&str> {
+        self.metadata.get(key).and_then(Value::as_str)
+    }
+}
+
+/// Which stored event failed to decode, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventRef {
+    /// Its aggregate type.
+    pub aggregate_type: String,
+    /// Its aggregate's id.
+    pub aggregate_id: String,
+    /// Its sequence in the aggregate.
+    pub sequence: i64,
+    /// Its stored type.
+    pub event_type: String,
+    /// Its stored version.
+    pub event_version: String,
+}
+
+impl EventRef {
+    fn of(event: &StoredEvent) -> Box<Self> {
+        Box::new(Self {
+            aggregate_type: event.aggregate_type.clone(),
+            aggregate_id: event.aggregate_id.clone(),
+            sequence: event.sequence,
+            event_type: event.event_type.clone(),
+            event_version: event.event_version.clone(),
+        })
+    }
+}
+
+impl std::fmt::Display for EventRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} event {} ({} {})",
+            self.aggregate_type,
+            self.aggregate_id,
+            self.sequence,
+            self.event_type,
+            self.event_version
+        )
+    }
+}
+
+/// A stored event that cannot be read as its aggregate's event type.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The payload (after the upcasters) does not deserialize into the event type.
+    #[error("{event} does not decode: {source}")]
+    Payload {
+        /// The event.
+        event: Box<EventRef>,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// The payload decodes, but as another type or version than stored (after the
+    /// upcasters): an old version no upcaster brings to the current one, or a payload stored
+    /// under the wrong type.
+    #[error("{event} decodes as {decoded_type} {decoded_version}; no upcaster brings it there")]
+    Version {
+        /// The event.
+        event: Box<EventRef>,
+        /// The type the payload decoded as.
+        decoded_type: String,
+        /// That type's current version.
+        decoded_version: String,
+    },
+    /// The event's aggregate type is none that Ferry knows (e.g. written by a newer
+    /// version): whether it concerns the reader cannot be told.
+    #[error("{event} is of an aggregate type Ferry does not know")]
+    UnknownAggregate {
+        /// The event.
+        event: Box<EventRef>,
+    },
+}
+
+/// Why a typed read of stored events failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The store failed.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    /// An event does not decode.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+impl From<ReadError> for HandlerError {
+    fn from(error: ReadError) -> Self {
+        match error {
+            ReadError::Sql(e) => HandlerError::Sql(e),
+            ReadError::Decode(e) => HandlerError::Decode(e),
+        }
+    }
+}
+
+/// Decodes `event` as an event of aggregate `A`, through `A`'s upcasters.
+pub fn decode<A: StoredAggregate>(event: &StoredEvent) -> Result<Typed<A::Event>, DecodeError> {
+    decode_with::<A>(&A::upcasters(), event)
+}
+
+fn decode_with<A: StoredAggregate>(
+    upcasters: &[Box<dyn EventUpcaster>],
+    event: &StoredEvent,
+) -> Result<Typed<A::Event>, DecodeError> {
+    // The payload is copied only when an upcaster has something to do.
+    let upcast = upcasters
+        .iter()
+        .any(|u| u.can_upcast(&event.event_type, &event.event_version))
+        .then(|| {
+            let stored = SerializedEvent::new(
+                event.aggregate_id.clone(),
+                usize::try_from(event.sequence).unwrap_or_default(),
+                event.aggregate_type.clone(),
+                event.event_type.clone(),
+                event.event_version.clone(),
+                event.payload.clone(),
+                event.metadata.clone(),
+            );
+            upcasters.iter().fold(stored, |e, u| {
+                if u.can_upcast(&e.event_type, &e.event_version) {
+                    u.upcast(e)
+                } else {
+                    e
+                }
+            })
+        });
+    let (event_type, event_version, payload) = match &upcast {
+        Some(e) => (&e.event_type, &e.event_version, &e.payload),
+        None => (&event.event_type, &event.event_version, &event.payload),
+    };
+    let decoded = A::Event::deserialize(payload).map_err(|source| DecodeError::Payload {
+        event: EventRef::of(event),
+        source,
+    })?;
+    // Versions come from the event type: what the stored (upcast) event says it is must be
+    // what it decoded as, else its payload would be read with another version's meaning.
+    let (decoded_type, decoded_version) = (decoded.event_type(), decoded.event_version());
+    if decoded_type != *event_type || !same_version(&decoded_version, event_version) {
+        return Err(DecodeError::Version {
+            event: EventRef::of(event),
+            decoded_type,
+            decoded_version,
+        });
+    }
+    Ok(Typed {
+        position: event.position,
+        event_id: event.event_id,
+        aggregate_id: event.aggregate_id.clone(),
+        sequence: event.sequence,
+        metadata: event.metadata.clone(),
+        recorded_at: event.recorded_at,
+        event: decoded,
+    })
+}
+
+/// `1.0` and `1.0.0` are the same version (cqrs-es' semantic-version upcasters write the
+/// long form); any other text must match exactly.
+fn same_version(a: &str, b: &str) -> bool {
+    match (SemanticVersion::from_str(a), SemanticVersion::from_str(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// What a subscription does with the events of aggregate `A`, inside the batch's
+/// transaction (see [`Handler::handle`]).
+#[async_trait::async_trait]
+pub trait Subscriber<A: Aggregate>: Send + Sync {
+    /// Applies one event. An error rolls the whole batch back; it is retried later.
+    async fn on(&self, tx: &mut Tx, event: &Typed<A::Event>) -> Result<(), HandlerError>;
+}
+
+#[async_trait::async_trait]
+impl<A: Aggregate, S: Subscriber<A> + ?Sized> Subscriber<A> for Arc<S> {
+    async fn on(&self, tx: &mut Tx, event: &Typed<A::Event>) -> Result<(), HandlerError> {
+        self.as_ref().on(tx, event).await
+    }
+}
+
+/// One aggregate's part of a [`Subscription`]: decode, then hand to the subscriber.
+#[async_trait::async_trait]
+trait Route: Send + Sync {
+    async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError>;
+}
+
+struct AggregateRoute<A: StoredAggregate> {
+    upcasters: Vec<Box<dyn EventUpcaster>>,
+    subscriber: Box<dyn Subscriber<A>>,
+}
+
+#[async_trait::async_trait]
+impl<A: StoredAggregate> Route for AggregateRoute<A> {
+    async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
+        let typed = decode_with::<A>(&self.upcasters, event)?;
+        self.subscriber.on(tx, &typed).await
+    }
+}
+
+/// A subscription of the global stream made of one [`Subscriber`] per aggregate it reads:
+/// `Subscription::new("name").on::<ProvisioningRun>(runs).on::<Environment>(environments)`.
+///
+/// As a [`Handler`] it decodes each event of a declared aggregate (through the aggregate's
+/// upcasters) and hands it to that aggregate's subscriber. Events of the other aggregates
+/// Ferry knows are not its business and are passed over. An event of a declared aggregate
+/// that does not decode, or of an aggregate type Ferry does not know, is a
+/// [`HandlerError::Decode`]: the subscription stops there and reports it; nothing is skipped.
+pub struct Subscription {
+    name: String,
+    routes: BTreeMap<&'static str, Box<dyn Route>>,
+}
+
+impl Subscription {
+    /// A subscription with checkpoint `name` that reads no aggregate yet.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            routes: BTreeMap::new(),
+        }
+    }
+
+    /// Hands the events of aggregate `A` to `subscriber` (replacing an earlier subscriber
+    /// of `A`).
+    pub fn on<A: StoredAggregate>(mut self, subscriber: impl Subscriber<A> + 'static) -> Self {
+        let route = AggregateRoute::<A> {
+            upcasters: A::upcasters(),
+            subscriber: Box::new(subscriber),
+        };
+        self.routes.insert(A::TYPE, Box::new(route));
+        self
+    }
+
+    /// True when the subscription reads the events of `aggregate_type`.
+    pub fn declares(&self, aggregate_type: &str) -> bool {
+        self.routes.contains_key(aggregate_type)
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for Subscription {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
+        match self.routes.get(event.aggregate_type.as_str()) {
+            Some(route) => route.handle(tx, event).await,
+            None if is_known(&event.aggregate_type) => Ok(()),
+            None => Err(DecodeError::UnknownAggregate {
+                event: EventRef::of(event),
+            }
+            .into()),
+        }
+    }
+}
+
+type Decode<T> = Box<dyn Fn(&StoredEvent) -> Result<T, DecodeError> + Send + Sync>;
+
+/// Decodes stored events of the aggregates it declares into one type `T`, for readers that
+/// are not a [`Subscription`] (the relay, the SSE stream):
+/// `Decoder::new().on::<ProvisioningRun>(Message::Run).on::<Environment>(Message::Environment)`.
+pub struct Decoder<T> {
+    routes: BTreeMap<&'static str, Decode<T>>,
+}
+
+impl<T> Default for Decoder<T> {
+    fn default() -> Self {
+        Self {
+            routes: BTreeMap::new(),
+        }
+    }
+}
+
+impl<T: 'static> Decoder<T> {
+    /// A decoder that declares no aggregate yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Decodes the events of aggregate `A` (through its upcasters) and wraps them with `wrap`.
+    pub fn on<A: StoredAggregate>(mut self, wrap: fn(Typed<A::Event>) -> T) -> Self {
+        let upcasters = A::upcasters();
+        self.routes.insert(
+            A::TYPE,
+            Box::new(move |event| decode_with::<A>(&upcasters, event).map(wrap)),
+        );
+        self
+    }
+
+    /// The decoded event, or `None` when its aggregate is not declared here (what that
+    /// means is the caller's to say).
+    pub fn decode(&self, event: &StoredEvent) -> Result<Option<T>, DecodeError> {
+        self.routes
+            .get(event.aggregate_type.as_str())
+            .map(|decode| decode(event))
+            .transpose()
+    }
+
+    /// True when the decoder reads the events of `aggregate_type`.
+    pub fn declares(&self, aggregate_type: &str) -> bool {
+        self.routes.contains_key(aggregate_type)
+    }
+}
+
+const PG_FIRST: &str = "
+SELECT global_position, transaction_id::text::bigint AS transaction_id, event_id::text AS event_id,
+       aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE aggregate_type = $1 AND aggregate_id = $2
+ ORDER BY sequence
+ LIMIT 1";
+
+const SQLITE_FIRST: &str = "
+SELECT global_position, 0 AS transaction_id, event_id, aggregate_type, aggregate_id, sequence,
+       event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE aggregate_type = ?1 AND aggregate_id = ?2
+ ORDER BY sequence
+ LIMIT 1";
+
+impl Tx {
+    /// The first event of aggregate `A` with id `aggregate_id`, decoded, if it has any:
+    /// read in this transaction (e.g. a subscription's, to find a run's request).
+    pub async fn first_event<A: StoredAggregate>(
+        &mut self,
+        aggregate_id: &str,
+    ) -> Result<Option<Typed<A::Event>>, ReadError> {
+        let stored = match self {
+            Tx::Postgres(t) => sqlx::query(PG_FIRST)
+                .bind(A::TYPE)
+                .bind(aggregate_id)
+                .fetch_optional(&mut **t)
+                .await?
+                .as_ref()
+                .map(pg_event)
+                .transpose()?,
+            Tx::Sqlite(t) => sqlx::query(SQLITE_FIRST)
+                .bind(A::TYPE)
+                .bind(aggregate_id)
+                .fetch_optional(&mut **t)
+                .await?
+                .as_ref()
+                .map(sqlite_event)
+                .transpose()?,
+        };
+        Ok(stored.as_ref().map(decode::<A>).transpose()?)
+    }
+}
+
+/// As [`Tx::first_event`], outside any transaction.
+pub async fn first_event<A: StoredAggregate>(
+    db: &Database,
+    aggregate_id: &str,
+) -> Result<Option<Typed<A::Event>>, ReadError> {
+    let stored = match db.pool() {
+        Pool::Postgres(p) => sqlx::query(PG_FIRST)
+            .bind(A::TYPE)
+            .bind(aggregate_id)
+            .fetch_optional(p)
+            .await?
+            .as_ref()
+            .map(pg_event)
+            .transpose()?,
+        Pool::Sqlite(p) => sqlx::query(SQLITE_FIRST)
+            .bind(A::TYPE)
+            .bind(aggregate_id)
+            .fetch_optional(p)
+            .await?
+            .as_ref()
+            .map(sqlite_event)
+            .transpose()?,
+    };
+    Ok(stored.as_ref().map(decode::<A>).transpose()?)
+}
+
+#[cfg(test)]
+mod tests;
