@@ -894,8 +894,10 @@ async fn the_operators_baseline_program_works_outside_the_tenant_roots() {
     let f = start_tuned(Backend::Sqlite, |config| {
         config.baseline_programs = vec![(
             ferry_domain::EnvironmentClass::Test,
-            baseline.clone(),
-            good.clone(),
+            ferry_domain::environment::BaselineProgram {
+                program_ref: ferry_domain::ProgramRef::parse(baseline.clone()).unwrap(),
+                program_version: ferry_domain::ProgramVersion::parse(good.clone()).unwrap(),
+            },
         )];
     })
     .await;

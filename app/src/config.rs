@@ -11,6 +11,7 @@
 //! naming a refused value through figment's metadata for the layer that gave it.
 
 use ferry_domain::confinement::Confinement;
+use ferry_domain::environment::BaselineProgram;
 use figment::providers::{Format, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider, Source};
@@ -91,7 +92,7 @@ pub struct Config {
     pub vault_token: Option<String>,
     /// Default baseline program per class, `<programRef>@<commit>`
     /// (`FERRY_BASELINE_PROGRAM_<CLASS>`).
-    pub baseline_programs: Vec<(ferry_domain::EnvironmentClass, String, String)>,
+    pub baseline_programs: Vec<(ferry_domain::EnvironmentClass, BaselineProgram)>,
     /// NATS server; the relay and inbound consumers run when set (`NATS_URL`).
     pub nats_url: Option<String>,
     /// JetStream stream Ferry publishes to (`FERRY_NATS_STREAM`).
@@ -716,15 +717,21 @@ impl Check<'_> {
         &self,
         class: ferry_domain::EnvironmentClass,
         (key, value): At<String>,
-    ) -> Result<(ferry_domain::EnvironmentClass, String, String), ConfigError> {
+    ) -> Result<(ferry_domain::EnvironmentClass, BaselineProgram), ConfigError> {
         let (program, commit) = value
             .rsplit_once('@')
             .ok_or_else(|| self.refuse(key, "must be <programRef>@<commit>"))?;
-        ferry_domain::ProgramRef::parse(program)
+        let program_ref = ferry_domain::ProgramRef::parse(program)
             .map_err(|e| self.refuse(key, format!("program: {e}")))?;
-        ferry_domain::ProgramVersion::parse(commit)
+        let program_version = ferry_domain::ProgramVersion::parse(commit)
             .map_err(|e| self.refuse(key, format!("commit: {e}")))?;
-        Ok((class, program.to_string(), commit.to_string()))
+        Ok((
+            class,
+            BaselineProgram {
+                program_ref,
+                program_version,
+            },
+        ))
     }
 }
 
@@ -994,12 +1001,7 @@ impl Config {
         let trusted_programs = self
             .baseline_programs
             .iter()
-            .filter_map(|(_, program, commit)| {
-                Some((
-                    ferry_domain::ProgramRef::parse(program.as_str()).ok()?,
-                    ferry_domain::ProgramVersion::parse(commit.as_str()).ok()?,
-                ))
-            })
+            .map(|(_, b)| (b.program_ref.clone(), b.program_version.clone()))
             .collect();
         let settings = ConfinementSettings {
             ferry: FerryFiles {

@@ -66,7 +66,14 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
             std::collections::BTreeMap::new(),
         )),
         RunnerKind::Http => Arc::new(ferry_runners::HttpRunner::new(
-            config.runner_url.clone().unwrap_or_default(),
+            config
+                .runner_url
+                .clone()
+                .ok_or_else(|| crate::config::ConfigError {
+                    setting: "FERRY_RUNNER_URL".to_string(),
+                    source_name: "configuration".to_string(),
+                    reason: "FERRY_RUNNER=http needs FERRY_RUNNER_URL".to_string(),
+                })?,
             config.runner_token.clone(),
         )),
     };
@@ -107,20 +114,7 @@ pub fn worker_settings(config: &Config) -> ferry_workers::Settings {
     settings.poll = config.poll_interval;
     settings.lease = config.worker_lease;
     settings.recovery_grace = config.worker_recovery_grace;
-    for (class, program, commit) in &config.baseline_programs {
-        if let (Ok(program_ref), Ok(program_version)) = (
-            ferry_domain::ProgramRef::parse(program.as_str()),
-            ferry_domain::ProgramVersion::parse(commit.as_str()),
-        ) {
-            settings.baseline_programs.insert(
-                *class,
-                ferry_domain::environment::BaselineProgram {
-                    program_ref,
-                    program_version,
-                },
-            );
-        }
-    }
+    settings.baseline_programs = config.baseline_programs.iter().cloned().collect();
     settings
 }
 

@@ -1139,6 +1139,12 @@ ferry_store::test_on_both_engines! {
                 .filter(|s| s.0 == "pending")
         })
         .await;
+        // Its plan item is marked done just after the plan is recorded: wait for that too, or
+        // recovery below would rightly settle a plan item it finds running with a lapsed lease.
+        eventually("the second plan item is done", || async {
+            w.status(second, Step::Plan).await.filter(|s| s.0 == "done")
+        })
+        .await;
 
         // To another instance whose clock is ten minutes ahead, the lease lapsed long ago.
         let ahead = Arc::new(ShiftedClock::new());
