@@ -46,6 +46,9 @@ pub enum StartError {
     /// A setting that cannot be used (e.g. a tenant root holding Ferry's files).
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// A metric family the process's registry refused (a name registered twice).
+    #[error("the metrics registry refused a family")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// The adapters the configuration asks for, each confining references to what the run's
@@ -194,7 +197,7 @@ impl Server {
         let confinement = std::sync::Arc::new(config.confinement()?);
         let ports = ports(config)?;
         let artifacts = ports.artifacts.clone();
-        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::default());
+        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::new()?);
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
