@@ -46,6 +46,9 @@ pub enum StartError {
     /// A setting that cannot be used (e.g. a tenant root holding Ferry's files).
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// A metric family the process's registry refused (a name registered twice).
+    #[error("the metrics registry refused a family")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// The adapters the configuration asks for, each confining references to what the run's
@@ -188,7 +191,11 @@ impl Server {
         let confinement = std::sync::Arc::new(config.confinement()?);
         let ports = ports(config)?;
         let artifacts = ports.artifacts.clone();
-        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::default());
+        // One registry per server, not the library's global one: servers sharing a process
+        // (the end-to-end tests) each serve their own counts.
+        let registry = prometheus::Registry::new();
+        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::new()?);
+        metrics.register(&registry)?;
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
@@ -231,6 +238,8 @@ impl Server {
                     shutdown_rx.clone(),
                 )
                 .await?;
+                relay.metrics().register(&registry, &config.nats_stream)?;
+                inbound.statuses().register(&registry)?;
                 let health = NatsHealth {
                     stream: config.nats_stream.clone(),
                     checkpoint: relay_config.checkpoint_name(),
@@ -246,15 +255,16 @@ impl Server {
                 None,
             ),
         };
+        inbound.metrics.register(&registry)?;
         let services = ferry_api::state::Services {
             verifier,
             read_your_writes: config.read_your_writes,
             telemetry: std::sync::Arc::new(ProcessTelemetry::new(
                 db.clone(),
+                registry,
                 metrics,
-                inbound.metrics.clone(),
                 nats,
-            )),
+            )?),
             artifacts,
             intake: std::sync::Arc::new(crate::events::Intake::new(inbound)),
             feed: std::sync::Arc::new(crate::events::Feed::new(db.clone())),

@@ -1,15 +1,20 @@
-//! The process's telemetry behind the API's `/metrics` and `/readyz`: the workers' run
-//! counters, the subscriptions' lag and stuck state, the inbound counters, and the NATS
-//! relay's and inbound consumers' state.
+//! The process's telemetry behind the API's `/metrics` and `/readyz`.
+//!
+//! `/metrics` is the process's one Prometheus registry, made by the wiring
+//! ([`crate::server::Server`]): the workers' run counters, the inbound counters, and the NATS
+//! relay's and inbound consumers' state register their families in it; this module adds
+//! the subscriptions' lag and stuck state, set from the store just before each scrape. Each
+//! server has its own registry (not the library's global one), so servers sharing one
+//! process (as in the end-to-end tests) each count only their own work.
 
 use ferry_api::ports::{Readiness, Telemetry};
 use ferry_messaging::health::ConsumerStatuses;
-use ferry_messaging::inbound::InboundMetrics;
 use ferry_messaging::RelayMetrics;
 use ferry_store::stream::{SubscriptionProblem, SubscriptionStatus};
 use ferry_store::Database;
 use ferry_workers::metrics::Metrics;
-use std::sync::Arc;
+use prometheus::{IntGaugeVec, Opts, Registry, TextEncoder};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// What the NATS relay and the inbound consumers report about themselves.
 #[derive(Clone)]
@@ -28,53 +33,125 @@ pub struct NatsHealth {
 pub struct ProcessTelemetry {
     db: Database,
     runs: Arc<Metrics>,
-    inbound: Arc<InboundMetrics>,
+    registry: Registry,
+    // Held from setting these gauges until the registry is gathered, so that two scrapes
+    // at once cannot mix their values.
+    subscriptions: Mutex<SubscriptionGauges>,
     nats: Option<NatsHealth>,
 }
 
 impl ProcessTelemetry {
-    /// Telemetry over the process's parts; `nats` when NATS is configured.
+    /// Telemetry over the process's `registry`, in which the parts have registered their
+    /// families; it adds the subscriptions' gauges (refused only if one is already there).
+    /// `runs` counts for [`Telemetry::run_reached`]; `nats` when NATS is configured.
     pub fn new(
         db: Database,
+        registry: Registry,
         runs: Arc<Metrics>,
-        inbound: Arc<InboundMetrics>,
         nats: Option<NatsHealth>,
-    ) -> Self {
-        Self {
+    ) -> prometheus::Result<Self> {
+        let subscriptions = SubscriptionGauges::new()?;
+        subscriptions.register(&registry)?;
+        Ok(Self {
             db,
             runs,
-            inbound,
+            registry,
+            subscriptions: Mutex::new(subscriptions),
             nats,
-        }
+        })
+    }
+}
+
+/// The gauges known only at scrape time, from the store.
+struct SubscriptionGauges {
+    /// `ferry_subscription_lag_events{subscription}`, for every subscription.
+    lag: IntGaugeVec,
+    /// `ferry_nats_relay_lag_events{stream}`: the relay's subscription's lag.
+    relay_lag: IntGaugeVec,
+    /// `ferry_subscription_stuck{subscription}`: 1 while a subscription keeps failing on an
+    /// event.
+    stuck: IntGaugeVec,
+    /// `ferry_subscription_failed_attempts{subscription}`.
+    failed_attempts: IntGaugeVec,
+}
+
+impl SubscriptionGauges {
+    fn new() -> prometheus::Result<Self> {
+        let gauge =
+            |name: &str, help: &str, label: &str| IntGaugeVec::new(Opts::new(name, help), &[label]);
+        Ok(Self {
+            lag: gauge(
+                "ferry_subscription_lag_events",
+                "Events stored after a subscription's checkpoint.",
+                "subscription",
+            )?,
+            relay_lag: gauge(
+                "ferry_nats_relay_lag_events",
+                "Events stored and not yet acknowledged by JetStream.",
+                "stream",
+            )?,
+            stuck: gauge(
+                "ferry_subscription_stuck",
+                "1 while a subscription keeps failing on an event (nothing is skipped).",
+                "subscription",
+            )?,
+            failed_attempts: gauge(
+                "ferry_subscription_failed_attempts",
+                "Consecutive failed attempts of a stuck subscription.",
+                "subscription",
+            )?,
+        })
     }
 
-    /// `ferry_subscription_lag_events{subscription}` for every subscription, and the relay's
-    /// lag as `ferry_nats_relay_lag_events{stream}`.
-    fn render_lag(&self, subscriptions: &[SubscriptionStatus]) -> String {
-        let mut out = String::from(
-            "# HELP ferry_subscription_lag_events Events stored after a subscription's checkpoint.\n# TYPE ferry_subscription_lag_events gauge\n",
-        );
-        for s in subscriptions {
-            out.push_str(&format!(
-                "ferry_subscription_lag_events{{subscription=\"{}\"}} {}\n",
-                s.name, s.lag
-            ));
+    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        for gauge in [
+            &self.lag,
+            &self.relay_lag,
+            &self.stuck,
+            &self.failed_attempts,
+        ] {
+            registry.register(Box::new(gauge.clone()))?;
         }
-        if let Some(nats) = &self.nats {
+        Ok(())
+    }
+
+    /// Sets every gauge anew: a subscription no longer stuck, or a lag the store did not
+    /// answer for (`subscriptions` is `None`), leaves no sample rather than a stale one.
+    fn set(
+        &self,
+        subscriptions: Option<&[SubscriptionStatus]>,
+        problems: &[SubscriptionProblem],
+        nats: Option<&NatsHealth>,
+    ) {
+        for gauge in [
+            &self.lag,
+            &self.relay_lag,
+            &self.stuck,
+            &self.failed_attempts,
+        ] {
+            gauge.reset();
+        }
+        for s in subscriptions.unwrap_or_default() {
+            self.lag.with_label_values(&[&s.name]).set(s.lag);
+        }
+        if let Some(nats) = nats {
             // No checkpoint row yet (the store was down when the relay started): no figure,
             // rather than a made-up zero.
             if let Some(lag) = subscriptions
+                .unwrap_or_default()
                 .iter()
                 .find(|s| s.name == nats.checkpoint)
                 .map(|s| s.lag)
             {
-                out.push_str(&format!(
-                "# HELP ferry_nats_relay_lag_events Events stored and not yet acknowledged by JetStream.\n# TYPE ferry_nats_relay_lag_events gauge\nferry_nats_relay_lag_events{{stream=\"{}\"}} {lag}\n",
-                    nats.stream
-                ));
+                self.relay_lag.with_label_values(&[&nats.stream]).set(lag);
             }
         }
-        out
+        for p in problems {
+            self.stuck.with_label_values(&[&p.name]).set(1);
+            self.failed_attempts
+                .with_label_values(&[&p.name])
+                .set(i64::try_from(p.attempts).unwrap_or(i64::MAX));
+        }
     }
 }
 
@@ -84,19 +161,23 @@ impl Telemetry for ProcessTelemetry {
     }
 
     fn render(&self, subscriptions: Option<&[SubscriptionStatus]>) -> String {
-        let mut text = self.runs.render();
-        text.push_str(&render_subscription_problems(
+        let gauges = self
+            .subscriptions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        gauges.set(
+            subscriptions,
             &self.db.subscription_health().problems(),
-        ));
-        text.push_str(&self.inbound.render());
-        if let Some(nats) = &self.nats {
-            text.push_str(&nats.relay.render(&nats.stream));
-            text.push_str(&nats.consumers.render());
-        }
-        if let Some(subscriptions) = subscriptions {
-            text.push_str(&self.render_lag(subscriptions));
-        }
-        text
+            self.nats.as_ref(),
+        );
+        let families = self.registry.gather();
+        drop(gauges);
+        TextEncoder::new()
+            .encode_to_string(&families)
+            .unwrap_or_else(|error| {
+                tracing::error!(%error, "cannot encode /metrics");
+                String::new()
+            })
     }
 
     fn readiness(&self, subscriptions: &[SubscriptionStatus]) -> Readiness {
@@ -118,24 +199,81 @@ impl Telemetry for ProcessTelemetry {
     }
 }
 
-/// `ferry_subscription_stuck{subscription}` (1 while a subscription keeps failing on an
-/// event) and `ferry_subscription_failed_attempts{subscription}`.
-fn render_subscription_problems(problems: &[SubscriptionProblem]) -> String {
-    let mut out = String::from(
-        "# HELP ferry_subscription_stuck 1 while a subscription keeps failing on an event (nothing is skipped).\n# TYPE ferry_subscription_stuck gauge\n",
-    );
-    for p in problems {
-        out.push_str(&format!(
-            "ferry_subscription_stuck{{subscription=\"{}\"}} 1\n",
-            p.name
-        ));
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_store::Position;
+
+    fn status(name: &str, lag: i64) -> SubscriptionStatus {
+        SubscriptionStatus {
+            name: name.into(),
+            position: Position {
+                transaction_id: 1,
+                global_position: 1,
+            },
+            lag,
+            head: 1 + lag,
+        }
     }
-    out.push_str("# HELP ferry_subscription_failed_attempts Consecutive failed attempts of a stuck subscription.\n# TYPE ferry_subscription_failed_attempts gauge\n");
-    for p in problems {
-        out.push_str(&format!(
-            "ferry_subscription_failed_attempts{{subscription=\"{}\"}} {}\n",
-            p.name, p.attempts
-        ));
+
+    fn stuck(name: &str, attempts: u64) -> SubscriptionProblem {
+        SubscriptionProblem {
+            name: name.into(),
+            position: None,
+            event_id: None,
+            event_type: None,
+            error: "boom".into(),
+            attempts,
+            since: chrono::Utc::now(),
+        }
     }
-    out
+
+    fn scrape(
+        gauges: &SubscriptionGauges,
+        registry: &Registry,
+        subscriptions: Option<&[SubscriptionStatus]>,
+        problems: &[SubscriptionProblem],
+        nats: Option<&NatsHealth>,
+    ) -> String {
+        gauges.set(subscriptions, problems, nats);
+        TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap()
+    }
+
+    #[test]
+    fn each_scrape_shows_the_subscriptions_as_they_are_then() {
+        let registry = Registry::new();
+        let gauges = SubscriptionGauges::new().unwrap();
+        gauges.register(&registry).unwrap();
+        let nats = NatsHealth {
+            stream: "FERRY_EVENTS".into(),
+            checkpoint: "nats-relay:FERRY_EVENTS".into(),
+            relay: Arc::default(),
+            consumers: Arc::default(),
+        };
+        let rows = [status("runs", 3), status("nats-relay:FERRY_EVENTS", 2)];
+        let text = scrape(
+            &gauges,
+            &registry,
+            Some(&rows),
+            &[stuck("runs", 4)],
+            Some(&nats),
+        );
+        for line in [
+            "# HELP ferry_subscription_lag_events Events stored after a subscription's checkpoint.\n# TYPE ferry_subscription_lag_events gauge\n",
+            "ferry_subscription_lag_events{subscription=\"runs\"} 3\n",
+            "ferry_nats_relay_lag_events{stream=\"FERRY_EVENTS\"} 2\n",
+            "ferry_subscription_stuck{subscription=\"runs\"} 1\n",
+            "ferry_subscription_failed_attempts{subscription=\"runs\"} 4\n",
+        ] {
+            assert!(text.contains(line), "no {line:?} in\n{text}");
+        }
+        // Unstuck, and the store did not answer: no stale samples.
+        let text = scrape(&gauges, &registry, None, &[], Some(&nats));
+        assert_eq!(text, "");
+        // No checkpoint row for the relay yet: no made-up relay lag.
+        let text = scrape(&gauges, &registry, Some(&rows[..1]), &[], Some(&nats));
+        assert!(!text.contains("ferry_nats_relay_lag_events"), "{text}");
+    }
 }

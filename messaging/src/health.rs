@@ -7,11 +7,14 @@
 //! configuration fixes) is logged once as an error naming what to change, and still retried
 //! slowly, so that the fix takes effect without a restart.
 
+use crate::metrics::{Family, ScrapeCollector};
 use async_nats::jetstream;
 use chrono::{DateTime, Utc};
+use prometheus::proto::MetricFamily;
+use prometheus::Registry;
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A JetStream failure: what Ferry was doing and, when the server said, its error code.
 #[derive(Debug, thiserror::Error)]
@@ -306,35 +309,51 @@ impl ConsumerStatuses {
             .collect()
     }
 
-    /// `ferry_nats_inbound_pending{subject}` and `ferry_nats_inbound_failing{subject}`.
-    pub fn render(&self) -> String {
+    /// `ferry_nats_inbound_pending{subject}` (once read from NATS) and
+    /// `ferry_nats_inbound_failing{subject}`, as the consumers are now.
+    fn families(&self) -> Vec<MetricFamily> {
         let all = self.snapshot();
-        let mut out = String::from(
-            "# HELP ferry_nats_inbound_pending Messages stored for an inbound consumer and not yet delivered.\n# TYPE ferry_nats_inbound_pending gauge\n",
+        let pending = INBOUND_PENDING.with(
+            all.iter()
+                .filter_map(|c| c.pending.map(|p| (vec![c.subject.as_str()], p as f64))),
         );
-        for c in &all {
-            if let Some(p) = c.pending {
-                out.push_str(&format!(
-                    "ferry_nats_inbound_pending{{subject=\"{}\"}} {p}\n",
-                    c.subject
-                ));
-            }
-        }
-        out.push_str("# HELP ferry_nats_inbound_failing 1 while an inbound consumer fails (2: until its configuration changes).\n# TYPE ferry_nats_inbound_failing gauge\n");
-        for c in &all {
+        let failing = INBOUND_FAILING.with(all.iter().map(|c| {
             let v = match &c.last_error {
-                None => 0,
-                Some(e) if e.permanent => 2,
-                Some(_) => 1,
+                None => 0.0,
+                Some(e) if e.permanent => 2.0,
+                Some(_) => 1.0,
             };
-            out.push_str(&format!(
-                "ferry_nats_inbound_failing{{subject=\"{}\"}} {v}\n",
-                c.subject
-            ));
-        }
-        out
+            (vec![c.subject.as_str()], v)
+        }));
+        vec![pending, failing]
+    }
+
+    /// The consumers' gauges in the Prometheus text format.
+    pub fn render(&self) -> String {
+        crate::metrics::encode(self.families())
+    }
+
+    /// Registers the consumers' gauges in `registry` (the process's, served at `/metrics`);
+    /// they are read at each scrape.
+    pub fn register(self: &Arc<Self>, registry: &Registry) -> prometheus::Result<()> {
+        let statuses = self.clone();
+        registry.register(Box::new(ScrapeCollector::new(
+            [&INBOUND_PENDING, &INBOUND_FAILING],
+            move || statuses.families(),
+        )?))
     }
 }
+
+const INBOUND_PENDING: Family = Family::gauge(
+    "ferry_nats_inbound_pending",
+    "Messages stored for an inbound consumer and not yet delivered.",
+    &["subject"],
+);
+const INBOUND_FAILING: Family = Family::gauge(
+    "ferry_nats_inbound_failing",
+    "1 while an inbound consumer fails (2: until its configuration changes).",
+    &["subject"],
+);
 
 #[cfg(test)]
 mod tests {

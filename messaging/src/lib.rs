@@ -55,9 +55,10 @@
 //!   tenant; map [`AcceptError::status`] to problem+json.
 //! * `GET /factory/events/stream`: `Sse::new(sse_stream(db, tenant, start_position(
 //!   last_event_id_header, after_query), db.subscribe_commits())).keep_alive(..)`.
-//! * `/metrics`: [`RelayMetrics::render`], [`InboundMetrics::render`] and
-//!   [`health::ConsumerStatuses::render`]. The relay's lag is in `subscription_status`
-//!   (checkpoint `nats-relay:<stream>`).
+//! * `/metrics`: [`RelayMetrics::register`], [`InboundMetrics::register`] and
+//!   [`health::ConsumerStatuses::register`] put their families in the process's Prometheus
+//!   registry, read at each scrape (`render` gives one part's text alone). The relay's lag
+//!   is in `subscription_status` (checkpoint `nats-relay:<stream>`).
 //! * `/readyz`: [`RelayMetrics::status`] and [`RelayMetrics::problems`], [`Inbound::statuses`].
 //! * `ferry schemas`: [`write_schemas`] into `schemas/`.
 #![forbid(unsafe_code)]
@@ -65,6 +66,7 @@
 pub use ferry_domain::cloudevent;
 pub mod health;
 pub mod inbound;
+mod metrics;
 pub mod nats;
 pub mod outbound;
 pub mod payloads;

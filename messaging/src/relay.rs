@@ -34,6 +34,7 @@
 
 use crate::health::{self, ErrorReport, NatsFailure};
 use crate::inbound::subject_matches;
+use crate::metrics::{Family, ScrapeCollector};
 use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
 use crate::subjects::STREAM_SUBJECTS;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
@@ -41,6 +42,8 @@ use chrono::{DateTime, Utc};
 use ferry_store::events::{DecodeError, ReadError};
 use ferry_store::stream::read_after;
 use ferry_store::{Database, Position, Tx};
+use prometheus::proto::MetricFamily;
+use prometheus::Registry;
 use serde::Serialize;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -242,73 +245,138 @@ impl RelayMetrics {
         out
     }
 
-    /// The counters in Prometheus text format, labelled with the stream.
-    pub fn render(&self, stream: &str) -> String {
-        let rows = [
-            (
-                "ferry_nats_relay_published_total",
-                "Messages acknowledged by JetStream.",
-                &self.published,
-            ),
-            (
-                "ferry_nats_relay_duplicates_total",
-                "Acknowledged messages JetStream reported as duplicates.",
-                &self.duplicates,
-            ),
-            (
-                "ferry_nats_relay_degraded_total",
-                "Integration events published with the domain fallback.",
-                &self.degraded,
-            ),
-            (
-                "ferry_nats_relay_failures_total",
-                "Failed relay steps (retried).",
-                &self.failures,
-            ),
-            (
-                "ferry_nats_relay_republished_total",
-                "Events republished because NATS lost them after acknowledging them.",
-                &self.rewound,
-            ),
-            (
-                "ferry_nats_relay_skipped_total",
-                "Events found already stored past the checkpoint.",
-                &self.skipped,
-            ),
-            (
-                "ferry_nats_relay_refused_total",
-                "Publishes NATS refused because the stream's last sequence was not the expected one.",
-                &self.refused,
-            ),
-            (
-                "ferry_nats_relay_stream_resets_total",
-                "Times the stream held none of the relay's messages (history not replayed).",
-                &self.stream_resets,
-            ),
-        ];
-        let mut out = String::new();
-        for (name, help, value) in rows {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{stream=\"{stream}\"}} {}\n",
-                value.load(Ordering::Relaxed)
-            ));
-        }
+    /// The relay's families, each sample labelled with `stream`: its counters and its
+    /// checkpoint, failing and leader gauges as they are now.
+    fn families(&self, stream: &str) -> Vec<MetricFamily> {
+        let mut out: Vec<MetricFamily> = RELAY_COUNTERS
+            .iter()
+            .map(|(family, read)| family.one(vec![stream], read(self) as f64))
+            .collect();
         let status = self.status();
         let failing = match &status.last_error {
-            None => 0,
-            Some(e) if e.permanent => 2,
-            Some(_) => 1,
+            None => 0.0,
+            Some(e) if e.permanent => 2.0,
+            Some(_) => 1.0,
         };
-        out.push_str(&format!(
-            "# HELP ferry_nats_relay_checkpoint_position Global position of the relay's checkpoint.\n# TYPE ferry_nats_relay_checkpoint_position gauge\nferry_nats_relay_checkpoint_position{{stream=\"{stream}\"}} {}\n\
-             # HELP ferry_nats_relay_failing 1 while the relay fails (2: until its configuration changes).\n# TYPE ferry_nats_relay_failing gauge\nferry_nats_relay_failing{{stream=\"{stream}\"}} {failing}\n\
-             # HELP ferry_nats_relay_leader 1 while this instance publishes.\n# TYPE ferry_nats_relay_leader gauge\nferry_nats_relay_leader{{stream=\"{stream}\"}} {}\n",
-            self.checkpoint.load(Ordering::Relaxed),
-            u8::from(status.role == RelayRole::Leader),
+        out.push(
+            RELAY_CHECKPOINT.one(vec![stream], self.checkpoint.load(Ordering::Relaxed) as f64),
+        );
+        out.push(RELAY_FAILING.one(vec![stream], failing));
+        out.push(RELAY_LEADER.one(
+            vec![stream],
+            f64::from(u8::from(status.role == RelayRole::Leader)),
         ));
         out
     }
+
+    /// [`RelayMetrics::families`] in the Prometheus text format.
+    pub fn render(&self, stream: &str) -> String {
+        crate::metrics::encode(self.families(stream))
+    }
+
+    /// Registers the relay's families, labelled with `stream`, in `registry` (the
+    /// process's, served at `/metrics`); they are read from this relay at each scrape.
+    pub fn register(self: &Arc<Self>, registry: &Registry, stream: &str) -> prometheus::Result<()> {
+        let metrics = self.clone();
+        let stream = stream.to_string();
+        registry.register(Box::new(ScrapeCollector::new(
+            RELAY_COUNTERS
+                .iter()
+                .map(|(family, _)| family)
+                .chain(&RELAY_GAUGES),
+            move || metrics.families(&stream),
+        )?))
+    }
 }
+
+/// Reads one counter of the relay.
+type ReadCounter = fn(&RelayMetrics) -> u64;
+
+/// The relay's counters, with the field each is read from.
+const RELAY_COUNTERS: [(Family, ReadCounter); 8] = [
+    (
+        Family::counter(
+            "ferry_nats_relay_published_total",
+            "Messages acknowledged by JetStream.",
+            &["stream"],
+        ),
+        |m| m.published.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_duplicates_total",
+            "Acknowledged messages JetStream reported as duplicates.",
+            &["stream"],
+        ),
+        |m| m.duplicates.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_degraded_total",
+            "Integration events published with the domain fallback.",
+            &["stream"],
+        ),
+        |m| m.degraded.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_failures_total",
+            "Failed relay steps (retried).",
+            &["stream"],
+        ),
+        |m| m.failures.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_republished_total",
+            "Events republished because NATS lost them after acknowledging them.",
+            &["stream"],
+        ),
+        |m| m.rewound.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_skipped_total",
+            "Events found already stored past the checkpoint.",
+            &["stream"],
+        ),
+        |m| m.skipped.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_refused_total",
+            "Publishes NATS refused because the stream's last sequence was not the expected one.",
+            &["stream"],
+        ),
+        |m| m.refused.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_nats_relay_stream_resets_total",
+            "Times the stream held none of the relay's messages (history not replayed).",
+            &["stream"],
+        ),
+        |m| m.stream_resets.load(Ordering::Relaxed),
+    ),
+];
+
+const RELAY_CHECKPOINT: Family = Family::gauge(
+    "ferry_nats_relay_checkpoint_position",
+    "Global position of the relay's checkpoint.",
+    &["stream"],
+);
+const RELAY_FAILING: Family = Family::gauge(
+    "ferry_nats_relay_failing",
+    "1 while the relay fails (2: until its configuration changes).",
+    &["stream"],
+);
+const RELAY_LEADER: Family = Family::gauge(
+    "ferry_nats_relay_leader",
+    "1 while this instance publishes.",
+    &["stream"],
+);
+/// The relay's gauges.
+const RELAY_GAUGES: [Family; 3] = [RELAY_CHECKPOINT, RELAY_FAILING, RELAY_LEADER];
 
 /// Why the relay could not start or a step failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,100 +1,103 @@
-//! The provisioning metrics, kept in-process and rendered as Prometheus text at `/metrics`:
+//! The provisioning metrics, kept in the `prometheus` library's counters and histograms and
+//! served at `/metrics` through the process's registry:
 //! `connectsoft_factory_provisioning_runs_total` (tenant, kind, state) and
 //! `connectsoft_factory_provisioning_apply_duration_seconds` (kind). Each instance counts
 //! the transitions it made; Prometheus sums instances.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
 
 const BUCKETS: [f64; 12] = [
     1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 2700.0, 3600.0,
 ];
 
-#[derive(Debug, Default, Clone)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
-}
+/// The labels of the runs counter, in the order they are written.
+const RUN_LABELS: [&str; 3] = ["tenant", "kind", "state"];
 
-/// Counters and histograms.
-#[derive(Debug, Default)]
+/// The runs counter and the apply-duration histogram. Clones share the same values, so
+/// one clone can be registered in the process's registry while the workers count on another.
+#[derive(Debug, Clone)]
 pub struct Metrics {
-    runs: Mutex<BTreeMap<(String, String, String), u64>>,
-    apply: Mutex<BTreeMap<String, Histogram>>,
-}
-
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+    runs: IntCounterVec,
+    apply: HistogramVec,
 }
 
 impl Metrics {
+    /// Empty counters and histograms; refused only if a family's name or labels were invalid.
+    pub fn new() -> prometheus::Result<Self> {
+        Ok(Self {
+            runs: IntCounterVec::new(
+                Opts::new(
+                    "connectsoft_factory_provisioning_runs_total",
+                    "Provisioning runs by kind and outcome.",
+                ),
+                &RUN_LABELS,
+            )?,
+            apply: HistogramVec::new(
+                HistogramOpts::new(
+                    "connectsoft_factory_provisioning_apply_duration_seconds",
+                    "Apply duration.",
+                )
+                .buckets(BUCKETS.to_vec()),
+                &["kind"],
+            )?,
+        })
+    }
+
+    /// Registers both families in `registry` (the process's, served at `/metrics`).
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.clone()))
+    }
+
     /// A run of `kind` reached `state`.
     pub fn run_reached(&self, tenant: &str, kind: &str, state: &str) {
-        if let Ok(mut runs) = self.runs.lock() {
-            *runs
-                .entry((tenant.to_string(), kind.to_string(), state.to_string()))
-                .or_default() += 1;
-        }
+        self.runs.with_label_values(&[tenant, kind, state]).inc();
     }
 
     /// An apply of `kind` took `seconds`.
     pub fn apply_took(&self, kind: &str, seconds: f64) {
-        if let Ok(mut apply) = self.apply.lock() {
-            let h = apply.entry(kind.to_string()).or_default();
-            for (i, bound) in BUCKETS.iter().enumerate() {
-                if seconds <= *bound {
-                    h.counts[i] += 1;
-                }
-            }
-            h.count += 1;
-            h.sum += seconds;
-        }
+        self.apply.with_label_values(&[kind]).observe(seconds);
     }
 
-    /// The Prometheus text exposition.
+    /// These two families alone in the Prometheus text format (the process serves them
+    /// with everything else through its registry).
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        out.push_str("# HELP connectsoft_factory_provisioning_runs_total Provisioning runs by kind and outcome.\n");
-        out.push_str("# TYPE connectsoft_factory_provisioning_runs_total counter\n");
-        if let Ok(runs) = self.runs.lock() {
-            for ((tenant, kind, state), n) in runs.iter() {
-                let _ = writeln!(
-                    out,
-                    "connectsoft_factory_provisioning_runs_total{{tenant=\"{}\",kind=\"{}\",state=\"{}\"}} {n}",
-                    escape(tenant),
-                    escape(kind),
-                    escape(state)
-                );
+        // The encoder refuses a family without samples; a registry leaves those out too.
+        let families: Vec<MetricFamily> = self
+            .collect()
+            .into_iter()
+            .filter(|f| !f.get_metric().is_empty())
+            .collect();
+        TextEncoder::new()
+            .encode_to_string(&families)
+            .unwrap_or_else(|error| {
+                tracing::error!(%error, "cannot encode the provisioning metrics");
+                String::new()
+            })
+    }
+}
+
+impl Collector for Metrics {
+    fn desc(&self) -> Vec<&Desc> {
+        let mut descs = self.runs.desc();
+        descs.extend(self.apply.desc());
+        descs
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let mut runs = self.runs.collect();
+        // The library sorts label pairs by name; the runs have always been written tenant,
+        // kind, state, and dashboards and tests read them so.
+        for family in &mut runs {
+            for metric in family.mut_metric() {
+                let mut labels = metric.take_label();
+                labels.sort_by_key(|l| RUN_LABELS.iter().position(|n| *n == l.name()));
+                metric.set_label(labels);
             }
         }
-        out.push_str(
-            "# HELP connectsoft_factory_provisioning_apply_duration_seconds Apply duration.\n",
-        );
-        out.push_str("# TYPE connectsoft_factory_provisioning_apply_duration_seconds histogram\n");
-        if let Ok(apply) = self.apply.lock() {
-            for (kind, h) in apply.iter() {
-                let kind = escape(kind);
-                for (i, bound) in BUCKETS.iter().enumerate() {
-                    let _ = writeln!(
-                        out,
-                        "connectsoft_factory_provisioning_apply_duration_seconds_bucket{{kind=\"{kind}\",le=\"{bound}\"}} {}",
-                        h.counts[i]
-                    );
-                }
-                let _ = writeln!(
-                    out,
-                    "connectsoft_factory_provisioning_apply_duration_seconds_bucket{{kind=\"{kind}\",le=\"+Inf\"}} {}",
-                    h.count
-                );
-                let _ = writeln!(out, "connectsoft_factory_provisioning_apply_duration_seconds_sum{{kind=\"{kind}\"}} {}", h.sum);
-                let _ = writeln!(out, "connectsoft_factory_provisioning_apply_duration_seconds_count{{kind=\"{kind}\"}} {}", h.count);
-            }
-        }
-        out
+        runs.extend(self.apply.collect());
+        runs
     }
 }
 
@@ -104,7 +107,7 @@ mod tests {
 
     #[test]
     fn renders_counters_and_histograms() {
-        let m = Metrics::default();
+        let m = Metrics::new().unwrap();
         m.run_reached("acme", "Release", "Applied");
         m.run_reached("acme", "Release", "Applied");
         m.apply_took("Release", 12.0);
@@ -115,5 +118,19 @@ mod tests {
         assert!(text.contains(
             "connectsoft_factory_provisioning_apply_duration_seconds_count{kind=\"Release\"} 1"
         ));
+    }
+
+    #[test]
+    fn a_registry_serves_the_same_lines_and_nothing_before_the_first_count() {
+        let m = Metrics::new().unwrap();
+        assert_eq!(m.render(), "");
+        let registry = Registry::new();
+        m.register(&registry).unwrap();
+        m.run_reached("acme", "Release", "Failed");
+        let text = TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap();
+        assert!(text.contains("# HELP connectsoft_factory_provisioning_runs_total Provisioning runs by kind and outcome.\n# TYPE connectsoft_factory_provisioning_runs_total counter\n"), "{text}");
+        assert!(text.contains("connectsoft_factory_provisioning_runs_total{tenant=\"acme\",kind=\"Release\",state=\"Failed\"} 1\n"), "{text}");
     }
 }

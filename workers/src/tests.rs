@@ -347,7 +347,7 @@ impl World {
             tdb.db.clone(),
             ports,
             settings,
-            Arc::new(Metrics::default()),
+            Arc::new(Metrics::new().unwrap()),
         );
         let (stop, rx) = tokio::sync::watch::channel(false);
         if start {
@@ -395,7 +395,7 @@ impl World {
             db,
             self.ports(runner),
             test_settings(dir.path(), clock),
-            Arc::new(Metrics::default()),
+            Arc::new(Metrics::new().unwrap()),
         );
         let (stop, rx) = tokio::sync::watch::channel(false);
         if start {

@@ -29,9 +29,12 @@ pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
 pub use trust::{TrustedSources, TrustedSourcesError};
 
 use crate::cloudevent::CloudEvent;
+use crate::metrics::{Family, ScrapeCollector};
 use chrono::{DateTime, Utc};
 use ferry_domain::{Actor, TenantId};
 use ferry_store::{Database, LinkedWrite};
+use prometheus::proto::MetricFamily;
+use prometheus::Registry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,55 +118,91 @@ pub struct InboundMetrics {
 }
 
 impl InboundMetrics {
-    /// The counters in Prometheus text format.
+    fn families(&self) -> Vec<MetricFamily> {
+        INBOUND_COUNTERS
+            .iter()
+            .map(|(family, read)| family.one(vec![], read(self) as f64))
+            .collect()
+    }
+
+    /// The counters in the Prometheus text format.
     pub fn render(&self) -> String {
-        let rows = [
-            (
-                "ferry_inbound_received_total",
-                "Inbound messages received (NATS and HTTP).",
-                &self.received,
-            ),
-            (
-                "ferry_inbound_handled_total",
-                "Inbound messages applied.",
-                &self.handled,
-            ),
-            (
-                "ferry_inbound_duplicates_total",
-                "Redelivered or re-posted messages without effect.",
-                &self.duplicates,
-            ),
-            (
-                "ferry_inbound_dead_lettered_total",
-                "Malformed, unknown or refused messages.",
-                &self.dead_lettered,
-            ),
-            (
-                "ferry_inbound_transient_failures_total",
-                "Transient failures (retried).",
-                &self.transient_failures,
-            ),
-            (
-                "ferry_inbound_forbidden_total",
-                "HTTP events of another tenant than the caller's.",
-                &self.forbidden,
-            ),
-            (
-                "ferry_inbound_untrusted_total",
-                "Messages whose CloudEvent source is not trusted for them.",
-                &self.untrusted,
-            ),
-        ];
-        let mut out = String::new();
-        for (name, help, value) in rows {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}\n",
-                value.load(Ordering::Relaxed)
-            ));
-        }
-        out
+        crate::metrics::encode(self.families())
+    }
+
+    /// Registers the counters in `registry` (the process's, served at `/metrics`); they
+    /// are read at each scrape.
+    pub fn register(self: &Arc<Self>, registry: &Registry) -> prometheus::Result<()> {
+        let metrics = self.clone();
+        registry.register(Box::new(ScrapeCollector::new(
+            INBOUND_COUNTERS.iter().map(|(family, _)| family),
+            move || metrics.families(),
+        )?))
     }
 }
+
+/// Reads one inbound counter.
+type ReadCounter = fn(&InboundMetrics) -> u64;
+
+/// The inbound counters, with the field each is read from.
+const INBOUND_COUNTERS: [(Family, ReadCounter); 7] = [
+    (
+        Family::counter(
+            "ferry_inbound_received_total",
+            "Inbound messages received (NATS and HTTP).",
+            &[],
+        ),
+        |m| m.received.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_handled_total",
+            "Inbound messages applied.",
+            &[],
+        ),
+        |m| m.handled.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_duplicates_total",
+            "Redelivered or re-posted messages without effect.",
+            &[],
+        ),
+        |m| m.duplicates.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_dead_lettered_total",
+            "Malformed, unknown or refused messages.",
+            &[],
+        ),
+        |m| m.dead_lettered.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_transient_failures_total",
+            "Transient failures (retried).",
+            &[],
+        ),
+        |m| m.transient_failures.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_forbidden_total",
+            "HTTP events of another tenant than the caller's.",
+            &[],
+        ),
+        |m| m.forbidden.load(Ordering::Relaxed),
+    ),
+    (
+        Family::counter(
+            "ferry_inbound_untrusted_total",
+            "Messages whose CloudEvent source is not trusted for them.",
+            &[],
+        ),
+        |m| m.untrusted.load(Ordering::Relaxed),
+    ),
+];
 
 /// What inbound processing needs: the store, the handler and the counters.
 #[derive(Clone)]
