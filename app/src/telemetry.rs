@@ -131,14 +131,14 @@ impl SubscriptionGauges {
         ] {
             gauge.reset();
         }
-        for s in subscriptions.unwrap_or_default() {
+        let subscriptions = subscriptions.unwrap_or_default();
+        for s in subscriptions {
             self.lag.with_label_values(&[&s.name]).set(s.lag);
         }
         if let Some(nats) = nats {
             // No checkpoint row yet (the store was down when the relay started): no figure,
             // rather than a made-up zero.
             if let Some(lag) = subscriptions
-                .unwrap_or_default()
                 .iter()
                 .find(|s| s.name == nats.checkpoint)
                 .map(|s| s.lag)
