@@ -5,7 +5,7 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use ferry_app::server::{init_tracing, open_database};
-use ferry_app::{Config, Server};
+use ferry_app::{Config, Contexts, Server};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -88,8 +88,8 @@ enum RelayCommand {
 enum ProjectionsCommand {
     /// Each subscription's position and lag.
     Status,
-    /// Replay the stream into fresh tables and swap them in (all, or the named one:
-    /// specifications, runs, environments). Safe while `ferry serve` runs.
+    /// Replay the stream into fresh tables and swap them in (all, or the named one, e.g.
+    /// runs; an unknown name is refused with the list). Safe while `ferry serve` runs.
     Rebuild {
         /// The projection; all when absent.
         name: Option<String>,
@@ -101,16 +101,6 @@ fn out(text: &str) -> anyhow::Result<()> {
     stdout.write_all(text.as_bytes())?;
     stdout.write_all(b"\n")?;
     Ok(())
-}
-
-/// The files `ferry schemas` writes, relative to its folder.
-fn published_schemas() -> Vec<(String, String)> {
-    let mut files = vec![(
-        "openapi.json".to_string(),
-        ferry_api::openapi::document_text(),
-    )];
-    files.extend(ferry_messaging::published_schemas());
-    files
 }
 
 #[tokio::main]
@@ -187,8 +177,12 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     }
                 }
                 ProjectionsCommand::Rebuild { name } => {
-                    let reports =
-                        ferry_projections::rebuild::rebuild_named(&db, name.as_deref()).await?;
+                    let reports = ferry_projections::rebuild::rebuild_named(
+                        &db,
+                        &Contexts::builtin().projections(),
+                        name.as_deref(),
+                    )
+                    .await?;
                     for r in reports {
                         out(&format!(
                             "rebuilt {}: {} events replayed, now at position {}",
@@ -245,7 +239,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Schemas { out: dir, check } => {
             let mut stale = Vec::new();
-            for (name, text) in published_schemas() {
+            for (name, text) in Contexts::builtin().published_schemas() {
                 let path = dir.join(name);
                 if check {
                     if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {

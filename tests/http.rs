@@ -741,7 +741,7 @@ fn the_published_openapi_document_is_current() {
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/schemas/openapi.json"))
             .unwrap_or_default();
     assert!(
-        published == ferry_api::openapi::document_text(),
+        published == ferry_app::Contexts::builtin().api().document_text(),
         "schemas/openapi.json is stale: run `cargo run -- schemas`"
     );
 }

@@ -305,9 +305,12 @@ async fn a_locked_embedded_store_answers_503_with_retry_after() {
     .await
     .unwrap();
     db.migrate().await.unwrap();
-    ferry_projections::projection::ensure_all_tables(&db)
-        .await
-        .unwrap();
+    ferry_projections::projection::ensure_all_tables(
+        &db,
+        &ferry_app::Contexts::builtin().projections(),
+    )
+    .await
+    .unwrap();
     let server = ferry_app::Server::start_with(&config, db.clone())
         .await
         .unwrap();

@@ -88,6 +88,18 @@ pub struct Caller {
 }
 
 impl Caller {
+    /// The metadata of the events this caller's request appends: the token's tenant and
+    /// subject, and the request's ids.
+    pub fn metadata(&self, ids: crate::extract::RequestIds) -> ferry_store::EventMetadata {
+        ferry_store::EventMetadata {
+            tenant_id: self.tenant.clone(),
+            actor: self.actor.clone(),
+            correlation_id: ids.correlation_id,
+            causation_id: ids.request_id,
+            request_id: ids.request_id,
+        }
+    }
+
     /// 403 unless the token carries `scope`.
     pub fn require_scope(&self, scope: &str) -> Result<(), ApiError> {
         if self.scopes.contains(scope) {

@@ -15,7 +15,6 @@ use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
 use ferry_domain::{EnvironmentClass, EnvironmentId};
-use ferry_store::EventMetadata;
 use serde::{Deserialize, Serialize};
 
 /// Body of `PUT /factory/environments/{environmentId}`.
@@ -106,13 +105,7 @@ pub async fn put_environment(
         recorded_by: caller.actor.clone(),
         recorded_at: Utc::now(),
     };
-    let metadata = EventMetadata {
-        tenant_id: caller.tenant.clone(),
-        actor: caller.actor.clone(),
-        correlation_id: ids.correlation_id,
-        causation_id: ids.request_id,
-        request_id: ids.request_id,
-    };
+    let metadata = caller.metadata(ids);
     let id = Environment::aggregate_id(&caller.tenant, &environment);
     let done = state
         .environments()

@@ -15,4 +15,4 @@ pub mod router;
 pub mod routes;
 pub mod state;
 
-pub use router::router;
+pub use router::{provisioning_routes, router, Api};

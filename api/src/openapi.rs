@@ -1,5 +1,5 @@
-//! The OpenAPI 3.1 document, generated with `aide` from the route declarations in
-//! [`crate::router`]: a route is declared together with its documentation (`get_with`,
+//! The OpenAPI 3.1 document, generated with `aide` from the route declarations
+//! ([`crate::router::Api`]): a route is declared together with its documentation (`get_with`,
 //! `post_with`), request bodies come from the handlers' extractor types and responses from
 //! the view types (schemars), so the document and the router cannot drift apart. It is
 //! served at `/openapi.json` and written to `schemas/openapi.json` by `ferry schemas`.
@@ -16,7 +16,6 @@ use aide::transform::{TransformOpenApi, TransformOperation};
 use schemars::generate::SchemaSettings;
 use schemars::JsonSchema;
 use serde_json::{json, Value};
-use std::sync::OnceLock;
 
 /// The bearer scheme every protected operation names.
 const BEARER: &str = "bearer";
@@ -268,21 +267,11 @@ pub fn finish(api: TransformOpenApi<'_>) -> TransformOpenApi<'_> {
     api
 }
 
-/// The OpenAPI document.
-pub fn document() -> Value {
-    let mut api = OpenApi::default();
-    let _router = crate::router::api_router().finish_api_with(&mut api, finish);
-    // aide always writes `"openapi": "3.1.0"`.
-    serde_json::to_value(&api).unwrap_or_default()
-}
-
-/// The document as written to `schemas/openapi.json` (built once per process).
-pub fn document_text() -> String {
-    static TEXT: OnceLock<String> = OnceLock::new();
-    TEXT.get_or_init(|| {
-        let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
-        text.push('\n');
-        text
-    })
-    .clone()
+/// The document as text: pretty JSON ending in a newline (aide writes `"openapi": "3.1.0"`).
+pub fn to_text(document: &OpenApi) -> String {
+    // Through a `Value`, whose keys are sorted, so the text does not depend on field order.
+    let value = serde_json::to_value(document).unwrap_or_default();
+    let mut text = serde_json::to_string_pretty(&value).unwrap_or_default();
+    text.push('\n');
+    text
 }

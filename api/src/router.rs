@@ -8,11 +8,12 @@ use crate::state::AppState;
 use crate::{environments, events, routes};
 use aide::axum::routing::{get_with, post_with, put_with};
 use aide::axum::ApiRouter;
+use aide::openapi::OpenApi;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use ferry_domain::specification::SpecificationVersion;
 use ferry_domain::{ProvisioningKind, ProvisioningState, SpecificationKind};
 use ferry_projections::views::CurrentSpecificationView;
@@ -126,8 +127,12 @@ pub fn holder_problem(h: &ferry_store::stream::StreamHolder) -> String {
     )
 }
 
-async fn openapi() -> Response {
-    let mut response = crate::openapi::document_text().into_response();
+/// The document the router was built with (see [`Api`]).
+#[derive(Clone)]
+struct Document(std::sync::Arc<str>);
+
+async fn openapi(Extension(Document(text)): Extension<Document>) -> Response {
+    let mut response = text.to_string().into_response();
     response
         .headers_mut()
         .insert("content-type", HeaderValue::from_static("application/json"));
@@ -160,10 +165,8 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
-/// Every route of the API with its documentation: the one list the router and the OpenAPI
-/// document are both built from (a route cannot be served undocumented).
-pub fn api_router() -> ApiRouter<AppState> {
-    crate::openapi::prepare();
+/// The provisioning context's routes with their documentation.
+pub fn provisioning_routes() -> ApiRouter<AppState> {
     let run = "/factory/provisioning/runs/{provisioningRunId}";
     let run_id = || json!({"type": "string", "format": "uuid"});
     let environment_id = || json!({"type": "string"});
@@ -302,6 +305,11 @@ pub fn api_router() -> ApiRouter<AppState> {
                     .errors(&[400, 401, 403, 404])
             }),
         )
+}
+
+/// The process's own routes: events in and out, metrics, health, readiness, this document.
+fn process_routes() -> ApiRouter<AppState> {
+    ApiRouter::new()
         .api_route(
             "/factory/events",
             post_with(events::post_event, |op| {
@@ -361,13 +369,43 @@ pub fn api_router() -> ApiRouter<AppState> {
         )
 }
 
-/// The HTTP API.
-pub fn router(state: AppState) -> Router {
-    let mut api = aide::openapi::OpenApi::default();
-    api_router()
-        .finish_api(&mut api)
+/// Every route of the API with its documentation: the one declaration the router and the
+/// OpenAPI document are both built from (a route cannot be served undocumented).
+pub struct Api {
+    routes: Router<AppState>,
+    document: OpenApi,
+}
+
+impl Api {
+    /// The process's routes and the routes `declare` returns (every bounded context's,
+    /// merged), declared with the document generator prepared.
+    pub fn build(declare: impl FnOnce() -> ApiRouter<AppState>) -> Self {
+        crate::openapi::prepare();
+        let mut document = OpenApi::default();
+        let routes = process_routes()
+            .merge(declare())
+            .finish_api_with(&mut document, crate::openapi::finish);
+        Self { routes, document }
+    }
+
+    /// The OpenAPI document.
+    pub fn document(&self) -> &OpenApi {
+        &self.document
+    }
+
+    /// The document as served at `/openapi.json` and written to `schemas/openapi.json`.
+    pub fn document_text(&self) -> String {
+        crate::openapi::to_text(&self.document)
+    }
+}
+
+/// The HTTP API of `api`, on `state`.
+pub fn router(state: AppState, api: Api) -> Router {
+    let document = Document(api.document_text().into());
+    api.routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(Extension(document))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn(request_ids))
         .layer(TraceLayer::new_for_http())

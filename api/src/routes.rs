@@ -16,7 +16,6 @@ use ferry_domain::*;
 use ferry_projections::queries::{decode_cursor, RunFilter, SpecificationFilter};
 use ferry_projections::RunView;
 use ferry_store::idempotency::{self, KeyState};
-use ferry_store::EventMetadata;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
@@ -176,16 +175,6 @@ fn enum_from_str<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
     serde_json::from_value(serde_json::Value::String(v.to_string())).ok()
 }
 
-fn metadata(caller: &Caller, ids: RequestIds) -> EventMetadata {
-    EventMetadata {
-        tenant_id: caller.tenant.clone(),
-        actor: caller.actor.clone(),
-        correlation_id: ids.correlation_id,
-        causation_id: ids.request_id,
-        request_id: ids.request_id,
-    }
-}
-
 /// `GET /factory/provisioning/specifications`
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn list_specifications(
@@ -271,7 +260,7 @@ pub async fn declare_specification(
             &caller.tenant,
             &id.to_string(),
             SpecificationCommand::Declare(Box::new(declaration)),
-            &metadata(&caller, ids),
+            &caller.metadata(ids),
             true,
         )
         .await?;
@@ -506,7 +495,7 @@ pub async fn plan_provisioning(
             &caller.tenant,
             &run_id.to_string(),
             RunCommand::Request(Box::new(request)),
-            &metadata(&caller, ids),
+            &caller.metadata(ids),
             true,
         )
         .await;
@@ -576,7 +565,7 @@ async fn run_command(
             &caller.tenant,
             &id.to_string(),
             command,
-            &metadata(caller, ids),
+            &caller.metadata(ids),
             false,
         )
         .await

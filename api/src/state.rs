@@ -8,6 +8,7 @@ use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::ArtifactStore;
 use ferry_domain::run::ProvisioningRun;
 use ferry_domain::specification::DeploymentSpecification;
+use ferry_domain::{StoredAggregate, TenantOwned};
 use ferry_projections::ReadModels;
 use ferry_store::{Database, Repository};
 use std::sync::Arc;
@@ -66,6 +67,14 @@ impl AppState {
     /// The store.
     pub fn db(&self) -> &Database {
         &self.inner.db
+    }
+    /// A repository of any aggregate Ferry stores (for a bounded context's routes; cheap:
+    /// it holds the store's pool and the aggregate's upcasters).
+    pub fn repository<A>(&self) -> Repository<A>
+    where
+        A: StoredAggregate<Services = ()> + TenantOwned + Clone + Send + Sync,
+    {
+        Repository::new(self.inner.db.clone(), ())
     }
     /// Specifications.
     pub fn specifications(&self) -> &Repository<DeploymentSpecification> {

@@ -49,12 +49,13 @@ impl EventIntake for Intake {
 /// The live event stream of one tenant, from the store.
 pub struct Feed {
     db: Database,
+    publishers: ferry_messaging::Publishers,
 }
 
 impl Feed {
-    /// A feed over `db`.
-    pub fn new(db: Database) -> Self {
-        Self { db }
+    /// A feed over `db`, each event made by `publishers` as the relay would publish it.
+    pub fn new(db: Database, publishers: ferry_messaging::Publishers) -> Self {
+        Self { db, publishers }
     }
 }
 
@@ -71,6 +72,7 @@ impl EventFeed for Feed {
     ) -> BoxStream<'static, Result<Event, Infallible>> {
         ferry_messaging::sse_stream(
             self.db.clone(),
+            self.publishers.clone(),
             tenant.to_string(),
             ferry_messaging::start_position(last_event_id, after),
             self.db.subscribe_commits(),

@@ -5,10 +5,12 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod contexts;
 pub mod events;
 pub mod inbound;
 pub mod server;
 pub mod telemetry;
 
 pub use config::{Config, ConfigError};
+pub use contexts::{BoundedContext, Contexts, Process};
 pub use server::{Server, StartError};

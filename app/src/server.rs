@@ -3,6 +3,7 @@
 //! shutdown signal.
 
 use crate::config::{Config, LogFormat, RunnerKind};
+use crate::contexts::{Contexts, Process};
 use crate::telemetry::{NatsHealth, ProcessTelemetry};
 use ferry_api::auth::{load_or_create_key, Verifier};
 use ferry_api::state::AppState;
@@ -143,7 +144,7 @@ pub async fn open_database(config: &Config) -> Result<Database, StartError> {
         None => Database::open_sqlite_with(&config.data_dir, &options).await?,
     };
     db.migrate().await?;
-    ferry_projections::projection::ensure_all_tables(&db)
+    ferry_projections::projection::ensure_all_tables(&db, &Contexts::builtin().projections())
         .await
         .map_err(StartError::Projections)?;
     Ok(db)
@@ -187,6 +188,17 @@ impl Server {
 
     /// As [`Server::start`], on an already opened and migrated store.
     pub async fn start_with(config: &Config, db: Database) -> Result<Self, StartError> {
+        Self::start_with_contexts(config, db, Contexts::builtin()).await
+    }
+
+    /// As [`Server::start_with`], running `contexts` (e.g. Ferry's own and a test's).
+    pub async fn start_with_contexts(
+        config: &Config,
+        db: Database,
+        contexts: Contexts,
+    ) -> Result<Self, StartError> {
+        contexts.register_aggregates();
+        let publishers = contexts.publishers();
         let verifier = verifier(config)?;
         let confinement = std::sync::Arc::new(config.confinement()?);
         let ports = ports(config)?;
@@ -199,19 +211,23 @@ impl Server {
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
-        let projector = Projector::start(&db, config.poll_interval, shutdown_rx.clone())
-            .await
-            .map_err(StartError::Projections)?;
+        let projector = Projector::start(
+            &db,
+            &contexts.projections(),
+            config.poll_interval,
+            shutdown_rx.clone(),
+        )
+        .await
+        .map_err(StartError::Projections)?;
         let reads = ReadModels::new(db.clone(), Some(projector.subscribe()));
-        let workers = ferry_workers::Workers::new(
-            db.clone(),
-            ports,
-            worker_settings(config),
-            metrics.clone(),
-        );
-        if config.workers {
-            workers.start(shutdown_rx.clone());
-        }
+        contexts.start(&Process {
+            db: &db,
+            config,
+            ports: &ports,
+            metrics: &metrics,
+            registry: &registry,
+            shutdown: &shutdown_rx,
+        })?;
         let handler = std::sync::Arc::new(crate::inbound::FerryInbound::new(
             db.clone(),
             metrics.clone(),
@@ -223,6 +239,8 @@ impl Server {
                     nats_url: url.clone(),
                     stream_name: config.nats_stream.clone(),
                     poll: config.poll_interval,
+                    subjects: ferry_messaging::subjects::stream_subjects(&publishers),
+                    publishers: publishers.clone(),
                     ..ferry_messaging::RelayConfig::default()
                 };
                 let relay = ferry_messaging::Relay::start(
@@ -267,7 +285,7 @@ impl Server {
             )?),
             artifacts,
             intake: std::sync::Arc::new(crate::events::Intake::new(inbound)),
-            feed: std::sync::Arc::new(crate::events::Feed::new(db.clone())),
+            feed: std::sync::Arc::new(crate::events::Feed::new(db.clone(), publishers)),
             stream_hold_warn,
             confinement,
         };
@@ -283,7 +301,7 @@ impl Server {
             source,
         })?;
         let mut stop = shutdown_rx;
-        let app = ferry_api::router(state);
+        let app = ferry_api::router(state, contexts.api());
         let handle = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(async move {

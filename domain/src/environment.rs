@@ -192,6 +192,9 @@ impl TenantOwned for Environment {
     }
 }
 
+/// Stored with no upcasters yet: every event type is at its first version.
+impl crate::StoredAggregate for Environment {}
+
 impl Aggregate for Environment {
     const TYPE: &'static str = "Environment";
     type Command = EnvironmentCommand;

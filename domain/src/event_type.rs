@@ -28,3 +28,17 @@ impl EventType {
         Self::new(name, FIRST_VERSION)
     }
 }
+
+/// An aggregate whose events Ferry stores, with the upcasters of its old event versions.
+///
+/// Declared beside the aggregate (in its module), so that adding an aggregate does not touch
+/// the store: the store loads through these upcasters and so does every reader of the
+/// global stream, so an upcaster reaches projections too.
+pub trait StoredAggregate: cqrs_es::Aggregate + 'static {
+    /// Upcasters for stored events of older versions, in the order they apply (an upcaster
+    /// to version 2 before one to version 3). Stored events are never rewritten: a new shape
+    /// of an event is a new version, and its upcaster goes here. None at first.
+    fn upcasters() -> Vec<Box<dyn cqrs_es::persist::EventUpcaster>> {
+        Vec::new()
+    }
+}

@@ -16,7 +16,7 @@ pub mod run;
 pub mod specification;
 pub mod values;
 
-pub use event_type::EventType;
+pub use event_type::{EventType, StoredAggregate};
 pub use ids::*;
 pub use values::*;
 

@@ -604,6 +604,9 @@ fn non_empty(reason: &str) -> Result<(), RunError> {
     }
 }
 
+/// Stored with no upcasters yet: every event type is at its first version.
+impl crate::StoredAggregate for ProvisioningRun {}
+
 impl Aggregate for ProvisioningRun {
     const TYPE: &'static str = "ProvisioningRun";
     type Command = RunCommand;

@@ -158,6 +158,9 @@ impl TenantOwned for DeploymentSpecification {
     }
 }
 
+/// Stored with no upcasters yet: every event type is at its first version.
+impl crate::StoredAggregate for DeploymentSpecification {}
+
 impl Aggregate for DeploymentSpecification {
     const TYPE: &'static str = "DeploymentSpecification";
     type Command = SpecificationCommand;

@@ -11,6 +11,8 @@
 //!   events Ferry reacts to; [`accept_cloud_event`] takes the same events over HTTP. Both
 //!   check the source is trusted, dedupe by CloudEvent source and id (the mark committed
 //!   with the effect) and dead-letter what is malformed.
+//! * [`publish`]: each aggregate's [`Publisher`] turns its events into subjects and data;
+//!   the process registers them ([`Publishers`]) and the relay and SSE stream use them.
 //! * [`sse`]: [`sse_stream`] serves the live stream to `GET /factory/events/stream`.
 //! * [`schemas`]: [`published_schemas`] is the JSON Schema of every payload and the
 //!   AsyncAPI document, written to the repository's `schemas/`.
@@ -70,6 +72,7 @@ mod metrics;
 pub mod nats;
 pub mod outbound;
 pub mod payloads;
+pub mod publish;
 pub mod relay;
 pub mod schemas;
 pub mod sse;
@@ -83,7 +86,8 @@ pub use inbound::{
     InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundMetrics, Poster,
     TrustedSources,
 };
-pub use outbound::{parse_position, position_token, to_outbound, Outbound};
+pub use outbound::{parse_position, position_token, Outbound};
+pub use publish::{DomainEvents, Message, Publisher, Publishers};
 pub use relay::{Relay, RelayConfig, RelayError, RelayMetrics};
 pub use schemas::{published_schemas, write_schemas};
 pub use sse::{sse_stream, start_position};

@@ -1,30 +1,30 @@
-//! Turns a stored event into the CloudEvent Ferry publishes (relay) or streams (SSE).
+//! The provisioning context's publishers, and the pieces every [`Publisher`] shares.
 //!
-//! Events of Ferry's aggregates are decoded first, through their upcasters
-//! ([`ferry_store::events`]); one that does not decode is an error, at which the relay stops
-//! and which it reports until it goes through: nothing is skipped. Integration events get
-//! their fixed payloads; every other event goes on `ferry.events.<aggregate>.<event>` with
-//! the domain event's inner object as data. An integration event whose payload cannot be
-//! built (its run has no request: a bug, logged and counted) goes on its domain subject
-//! instead, so the audit trail stays complete. An event of an aggregate type this version
-//! does not know (e.g. written by a newer one) is published as stored on its domain
-//! subject: the relay publishes every event, and it cannot decode this one.
+//! Events are decoded first, through their upcasters ([`ferry_store::events`]); one that
+//! does not decode is an error, at which the relay stops and which it reports until it goes
+//! through: nothing is skipped. Integration events get their fixed payloads; every other
+//! event goes on `ferry.events.<aggregate>.<event>` with the domain event's inner object as
+//! data. An integration event whose payload cannot be built (its run has no request: a bug,
+//! logged and counted) goes on its domain subject instead, so the audit trail stays
+//! complete.
 
-use crate::cloudevent::{CloudEvent, JSON, SPEC_VERSION};
+use crate::cloudevent::CloudEvent;
 use crate::payloads::{
     PlanSummary, ProvisioningAppliedPayload, ProvisioningFailedPayload, ProvisioningPlannedPayload,
     SpecificationDeclaredPayload,
 };
+use crate::publish::{DomainEvents, Message, Publisher, Publishers};
+use crate::schemas::{domain_event_docs, schema_value, Direction, Documents, SubjectDoc};
 use crate::subjects;
-use cqrs_es::DomainEvent;
-use ferry_domain::environment::{Environment, EnvironmentEvent};
+use cqrs_es::{Aggregate, DomainEvent};
+use ferry_domain::environment::Environment;
 use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
 use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
-use ferry_store::events::{first_event, Decoder, ReadError};
+use ferry_store::events::{decode, first_event, ReadError};
 use ferry_store::{Database, Position, StoredEvent, Typed};
 use serde_json::Value;
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 /// Default CloudEvent `source` of Ferry's events.
 pub const DEFAULT_SOURCE: &str = "urn:ferry";
@@ -58,80 +58,6 @@ pub fn parse_position(token: &str) -> Option<Position> {
     })
 }
 
-/// A stored event of one of Ferry's aggregates, decoded.
-enum Decoded {
-    Run(Typed<RunEvent>),
-    Specification(Typed<SpecificationEvent>),
-    Environment(Typed<EnvironmentEvent>),
-}
-
-/// Decodes the events of every aggregate Ferry stores.
-fn decoder() -> &'static Decoder<Decoded> {
-    static DECODER: OnceLock<Decoder<Decoded>> = OnceLock::new();
-    DECODER.get_or_init(|| {
-        Decoder::new()
-            .on::<ProvisioningRun>(Decoded::Run)
-            .on::<DeploymentSpecification>(Decoded::Specification)
-            .on::<Environment>(Decoded::Environment)
-    })
-}
-
-/// A message's subject and data, and why it is degraded if it is.
-struct Message {
-    subject: String,
-    data: Value,
-    degraded: Option<String>,
-}
-
-/// The CloudEvent for `event`. Fails when the store fails (the caller retries) or when an
-/// event of one of Ferry's aggregates does not decode (the relay stops at it).
-pub async fn to_outbound(
-    db: &Database,
-    source: &str,
-    event: &StoredEvent,
-) -> Result<Outbound, ReadError> {
-    let message = match decoder().decode(event)? {
-        Some(Decoded::Run(run)) => run_message(db, event, &run).await?,
-        Some(Decoded::Specification(specification)) => {
-            specification_message(event, &specification.event)
-        }
-        Some(Decoded::Environment(environment)) => domain_message(event, &environment.event),
-        // An aggregate type this version does not know: published as stored.
-        None => Message {
-            subject: subjects::domain_subject(&event.aggregate_type, &event.event_type),
-            data: inner_payload(&event.payload),
-            degraded: None,
-        },
-    };
-    let meta = |key: &str| {
-        event
-            .metadata
-            .get(key)
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    };
-    Ok(Outbound {
-        event: CloudEvent {
-            specversion: SPEC_VERSION.to_string(),
-            id: event.event_id.to_string(),
-            source: source.to_string(),
-            event_type: message.subject.clone(),
-            subject: Some(event.aggregate_id.clone()),
-            time: Some(event.recorded_at),
-            datacontenttype: Some(JSON.to_string()),
-            tenantid: meta("tenantId"),
-            ferryaggregatetype: Some(event.aggregate_type.clone()),
-            ferrysequence: Some(event.sequence),
-            ferryposition: Some(position_token(event.position)),
-            correlationid: meta("correlationId"),
-            causationid: meta("causationId"),
-            data: message.data,
-        },
-        subject: message.subject,
-        degraded: message.degraded,
-    })
-}
-
 /// The object inside an externally tagged event (`{"Variant": {...}}` → `{...}`).
 pub fn inner_payload(payload: &Value) -> Value {
     match payload.as_object() {
@@ -141,7 +67,7 @@ pub fn inner_payload(payload: &Value) -> Value {
 }
 
 /// The domain event on `ferry.events.<aggregate>.<event>`, its inner object as data.
-fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
+pub(crate) fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
     let subject = subjects::domain_subject(&stored.aggregate_type, &event.event_type());
     match serde_json::to_value(event) {
         Ok(value) => Message {
@@ -192,6 +118,117 @@ fn integration<E: DomainEvent>(
             degraded: None,
         },
         Err(e) => integration_failed(stored, event, e.to_string()),
+    }
+}
+
+impl Publishers {
+    /// The provisioning context's publishers: runs and specifications with their integration
+    /// events, environments' domain events.
+    pub fn provisioning() -> Self {
+        Self::new()
+            .with(Arc::new(RunPublisher))
+            .with(Arc::new(SpecificationPublisher))
+            .with(Arc::new(DomainEvents::<Environment>::new()))
+    }
+}
+
+/// An integration subject's documentation and the schema file of its payload.
+fn integration_doc<T: schemars::JsonSchema>(
+    subject: &str,
+    event: &str,
+    direction: Direction,
+    summary: &str,
+) -> Documents {
+    let path = format!("events/{}.schema.json", subjects::kebab(event));
+    Documents {
+        subjects: vec![SubjectDoc {
+            subject: subject.to_string(),
+            event: event.to_string(),
+            schema: path.clone(),
+            direction,
+            summary: summary.to_string(),
+        }],
+        files: vec![(path, schema_value::<T>())],
+    }
+}
+
+/// Specifications: `SpecificationDeclared` is an integration event.
+pub struct SpecificationPublisher;
+
+#[async_trait::async_trait]
+impl Publisher for SpecificationPublisher {
+    fn aggregate_type(&self) -> &'static str {
+        DeploymentSpecification::TYPE
+    }
+
+    async fn message(&self, _db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
+        let typed = decode::<DeploymentSpecification>(event)?;
+        Ok(specification_message(event, &typed.event))
+    }
+
+    fn documents(&self) -> Documents {
+        let mut docs = integration_doc::<SpecificationDeclaredPayload>(
+            subjects::SPECIFICATION_DECLARED,
+            "SpecificationDeclared",
+            Direction::Out,
+            "A desired-state version exists for an environment.",
+        );
+        docs.extend(domain_event_docs::<SpecificationEvent>(
+            DeploymentSpecification::TYPE,
+            &["SpecificationDeclared"],
+        ));
+        docs
+    }
+}
+
+/// Runs: planned, applied and failed are integration events (their payloads carry the run's
+/// request, read from the store); the others are domain events.
+pub struct RunPublisher;
+
+#[async_trait::async_trait]
+impl Publisher for RunPublisher {
+    fn aggregate_type(&self) -> &'static str {
+        ProvisioningRun::TYPE
+    }
+
+    async fn message(&self, db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
+        let typed = decode::<ProvisioningRun>(event)?;
+        run_message(db, event, &typed).await
+    }
+
+    fn documents(&self) -> Documents {
+        let mut docs = Documents::default();
+        for integration in [
+            integration_doc::<ProvisioningPlannedPayload>(
+                subjects::PROVISIONING_PLANNED,
+                "ProvisioningPlanned",
+                Direction::Out,
+                "A plan exists (adds, changes, deletes) and may await approval.",
+            ),
+            integration_doc::<ProvisioningAppliedPayload>(
+                subjects::PROVISIONING_APPLIED,
+                "ProvisioningApplied",
+                Direction::Both,
+                "The desired state was applied; outputs are recorded.",
+            ),
+            integration_doc::<ProvisioningFailedPayload>(
+                subjects::PROVISIONING_FAILED,
+                "ProvisioningFailed",
+                Direction::Both,
+                "Planning or the apply failed; the reason names the failing resource or reference.",
+            ),
+        ] {
+            docs.extend(integration);
+        }
+        docs.extend(domain_event_docs::<RunEvent>(
+            ProvisioningRun::TYPE,
+            &[
+                "ProvisioningPlanned",
+                "ProvisioningApplied",
+                "ProvisioningFailed",
+            ],
+        ));
+        docs
     }
 }
 
@@ -317,9 +354,14 @@ mod tests {
     }
 
     #[test]
-    fn every_aggregate_ferry_stores_is_decoded() {
-        for aggregate_type in ferry_store::events::AGGREGATE_TYPES {
-            assert!(decoder().declares(aggregate_type), "{aggregate_type}");
+    fn every_aggregate_of_provisioning_has_a_publisher() {
+        let publishers = Publishers::provisioning();
+        for aggregate_type in [
+            ProvisioningRun::TYPE,
+            DeploymentSpecification::TYPE,
+            Environment::TYPE,
+        ] {
+            assert!(publishers.declares(aggregate_type), "{aggregate_type}");
         }
     }
 

@@ -35,7 +35,8 @@
 use crate::health::{self, ErrorReport, NatsFailure};
 use crate::inbound::subject_matches;
 use crate::metrics::{Family, ScrapeCollector};
-use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
+use crate::outbound::{parse_position, position_token, DEFAULT_SOURCE};
+use crate::publish::Publishers;
 use crate::subjects::STREAM_SUBJECTS;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use chrono::{DateTime, Utc};
@@ -83,6 +84,8 @@ pub struct RelayConfig {
     /// How often an idle relay checks that the stream still holds what it published (a
     /// stream purged while nothing is published is reported within this time).
     pub check_interval: Duration,
+    /// What each aggregate's events become (default: the provisioning context's).
+    pub publishers: Publishers,
 }
 
 impl Default for RelayConfig {
@@ -96,6 +99,7 @@ impl Default for RelayConfig {
             batch: 256,
             subjects: STREAM_SUBJECTS.iter().map(|s| s.to_string()).collect(),
             check_interval: Duration::from_secs(30),
+            publishers: Publishers::provisioning(),
         }
     }
 }
@@ -895,7 +899,10 @@ impl Worker {
     }
 
     async fn publish(&mut self, event: &ferry_store::StoredEvent) -> Result<(), RelayError> {
-        let out = to_outbound(&self.db, &self.config.source, event)
+        let out = self
+            .config
+            .publishers
+            .to_outbound(&self.db, &self.config.source, event)
             .await
             .map_err(|e| match e {
                 ReadError::Sql(e) => RelayError::Store(e),

@@ -14,13 +14,8 @@ use crate::inbound::{
     ApprovalDecided, EnvironmentCreated, EnvironmentStateChanged, PromotionApproved, ReleaseReady,
     ReleaseWithdrawn,
 };
-use crate::payloads::{
-    ProvisioningAppliedPayload, ProvisioningFailedPayload, ProvisioningPlannedPayload,
-    SpecificationDeclaredPayload,
-};
+use crate::publish::Publishers;
 use crate::subjects::{self, kebab};
-use ferry_domain::run::RunEvent;
-use ferry_domain::specification::SpecificationEvent;
 use serde_json::{json, Map, Value};
 use std::path::Path;
 
@@ -54,10 +49,6 @@ fn pretty(v: &Value) -> String {
     let mut s = serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".to_string());
     s.push('\n');
     s
-}
-
-fn schema_value<T: schemars::JsonSchema>() -> Value {
-    schemars::schema_for!(T).to_value()
 }
 
 /// The inner object schema of each variant of an externally tagged enum, with the enum's
@@ -143,25 +134,51 @@ fn used_defs(schema: &Value, all: &Map<String, Value>) -> Map<String, Value> {
     used
 }
 
-/// The domain events' schemas: (aggregate type, event type, schema).
-pub fn domain_event_schemas() -> Vec<(&'static str, String, Value)> {
-    let mut out = Vec::new();
-    for (aggregate, root) in [
-        ("ProvisioningRun", schema_value::<RunEvent>()),
-        (
-            "DeploymentSpecification",
-            schema_value::<SpecificationEvent>(),
-        ),
-        (
-            "Environment",
-            schema_value::<ferry_domain::environment::EnvironmentEvent>(),
-        ),
-    ] {
-        for (event, schema) in variant_schemas(root) {
-            out.push((aggregate, event, schema));
-        }
+/// What a publisher documents: the subjects it publishes on, and the schema files (path
+/// relative to `schemas/`, schema) they and its domain events refer to.
+#[derive(Debug, Clone, Default)]
+pub struct Documents {
+    /// The subjects.
+    pub subjects: Vec<SubjectDoc>,
+    /// The schema files.
+    pub files: Vec<(String, Value)>,
+}
+
+impl Documents {
+    /// Adds `other`'s subjects and files.
+    pub fn extend(&mut self, other: Documents) {
+        self.subjects.extend(other.subjects);
+        self.files.extend(other.files);
     }
-    out
+}
+
+/// The schema of `T` as a JSON value.
+pub(crate) fn schema_value<T: schemars::JsonSchema>() -> Value {
+    schemars::schema_for!(T).to_value()
+}
+
+/// The domain events of aggregate `aggregate` (event enum `E`): a schema file per variant,
+/// and a `ferry.events.*` subject per variant except the integration events in
+/// `integration` (which the publisher documents on their own subjects).
+pub fn domain_event_docs<E: schemars::JsonSchema>(
+    aggregate: &str,
+    integration: &[&str],
+) -> Documents {
+    let mut docs = Documents::default();
+    for (event, schema) in variant_schemas(schema_value::<E>()) {
+        let path = domain_schema_path(aggregate, &event);
+        if !integration.contains(&event.as_str()) {
+            docs.subjects.push(SubjectDoc {
+                subject: subjects::domain_subject(aggregate, &event),
+                event: event.clone(),
+                schema: path.clone(),
+                direction: Direction::Out,
+                summary: format!("The {aggregate} domain event {event} (audit trail)."),
+            });
+        }
+        docs.files.push((path, schema));
+    }
+    docs
 }
 
 /// The schema file of a domain event on `ferry.events.*`.
@@ -173,100 +190,65 @@ pub fn domain_schema_path(aggregate: &str, event: &str) -> String {
     )
 }
 
-/// Every subject Ferry publishes or consumes, with its payload schema.
-pub fn subject_docs() -> Vec<SubjectDoc> {
-    let doc = |subject: &str, event: &str, schema: String, direction, summary: &str| SubjectDoc {
-        subject: subject.to_string(),
-        event: event.to_string(),
-        schema,
-        direction,
-        summary: summary.to_string(),
+/// The subjects Ferry consumes, with their payload schemas.
+fn inbound_docs() -> Documents {
+    let doc = |subject: &str, event: &str, schema: Value, summary: &str| {
+        let path = format!("events/inbound/{}.schema.json", kebab(event));
+        (
+            SubjectDoc {
+                subject: subject.to_string(),
+                event: event.to_string(),
+                schema: path.clone(),
+                direction: Direction::In,
+                summary: summary.to_string(),
+            },
+            (path, schema),
+        )
     };
-    let mut docs = vec![
-        doc(subjects::SPECIFICATION_DECLARED, "SpecificationDeclared", "events/specification-declared.schema.json".into(), Direction::Out, "A desired-state version exists for an environment."),
-        doc(subjects::PROVISIONING_PLANNED, "ProvisioningPlanned", "events/provisioning-planned.schema.json".into(), Direction::Out, "A plan exists (adds, changes, deletes) and may await approval."),
-        doc(subjects::PROVISIONING_APPLIED, "ProvisioningApplied", "events/provisioning-applied.schema.json".into(), Direction::Both, "The desired state was applied; outputs are recorded."),
-        doc(subjects::PROVISIONING_FAILED, "ProvisioningFailed", "events/provisioning-failed.schema.json".into(), Direction::Both, "Planning or the apply failed; the reason names the failing resource or reference."),
-        doc(subjects::PROMOTION_APPROVED, "PromotionApproved", "events/inbound/promotion-approved.schema.json".into(), Direction::In, "A promotion hands over its desired state; its approval is reused for a production apply."),
-        doc(subjects::ENVIRONMENT_CREATED, "EnvironmentCreated", "events/inbound/environment-created.schema.json".into(), Direction::In, "A new environment gets its baseline specification planned."),
-        doc(subjects::ENVIRONMENT_STATE_CHANGED, "EnvironmentStateChanged", "events/inbound/environment-state-changed.schema.json".into(), Direction::In, "An environment's readiness changed (EnvironmentReady gate)."),
-        doc(subjects::APPROVAL_DECIDED, "ApprovalDecided", "events/inbound/approval-decided.schema.json".into(), Direction::In, "Run control decided an approval for a run or a promotion."),
-        doc(subjects::RELEASE_READY, "ReleaseReady", "events/inbound/release-ready.schema.json".into(), Direction::In, "A release is ready and may be promoted."),
-        doc(subjects::RELEASE_WITHDRAWN, "ReleaseWithdrawn", "events/inbound/release-withdrawn.schema.json".into(), Direction::In, "A release was withdrawn; pending promotions of it are rejected."),
-    ];
-    for (aggregate, event, _) in domain_event_schemas() {
-        if subjects::integration_subject(aggregate, &event).is_some() {
-            continue;
-        }
-        docs.push(doc(
-            &subjects::domain_subject(aggregate, &event),
-            &event,
-            domain_schema_path(aggregate, &event),
-            Direction::Out,
-            &format!("The {aggregate} domain event {event} (audit trail)."),
-        ));
-    }
+    let (subjects, files) = [
+        doc(subjects::PROMOTION_APPROVED, "PromotionApproved", schema_value::<PromotionApproved>(), "A promotion hands over its desired state; its approval is reused for a production apply."),
+        doc(subjects::ENVIRONMENT_CREATED, "EnvironmentCreated", schema_value::<EnvironmentCreated>(), "A new environment gets its baseline specification planned."),
+        doc(subjects::ENVIRONMENT_STATE_CHANGED, "EnvironmentStateChanged", schema_value::<EnvironmentStateChanged>(), "An environment's readiness changed (EnvironmentReady gate)."),
+        doc(subjects::APPROVAL_DECIDED, "ApprovalDecided", schema_value::<ApprovalDecided>(), "Run control decided an approval for a run or a promotion."),
+        doc(subjects::RELEASE_READY, "ReleaseReady", schema_value::<ReleaseReady>(), "A release is ready and may be promoted."),
+        doc(subjects::RELEASE_WITHDRAWN, "ReleaseWithdrawn", schema_value::<ReleaseWithdrawn>(), "A release was withdrawn; pending promotions of it are rejected."),
+    ]
+    .into_iter()
+    .unzip();
+    Documents { subjects, files }
+}
+
+/// Everything documented: the inbound subjects and files, then the publishers'.
+fn documents(publishers: &Publishers) -> Documents {
+    let mut docs = inbound_docs();
+    docs.extend(publishers.documents());
     docs
 }
 
+/// Every subject Ferry publishes (through `publishers`) or consumes, with its payload schema.
+pub fn subject_docs(publishers: &Publishers) -> Vec<SubjectDoc> {
+    documents(publishers).subjects
+}
+
 /// Every generated file: (path relative to `schemas/`, content ending in a newline).
-pub fn published_schemas() -> Vec<(String, String)> {
-    let mut files: Vec<(String, String)> = vec![
-        (
-            "events/cloudevent.schema.json".into(),
-            pretty(&schema_value::<CloudEvent>()),
-        ),
-        (
-            "events/specification-declared.schema.json".into(),
-            pretty(&schema_value::<SpecificationDeclaredPayload>()),
-        ),
-        (
-            "events/provisioning-planned.schema.json".into(),
-            pretty(&schema_value::<ProvisioningPlannedPayload>()),
-        ),
-        (
-            "events/provisioning-applied.schema.json".into(),
-            pretty(&schema_value::<ProvisioningAppliedPayload>()),
-        ),
-        (
-            "events/provisioning-failed.schema.json".into(),
-            pretty(&schema_value::<ProvisioningFailedPayload>()),
-        ),
-        (
-            "events/inbound/promotion-approved.schema.json".into(),
-            pretty(&schema_value::<PromotionApproved>()),
-        ),
-        (
-            "events/inbound/environment-created.schema.json".into(),
-            pretty(&schema_value::<EnvironmentCreated>()),
-        ),
-        (
-            "events/inbound/environment-state-changed.schema.json".into(),
-            pretty(&schema_value::<EnvironmentStateChanged>()),
-        ),
-        (
-            "events/inbound/approval-decided.schema.json".into(),
-            pretty(&schema_value::<ApprovalDecided>()),
-        ),
-        (
-            "events/inbound/release-ready.schema.json".into(),
-            pretty(&schema_value::<ReleaseReady>()),
-        ),
-        (
-            "events/inbound/release-withdrawn.schema.json".into(),
-            pretty(&schema_value::<ReleaseWithdrawn>()),
-        ),
-    ];
-    for (aggregate, event, schema) in domain_event_schemas() {
-        files.push((domain_schema_path(aggregate, &event), pretty(&schema)));
-    }
-    files.push(("asyncapi.json".into(), pretty(&asyncapi())));
+pub fn published_schemas(publishers: &Publishers) -> Vec<(String, String)> {
+    let docs = documents(publishers);
+    let mut files: Vec<(String, String)> = vec![(
+        "events/cloudevent.schema.json".into(),
+        pretty(&schema_value::<CloudEvent>()),
+    )];
+    files.extend(
+        docs.files
+            .iter()
+            .map(|(path, schema)| (path.clone(), pretty(schema))),
+    );
+    files.push(("asyncapi.json".into(), pretty(&asyncapi_of(&docs.subjects))));
     files
 }
 
 /// Writes [`published_schemas`] under `dir` (the repository's `schemas/`).
-pub fn write_schemas(dir: &Path) -> std::io::Result<()> {
-    for (path, content) in published_schemas() {
+pub fn write_schemas(dir: &Path, publishers: &Publishers) -> std::io::Result<()> {
+    for (path, content) in published_schemas(publishers) {
         let target = dir.join(path);
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent)?;
@@ -310,31 +292,42 @@ fn message(name: &str, subject_const: Option<&str>, schema: &str, summary: &str)
     })
 }
 
-/// The AsyncAPI 3.0 document.
-pub fn asyncapi() -> Value {
+/// The AsyncAPI 3.0 document of every subject `publishers` publish on and Ferry consumes.
+pub fn asyncapi(publishers: &Publishers) -> Value {
+    asyncapi_of(&subject_docs(publishers))
+}
+
+fn asyncapi_of(subject_docs: &[SubjectDoc]) -> Value {
     let mut channels = Map::new();
     let mut operations = Map::new();
     let mut messages = Map::new();
-    for d in subject_docs() {
+    for d in subject_docs {
         let id = channel_id(&d.subject);
+        // A message is named after its event; an event name already taken by another
+        // subject (the inbound EnvironmentStateChanged and the Environment domain event of
+        // that name) is named after its channel instead, so each channel keeps its schema.
+        let taken = messages.get(&d.event).is_some_and(|m: &Value| {
+            m["payload"]["allOf"][1]["properties"]["type"]["const"] != json!(d.subject)
+        });
+        let name = if taken { id.clone() } else { d.event.clone() };
         messages.insert(
-            d.event.clone(),
-            message(&d.event, Some(&d.subject), &d.schema, &d.summary),
+            name.clone(),
+            message(&name, Some(&d.subject), &d.schema, &d.summary),
         );
         channels.insert(
             id.clone(),
             json!({
                 "address": d.subject,
                 "description": d.summary,
-                "messages": {d.event.clone(): {"$ref": format!("#/components/messages/{}", d.event)}}
+                "messages": {name.clone(): {"$ref": format!("#/components/messages/{name}")}}
             }),
         );
         let mut ops = Vec::new();
         if matches!(d.direction, Direction::Out | Direction::Both) {
-            ops.push(("send", format!("publish{}", d.event)));
+            ops.push(("send", format!("publish{}", name)));
         }
         if matches!(d.direction, Direction::In | Direction::Both) {
-            ops.push(("receive", format!("consume{}", d.event)));
+            ops.push(("receive", format!("consume{}", name)));
         }
         for (action, op) in ops {
             operations.insert(
@@ -342,7 +335,7 @@ pub fn asyncapi() -> Value {
                 json!({
                     "action": action,
                     "channel": {"$ref": format!("#/channels/{id}")},
-                    "messages": [{"$ref": format!("#/channels/{id}/messages/{}", d.event)}]
+                    "messages": [{"$ref": format!("#/channels/{id}/messages/{name}")}]
                 }),
             );
         }
@@ -397,9 +390,14 @@ mod tests {
 
     #[test]
     fn every_domain_variant_has_a_schema() {
-        let names: Vec<String> = domain_event_schemas()
+        let names: Vec<String> = Publishers::provisioning()
+            .documents()
+            .files
             .into_iter()
-            .map(|(_, e, _)| e)
+            .filter_map(|(path, schema)| {
+                path.starts_with("events/ferry/")
+                    .then(|| schema["title"].as_str().unwrap_or_default().to_string())
+            })
             .collect();
         for expected in [
             "ProvisioningRequested",
@@ -423,7 +421,7 @@ mod tests {
 
     #[test]
     fn asyncapi_lists_every_subject_in_and_out() {
-        let doc = asyncapi();
+        let doc = asyncapi(&Publishers::provisioning());
         let addresses: Vec<&str> = doc["channels"]
             .as_object()
             .unwrap()
@@ -448,8 +446,12 @@ mod tests {
             "send"
         );
         // Every referenced schema file is generated.
-        let files: Vec<String> = published_schemas().into_iter().map(|(p, _)| p).collect();
-        for d in subject_docs() {
+        let publishers = Publishers::provisioning();
+        let files: Vec<String> = published_schemas(&publishers)
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
+        for d in subject_docs(&publishers) {
             assert!(files.contains(&d.schema), "{} not generated", d.schema);
         }
     }

@@ -6,7 +6,8 @@
 //! `id` = the position (`txid.position`, resumable with `Last-Event-ID`), `event` = the
 //! subject, `data` = the CloudEvent JSON.
 
-use crate::outbound::{parse_position, position_token, to_outbound, DEFAULT_SOURCE};
+use crate::outbound::{parse_position, position_token, DEFAULT_SOURCE};
+use crate::publish::Publishers;
 use axum::response::sse::Event;
 use ferry_store::events::ReadError;
 use ferry_store::stream::read_after;
@@ -33,6 +34,7 @@ pub fn start_position(last_event_id: Option<&str>, after: Option<&str>) -> Posit
 
 struct State {
     db: Database,
+    publishers: Publishers,
     tenant: String,
     source: String,
     after: Position,
@@ -41,22 +43,32 @@ struct State {
     wake_open: bool,
 }
 
-/// The SSE stream of `tenant`'s events after `after`. `wake` is usually
+/// The SSE stream of `tenant`'s events after `after`, each made by `publishers` as the relay
+/// would publish it. `wake` is usually
 /// `db.subscribe_commits()`; the stream also polls every second. Store errors are logged
 /// and retried; the stream ends only when the client goes away. Serve it with
 /// `Sse::new(stream).keep_alive(KeepAlive::default())` so idle proxies keep the connection.
 pub fn sse_stream(
     db: Database,
+    publishers: Publishers,
     tenant: String,
     after: Position,
     wake: watch::Receiver<u64>,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
-    sse_stream_with_source(db, tenant, after, wake, DEFAULT_SOURCE.to_string())
+    sse_stream_with_source(
+        db,
+        publishers,
+        tenant,
+        after,
+        wake,
+        DEFAULT_SOURCE.to_string(),
+    )
 }
 
 /// [`sse_stream`] with a configured CloudEvent `source`.
 pub fn sse_stream_with_source(
     db: Database,
+    publishers: Publishers,
     tenant: String,
     after: Position,
     wake: watch::Receiver<u64>,
@@ -64,6 +76,7 @@ pub fn sse_stream_with_source(
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let state = State {
         db,
+        publishers,
         tenant,
         source,
         after,
@@ -115,7 +128,7 @@ async fn fill(s: &mut State) -> Result<bool, ReadError> {
         .iter()
         .filter(|e| e.tenant_id() == Some(s.tenant.as_str()))
     {
-        let out = to_outbound(&s.db, &s.source, stored).await?;
+        let out = s.publishers.to_outbound(&s.db, &s.source, stored).await?;
         let data = serde_json::to_string(&out.event).unwrap_or_else(|_| "{}".to_string());
         batch.push(
             Event::default()

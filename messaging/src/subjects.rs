@@ -35,32 +35,23 @@ pub const RELEASE_WITHDRAWN: &str = "releases.releases.v1.release-withdrawn";
 /// Prefix of the subjects of domain events that are not integration events.
 pub const DOMAIN_PREFIX: &str = "ferry.events";
 
-/// The aggregate and event type of each integration event with a fixed subject.
-pub const INTEGRATION: [(&str, &str, &str); 4] = [
-    (
-        "DeploymentSpecification",
-        "SpecificationDeclared",
-        SPECIFICATION_DECLARED,
-    ),
-    (
-        "ProvisioningRun",
-        "ProvisioningPlanned",
-        PROVISIONING_PLANNED,
-    ),
-    (
-        "ProvisioningRun",
-        "ProvisioningApplied",
-        PROVISIONING_APPLIED,
-    ),
-    ("ProvisioningRun", "ProvisioningFailed", PROVISIONING_FAILED),
-];
-
-/// The fixed subject of an integration event, if it is one.
-pub fn integration_subject(aggregate_type: &str, event_type: &str) -> Option<&'static str> {
-    INTEGRATION
-        .iter()
-        .find(|(a, e, _)| *a == aggregate_type && *e == event_type)
-        .map(|(_, _, s)| *s)
+/// The subjects the relay's stream stores: [`STREAM_SUBJECTS`], and every subject
+/// `publishers` document that those do not cover (a context's own integration subjects).
+pub fn stream_subjects(publishers: &crate::Publishers) -> Vec<String> {
+    let mut all: Vec<String> = STREAM_SUBJECTS.iter().map(|s| s.to_string()).collect();
+    let covered = |subject: &str| {
+        STREAM_SUBJECTS.iter().any(|pattern| {
+            pattern
+                .strip_suffix('>')
+                .is_some_and(|prefix| subject.starts_with(prefix))
+        })
+    };
+    for doc in publishers.documents().subjects {
+        if !covered(&doc.subject) && !all.contains(&doc.subject) {
+            all.push(doc.subject);
+        }
+    }
+    all
 }
 
 /// `ferry.events.<aggregate>.<event>` for any domain event.
@@ -70,13 +61,6 @@ pub fn domain_subject(aggregate_type: &str, event_type: &str) -> String {
         kebab(aggregate_type),
         kebab(event_type)
     )
-}
-
-/// The subject an event is published on: its fixed subject, else the domain subject.
-pub fn subject_for(aggregate_type: &str, event_type: &str) -> String {
-    integration_subject(aggregate_type, event_type)
-        .map(str::to_string)
-        .unwrap_or_else(|| domain_subject(aggregate_type, event_type))
 }
 
 /// `ProvisioningRun` → `provisioning-run`. Characters that may not appear in a subject
@@ -112,14 +96,25 @@ pub fn kebab(name: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The subject provisioning's publishers document for `event`.
+    fn subject_for(event: &str) -> String {
+        crate::Publishers::provisioning()
+            .documents()
+            .subjects
+            .into_iter()
+            .find(|d| d.event == event)
+            .map(|d| d.subject)
+            .unwrap_or_else(|| panic!("{event} is not documented"))
+    }
+
     #[test]
     fn integration_events_use_the_seed_subjects() {
         assert_eq!(
-            subject_for("ProvisioningRun", "ProvisioningPlanned"),
+            subject_for("ProvisioningPlanned"),
             "provisioning.runs.v1.provisioning-planned"
         );
         assert_eq!(
-            subject_for("DeploymentSpecification", "SpecificationDeclared"),
+            subject_for("SpecificationDeclared"),
             "provisioning.specifications.v1.specification-declared"
         );
     }
@@ -127,16 +122,66 @@ mod tests {
     #[test]
     fn other_and_unknown_events_fall_back_to_ferry_events() {
         assert_eq!(
-            subject_for("ProvisioningRun", "ProvisioningCancelled"),
+            subject_for("ProvisioningCancelled"),
             "ferry.events.provisioning-run.provisioning-cancelled"
         );
         assert_eq!(
-            subject_for("Promotion", "PromotionGateEvaluated"),
+            domain_subject("Promotion", "PromotionGateEvaluated"),
             "ferry.events.promotion.promotion-gate-evaluated"
         );
         assert_eq!(
-            subject_for("Environment", "EnvironmentRegistered"),
+            subject_for("EnvironmentRegistered"),
             "ferry.events.environment.environment-registered"
+        );
+    }
+
+    #[test]
+    fn the_stream_stores_provisioning_subjects_and_a_context_s_own() {
+        use crate::publish::{Message, Publisher};
+        use crate::schemas::{Direction, Documents, SubjectDoc};
+        struct Promotions;
+        #[async_trait::async_trait]
+        impl Publisher for Promotions {
+            fn aggregate_type(&self) -> &'static str {
+                "Promotion"
+            }
+            async fn message(
+                &self,
+                _: &ferry_store::Database,
+                _: &ferry_store::StoredEvent,
+            ) -> Result<Message, ferry_store::events::ReadError> {
+                unreachable!("only documented here")
+            }
+            fn documents(&self) -> Documents {
+                let doc = |subject: &str| SubjectDoc {
+                    subject: subject.to_string(),
+                    event: "PromotionRequested".to_string(),
+                    schema: "events/promotion-requested.schema.json".to_string(),
+                    direction: Direction::Out,
+                    summary: String::new(),
+                };
+                Documents {
+                    subjects: vec![
+                        doc("releases.promotions.v1.promotion-requested"),
+                        doc("ferry.events.promotion.promotion-gate-evaluated"),
+                    ],
+                    files: Vec::new(),
+                }
+            }
+        }
+        assert_eq!(
+            stream_subjects(&crate::Publishers::provisioning()),
+            STREAM_SUBJECTS.to_vec()
+        );
+        let with_promotions =
+            crate::Publishers::provisioning().with(std::sync::Arc::new(Promotions));
+        assert_eq!(
+            stream_subjects(&with_promotions),
+            [
+                "provisioning.>",
+                "ferry.events.>",
+                "releases.promotions.v1.promotion-requested"
+            ]
         );
     }
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::wait_events;
-use ferry_messaging::to_outbound;
+use ferry_messaging::Publishers;
 use ferry_store::stream::read_after;
 use ferry_store::testing::TestDatabase;
 use ferry_store::{Backend, Database, Position};
@@ -48,7 +48,10 @@ async fn fallbacks(backend: Backend) {
     wait_events(db, 2).await;
     let events = read_after(db, Position::default(), 10).await.unwrap();
 
-    let promo = to_outbound(db, "urn:test", &events[0]).await.unwrap();
+    let promo = Publishers::provisioning()
+        .to_outbound(db, "urn:test", &events[0])
+        .await
+        .unwrap();
     assert_eq!(
         promo.subject,
         "ferry.events.promotion.promotion-gate-evaluated"
@@ -66,7 +69,10 @@ async fn fallbacks(backend: Backend) {
     assert_eq!(promo.event.ferryaggregatetype.as_deref(), Some("Promotion"));
     assert!(promo.degraded.is_none());
 
-    let failed = to_outbound(db, "urn:test", &events[1]).await.unwrap();
+    let failed = Publishers::provisioning()
+        .to_outbound(db, "urn:test", &events[1])
+        .await
+        .unwrap();
     assert_eq!(
         failed.subject,
         "ferry.events.provisioning-run.provisioning-failed"
@@ -113,7 +119,9 @@ async fn undecodable(backend: Backend) {
     wait_events(db, 2).await;
     let events = read_after(db, Position::default(), 10).await.unwrap();
     for event in &events {
-        let result = to_outbound(db, "urn:test", event).await;
+        let result = Publishers::provisioning()
+            .to_outbound(db, "urn:test", event)
+            .await;
         assert!(
             matches!(&result, Err(ferry_store::events::ReadError::Decode(e)) if e.to_string().contains("r-1 event 1")),
             "{result:?}"

@@ -12,10 +12,12 @@ fn schemas_dir() -> PathBuf {
 fn the_schema_files_are_current() {
     let dir = schemas_dir();
     if std::env::var_os("FERRY_UPDATE_SCHEMAS").is_some() {
-        ferry_messaging::write_schemas(&dir).unwrap();
+        ferry_messaging::write_schemas(&dir, &ferry_messaging::Publishers::provisioning()).unwrap();
     }
     let mut stale = Vec::new();
-    for (path, content) in ferry_messaging::published_schemas() {
+    for (path, content) in
+        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
+    {
         assert!(content.ends_with('\n'), "{path} ends with a newline");
         let on_disk = std::fs::read_to_string(dir.join(&path)).unwrap_or_default();
         if on_disk != content {
@@ -30,7 +32,9 @@ fn the_schema_files_are_current() {
 
 #[test]
 fn every_schema_is_a_valid_json_schema() {
-    for (path, content) in ferry_messaging::published_schemas() {
+    for (path, content) in
+        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
+    {
         let value: serde_json::Value = serde_json::from_str(&content).unwrap();
         if path.ends_with(".schema.json") {
             jsonschema::validator_for(&value)

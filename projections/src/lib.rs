@@ -18,7 +18,9 @@ pub mod queries;
 pub mod rebuild;
 pub mod views;
 
-pub use projection::{all_projections, Projection, ProjectionRunner, Projector};
+pub use projection::{
+    provisioning_projections, Projection, ProjectionRunner, Projector, TableSpec,
+};
 pub use queries::{Page, ReadModels};
 pub use views::RunView;
 

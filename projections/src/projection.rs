@@ -49,8 +49,8 @@ pub trait Projection: Send + Sync {
     fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription;
 }
 
-/// Every projection Ferry keeps.
-pub fn all_projections() -> Vec<Arc<dyn Projection>> {
+/// The provisioning context's projections (the process collects every context's).
+pub fn provisioning_projections() -> Vec<Arc<dyn Projection>> {
     vec![
         Arc::new(SpecificationsProjection),
         Arc::new(RunsProjection),
@@ -473,11 +473,12 @@ impl Projector {
     /// Creates the live tables and starts one subscription per projection.
     pub async fn start(
         db: &Database,
+        projections: &[Arc<dyn Projection>],
         poll: Duration,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, sqlx::Error> {
         let progress = watch::channel(0).0;
-        for projection in all_projections() {
+        for projection in projections.iter().cloned() {
             let runner = ProjectionRunner::live(projection);
             runner.ensure_tables(db).await?;
             ferry_store::stream::ensure_checkpoint(db, runner.name()).await?;
@@ -498,9 +499,12 @@ impl Projector {
     }
 }
 
-/// Creates every live table (for `ferry migrate` and tests).
-pub async fn ensure_all_tables(db: &Database) -> Result<(), sqlx::Error> {
-    for projection in all_projections() {
+/// Creates the live tables of `projections` (for `ferry migrate` and tests).
+pub async fn ensure_all_tables(
+    db: &Database,
+    projections: &[Arc<dyn Projection>],
+) -> Result<(), sqlx::Error> {
+    for projection in projections.iter().cloned() {
         ProjectionRunner::live(projection).ensure_tables(db).await?;
     }
     Ok(())

@@ -282,7 +282,19 @@ impl ReadModels {
         .await
     }
 
-    async fn wait_until<F, Fut>(&self, timeout: Duration, mut check: F) -> Result<bool, QueryError>
+    /// The store it reads.
+    pub fn db(&self) -> &Database {
+        &self.db
+    }
+
+    /// Waits (at most `timeout`) until `check` holds, checking again whenever a projection
+    /// commits (and on a short poll, since another instance may project): read-your-writes
+    /// for any read model.
+    pub async fn wait_until<F, Fut>(
+        &self,
+        timeout: Duration,
+        mut check: F,
+    ) -> Result<bool, QueryError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<bool, QueryError>>,

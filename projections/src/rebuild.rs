@@ -35,8 +35,13 @@ pub enum RebuildError {
     #[error(transparent)]
     Handler(#[from] HandlerError),
     /// No projection of that name.
-    #[error("no projection named {0:?} (known: specifications, runs, environments)")]
-    Unknown(String),
+    #[error("no projection named {name:?} (known: {})", known.join(", "))]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The projections there are.
+        known: Vec<&'static str>,
+    },
     /// The replay ended behind the live projection (should not happen; nothing swapped).
     #[error("rebuild ended at {rebuilt:?}, behind the live checkpoint {live:?}; nothing swapped")]
     Behind {
@@ -140,18 +145,25 @@ pub async fn rebuild(
     })
 }
 
-/// Rebuilds the named projection, or all of them.
+/// Rebuilds the projection of `projections` named `name`, or all of them.
 pub async fn rebuild_named(
     db: &Database,
+    projections: &[Arc<dyn Projection>],
     name: Option<&str>,
 ) -> Result<Vec<RebuildReport>, RebuildError> {
-    let all = crate::projection::all_projections();
     let chosen: Vec<_> = match name {
-        None => all,
+        None => projections.to_vec(),
         Some(n) => {
-            let found: Vec<_> = all.into_iter().filter(|p| p.name() == n).collect();
+            let found: Vec<_> = projections
+                .iter()
+                .filter(|p| p.name() == n)
+                .cloned()
+                .collect();
             if found.is_empty() {
-                return Err(RebuildError::Unknown(n.to_string()));
+                return Err(RebuildError::Unknown {
+                    name: n.to_string(),
+                    known: projections.iter().map(|p| p.name()).collect(),
+                });
             }
             found
         }

@@ -1,6 +1,6 @@
 //! Projection and query tests on real Postgres and SQLite.
 
-use crate::projection::{all_projections, ProjectionRunner};
+use crate::projection::{provisioning_projections as all_projections, ProjectionRunner};
 use crate::queries::{RunFilter, SpecificationFilter};
 use crate::rebuild::rebuild_named;
 use crate::ReadModels;
@@ -434,7 +434,7 @@ ferry_store::test_on_both_engines! {
                 answered
             })
         };
-        let reports = rebuild_named(db, None).await.unwrap();
+        let reports = rebuild_named(db, &all_projections(), None).await.unwrap();
         assert_eq!(reports.len(), 3);
         assert!(reports.iter().all(|r| r.events > 0));
         assert_eq!(reader.await.unwrap(), 200);
@@ -452,10 +452,10 @@ ferry_store::test_on_both_engines! {
                 == 6
         })
         .await;
-        rebuild_named(db, Some("runs")).await.unwrap();
+        rebuild_named(db, &all_projections(), Some("runs")).await.unwrap();
         assert!(matches!(
-            rebuild_named(db, Some("nope")).await,
-            Err(crate::rebuild::RebuildError::Unknown(_))
+            rebuild_named(db, &all_projections(), Some("nope")).await,
+            Err(crate::rebuild::RebuildError::Unknown { .. })
         ));
         tdb.cleanup().await;
     }

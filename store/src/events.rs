@@ -18,52 +18,43 @@ use crate::stream::{pg_event, sqlite_event, Handler, HandlerError, Position, Sto
 use chrono::{DateTime, Utc};
 use cqrs_es::persist::{EventUpcaster, SemanticVersion, SerializedEvent};
 use cqrs_es::{Aggregate, DomainEvent};
-use ferry_domain::environment::Environment;
-use ferry_domain::run::ProvisioningRun;
-use ferry_domain::specification::DeploymentSpecification;
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
-use std::sync::Arc;
+
+use std::sync::{Arc, Mutex};
 use uuid::Uuid;
 
-/// An aggregate whose events Ferry stores, with the upcasters of its old event versions.
-pub trait StoredAggregate: Aggregate + 'static {
-    /// Upcasters for stored events of older versions, in the order they apply (an upcaster
-    /// to version 2 before one to version 3). Stored events are never rewritten: a new shape
-    /// of an event is a new version, and its upcaster goes here.
-    fn upcasters() -> Vec<Box<dyn EventUpcaster>>;
+pub use ferry_domain::StoredAggregate;
+
+/// The aggregate types this process stores or reads. An aggregate becomes known when a
+/// repository of it is made, a [`Subscription`] or [`Decoder`] declares it, or its bounded
+/// context registers it at start ([`register`]); nothing keeps a separate list.
+static KNOWN: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+
+fn known() -> std::sync::MutexGuard<'static, BTreeSet<&'static str>> {
+    // The set is only ever inserted into; a panic elsewhere cannot leave it half-written.
+    KNOWN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-impl StoredAggregate for ProvisioningRun {
-    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
-        Vec::new()
-    }
+/// Makes `A`'s aggregate type known to every reader of the stream in this process.
+pub fn register<A: StoredAggregate>() {
+    known().insert(A::TYPE);
 }
 
-impl StoredAggregate for DeploymentSpecification {
-    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
-        Vec::new()
-    }
-}
-
-impl StoredAggregate for Environment {
-    fn upcasters() -> Vec<Box<dyn EventUpcaster>> {
-        Vec::new()
-    }
-}
-
-/// Every aggregate type Ferry stores events of (each has a [`StoredAggregate`] impl above).
-pub const AGGREGATE_TYPES: [&str; 3] = [
-    ProvisioningRun::TYPE,
-    DeploymentSpecification::TYPE,
-    Environment::TYPE,
-];
-
-/// True when `aggregate_type` is one of [`AGGREGATE_TYPES`].
+/// True when `aggregate_type` was [`register`]ed: events of it are some reader's business
+/// even if not every reader's. Events of an aggregate type that is not known (e.g. written
+/// by a newer version) cannot be told apart from a bug, and stop a subscription.
 pub fn is_known(aggregate_type: &str) -> bool {
-    AGGREGATE_TYPES.contains(&aggregate_type)
+    known().contains(aggregate_type)
+}
+
+/// Every known aggregate type, sorted.
+pub fn known_aggregates() -> Vec<&'static str> {
+    known().iter().copied().collect()
 }
 
 /// A stored event decoded into its aggregate's event type `E`, with its place in the stream.
@@ -318,6 +309,7 @@ impl Subscription {
     /// Hands the events of aggregate `A` to `subscriber` (replacing an earlier subscriber
     /// of `A`).
     pub fn on<A: StoredAggregate>(mut self, subscriber: impl Subscriber<A> + 'static) -> Self {
+        register::<A>();
         let route = AggregateRoute::<A> {
             upcasters: A::upcasters(),
             subscriber: Box::new(subscriber),
@@ -375,6 +367,7 @@ impl<T: 'static> Decoder<T> {
 
     /// Decodes the events of aggregate `A` (through its upcasters) and wraps them with `wrap`.
     pub fn on<A: StoredAggregate>(mut self, wrap: fn(Typed<A::Event>) -> T) -> Self {
+        register::<A>();
         let upcasters = A::upcasters();
         self.routes.insert(
             A::TYPE,

@@ -157,6 +157,7 @@ where
     /// A repository over `db`. It loads events through `A`'s upcasters, as the global
     /// stream's readers do.
     pub fn new(db: Database, services: A::Services) -> Self {
+        crate::events::register::<A>();
         let store = match db.pool() {
             Pool::Postgres(pool) => Store::Postgres(
                 PersistedEventStore::new_event_store(PostgresEventRepository::new(pool.clone()))

@@ -245,7 +245,11 @@ pub async fn declare(db: &Database, t: &str) -> SpecificationId {
 /// against the schema of its subject. Panics with the errors otherwise.
 pub fn assert_valid(message: &Stored) {
     static FILES: std::sync::OnceLock<BTreeMap<String, String>> = std::sync::OnceLock::new();
-    let files = FILES.get_or_init(|| ferry_messaging::published_schemas().into_iter().collect());
+    let files = FILES.get_or_init(|| {
+        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
+            .into_iter()
+            .collect()
+    });
     let check = |path: &str, instance: &Value| {
         let schema: Value = serde_json::from_str(&files[path]).unwrap();
         let validator = jsonschema::validator_for(&schema).unwrap();
@@ -260,7 +264,7 @@ pub fn assert_valid(message: &Stored) {
         );
     };
     check("events/cloudevent.schema.json", &message.body);
-    let doc = ferry_messaging::schemas::subject_docs()
+    let doc = ferry_messaging::schemas::subject_docs(&ferry_messaging::Publishers::provisioning())
         .into_iter()
         .find(|d| d.subject == message.subject)
         .unwrap_or_else(|| panic!("no schema documented for {}", message.subject));
