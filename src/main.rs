@@ -212,16 +212,17 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             let scopes: Vec<&str> = scopes.split_whitespace().collect();
             let roles: Vec<&str> = roles.split_whitespace().collect();
             for role in &roles {
-                if !matches!(*role, "Operator" | "PlatformAdmin" | "Observer") {
-                    bail!("--roles: {role:?} is not Operator, PlatformAdmin or Observer");
+                if !matches!(
+                    *role,
+                    "Operator" | "PlatformAdmin" | "Observer" | "Reviewer" | "WorkspaceAdmin"
+                ) {
+                    bail!("--roles: {role:?} is not Operator, PlatformAdmin, Observer, Reviewer or WorkspaceAdmin");
                 }
             }
+            let known = Contexts::builtin().scopes();
             for scope in &scopes {
-                if !ferry_api::auth::SCOPES.contains(scope) {
-                    bail!(
-                        "--scopes: {scope:?} is not one of {}",
-                        ferry_api::auth::SCOPES.join(", ")
-                    );
+                if !known.contains(scope) {
+                    bail!("--scopes: {scope:?} is not one of {}", known.join(", "));
                 }
             }
             if scopes.contains(&ferry_api::auth::SCOPE_EVENTS_PUBLISH) && !roles.is_empty() {

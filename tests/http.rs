@@ -724,7 +724,10 @@ async fn health_readiness_and_openapi_need_no_token() {
         .iter()
         .map(|s| s["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["environments", "runs", "specifications"]);
+    assert_eq!(
+        names,
+        ["delivery", "environments", "runs", "specifications"]
+    );
     let r = get("/openapi.json").await.unwrap();
     assert!(r.headers().contains_key("x-request-id"));
     let doc: Value = r.json().await.unwrap();
@@ -746,6 +749,23 @@ fn the_published_openapi_document_is_current() {
     );
 }
 
+#[test]
+fn every_published_schema_of_every_context_is_current() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas");
+    let stale: Vec<String> = ferry_app::Contexts::builtin()
+        .published_schemas()
+        .into_iter()
+        .filter(|(path, content)| {
+            std::fs::read_to_string(dir.join(path)).unwrap_or_default() != *content
+        })
+        .map(|(path, _)| path)
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "stale or missing under schemas/: {stale:?}; run `cargo run -- schemas`"
+    );
+}
+
 #[tokio::test]
 async fn every_documented_operation_is_served_and_no_other_method_on_its_path() {
     let s = TestServer::start(Backend::Sqlite).await;
@@ -759,7 +779,7 @@ async fn every_documented_operation_is_served_and_no_other_method_on_its_path() 
         .await
         .unwrap();
     let paths = doc["paths"].as_object().unwrap();
-    assert_eq!(paths.len(), 14, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 19, "{:?}", paths.keys().collect::<Vec<_>>());
     let methods = ["get", "post", "put", "patch", "delete"];
     for (template, item) in paths {
         // Any value for a parameter: the router must match the path before a handler looks.

@@ -32,16 +32,35 @@
 //!   plan is allowed with evidence.
 //! * Development, test and staging: allowed, with the plan's counts as the reason.
 //!
+//! # Promotions: `package ferry.deployment`
+//!
+//! The policy gate of a promotion evaluates `package ferry.deployment` with a
+//! [`DeploymentPolicyInput`] (`environmentId`, `environmentClass` — absent when unknown —,
+//! `projectId`, `releaseId`,
+//! `releaseVersion`, `hotfix` — the reason, absent unless a hotfix —, `rollback`,
+//! `hasAgentGeneratedAssets`). Its `deny`, `require_approval` and `allow` sets combine as
+//! above; its `hotfix` set lists why a hotfix may skip the prior environment class of the
+//! promotion path, and an empty set means it may not. Built in: production (or an unknown
+//! class) requires an approval except for a rollback; other classes are allowed; no hotfix
+//! is allowed (a team allows them in its own policy).
+//!
 //! A policy file that does not parse or compile fails [`RegoPolicy::load`] with the file
 //! name and the line.
 
-use ferry_domain::ports::sources::{PolicyEngine, PolicyError, PolicyInput};
+use ferry_domain::ports::sources::{
+    DeploymentDecision, DeploymentPolicy, DeploymentPolicyInput, PolicyEngine, PolicyError,
+    PolicyInput,
+};
 use ferry_domain::receipts::{PlannedResource, PolicyDecision, PolicyOutcome, ResourceOp};
 use ferry_domain::values::ProvisioningKind;
 use std::path::{Path, PathBuf};
 
 /// The built-in policy set, by file name.
-const BUILT_IN: [(&str, &str); 3] = [
+const BUILT_IN: [(&str, &str); 4] = [
+    (
+        "builtin/deployment.rego",
+        include_str!("../policies/deployment.rego"),
+    ),
     (
         "builtin/common.rego",
         include_str!("../policies/common.rego"),
@@ -58,6 +77,8 @@ const BUILT_IN: [(&str, &str); 3] = [
 
 /// The package whose `deny`, `require_approval` and `allow` sets decide.
 const DECISION_QUERY: &str = "data.ferry.policy";
+/// The package whose `deny`, `require_approval`, `allow` and `hotfix` sets decide promotions.
+const DEPLOYMENT_QUERY: &str = "data.ferry.deployment";
 
 /// Why the policies could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,14 +137,17 @@ impl RegoPolicy {
         // policies are compiled for evaluation: do that now, on a sample plan, so that a
         // broken folder fails at start-up and not on the first production plan. Evaluating
         // on the kept engine also leaves it prepared, so its clones need not compile again.
-        decide_with(&mut engine, &sample_input()).map_err(|e| {
-            let (file, line) = located(&e.0).unwrap_or_else(|| (files.join(", "), None));
-            PolicyLoadError::Compile {
-                file,
-                line,
-                message: e.0,
-            }
-        })?;
+        decide_with(&mut engine, &sample_input())
+            .and_then(|_| decide_deployment_with(&mut engine, &sample_promotion()).map(|_| ()))
+            .map(|_| ())
+            .map_err(|e| {
+                let (file, line) = located(&e.0).unwrap_or_else(|| (files.join(", "), None));
+                PolicyLoadError::Compile {
+                    file,
+                    line,
+                    message: e.0,
+                }
+            })?;
         tracing::info!(files = ?files, "policies loaded");
         Ok(Self { engine, files })
     }
@@ -139,30 +163,78 @@ fn decide_with(
     engine: &mut regorus::Engine,
     input: &PolicyInput,
 ) -> Result<PolicyDecision, PolicyError> {
+    let package = evaluate_package(engine, DECISION_QUERY, input)?;
+    Ok(combine(
+        reasons(&package, "deny")?,
+        reasons(&package, "require_approval")?,
+        reasons(&package, "allow")?,
+    ))
+}
+
+/// Evaluates the deployment package with `input` as the Rego input. Nothing allowing a
+/// promotion requires an approval, as for plans; `hotfix` lists why a hotfix may skip the
+/// promotion path (none: it may not).
+fn decide_deployment_with(
+    engine: &mut regorus::Engine,
+    input: &DeploymentPolicyInput,
+) -> Result<DeploymentDecision, PolicyError> {
+    let package = evaluate_package(engine, DEPLOYMENT_QUERY, input)?;
+    Ok(DeploymentDecision {
+        decision: combine(
+            reasons(&package, "deny")?,
+            reasons(&package, "require_approval")?,
+            reasons(&package, "allow")?,
+        ),
+        hotfix_allowed: reasons(&package, "hotfix")?,
+    })
+}
+
+/// The value of `query` (a package) with `input` as the Rego input.
+fn evaluate_package<I: serde::Serialize>(
+    engine: &mut regorus::Engine,
+    query: &str,
+    input: &I,
+) -> Result<serde_json::Value, PolicyError> {
     let json = serde_json::to_string(input)
         .map_err(|e| PolicyError(format!("cannot encode the input: {e}")))?;
     let value = regorus::Value::from_json_str(&json)
         .map_err(|e| PolicyError(format!("cannot encode the input: {e}")))?;
     engine.set_input(value);
     let results = engine
-        .eval_query(DECISION_QUERY.to_string(), false)
+        .eval_query(query.to_string(), false)
         .map_err(|e| PolicyError(e.to_string()))?;
-    let package = match results.result.first().and_then(|r| r.expressions.first()) {
-        Some(expression) => {
-            let text = expression
-                .value
-                .to_json_str()
-                .map_err(|e| PolicyError(format!("cannot read the result: {e}")))?;
-            serde_json::from_str::<serde_json::Value>(&text)
-                .map_err(|e| PolicyError(format!("cannot read the result: {e}")))?
-        }
-        None => serde_json::Value::Null,
-    };
-    Ok(combine(
-        reasons(&package, "deny")?,
-        reasons(&package, "require_approval")?,
-        reasons(&package, "allow")?,
-    ))
+    Ok(
+        match results.result.first().and_then(|r| r.expressions.first()) {
+            Some(expression) => {
+                let text = expression
+                    .value
+                    .to_json_str()
+                    .map_err(|e| PolicyError(format!("cannot read the result: {e}")))?;
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .map_err(|e| PolicyError(format!("cannot read the result: {e}")))?
+            }
+            None => serde_json::Value::Null,
+        },
+    )
+}
+
+impl DeploymentPolicy for RegoPolicy {
+    fn evaluate_promotion(
+        &self,
+        input: &DeploymentPolicyInput,
+    ) -> Result<DeploymentDecision, PolicyError> {
+        let mut engine = self.engine.clone();
+        let decision = decide_deployment_with(&mut engine, input)?;
+        tracing::info!(
+            environment_id = %input.environment_id,
+            release_id = %input.release_id,
+            decision = ?decision.decision.decision,
+            evidence = ?decision.decision.evidence,
+            hotfix_allowed = ?decision.hotfix_allowed,
+            "deployment policy decided"
+        );
+        Ok(decision)
+    }
 }
 
 impl PolicyEngine for RegoPolicy {
@@ -270,6 +342,20 @@ fn combine(deny: Vec<String>, require_approval: Vec<String>, allow: Vec<String>)
     PolicyDecision { decision, evidence }
 }
 
+/// A promotion that touches the deployment rules, to compile them at load.
+fn sample_promotion() -> DeploymentPolicyInput {
+    DeploymentPolicyInput {
+        environment_id: "policy-load-check".to_string(),
+        environment_class: None,
+        project_id: "check".to_string(),
+        release_id: "00000000-0000-0000-0000-000000000000".to_string(),
+        release_version: "0.0.0".to_string(),
+        hotfix: Some("load check".to_string()),
+        rollback: false,
+        has_agent_generated_assets: true,
+    }
+}
+
 /// A plan that touches every rule of the built-in set, to compile the policies at load.
 fn sample_input() -> PolicyInput {
     PolicyInput {
@@ -314,6 +400,85 @@ mod tests {
                 op: ResourceOp::Create,
             }],
         }
+    }
+
+    fn promotion(
+        class: Option<EnvironmentClass>,
+        hotfix: Option<&str>,
+        rollback: bool,
+    ) -> DeploymentPolicyInput {
+        DeploymentPolicyInput {
+            environment_id: "payments-prod".into(),
+            environment_class: class,
+            project_id: "payments".into(),
+            release_id: "00000000-0000-0000-0000-000000000002".into(),
+            release_version: "2.3.0".into(),
+            hotfix: hotfix.map(str::to_string),
+            rollback,
+            has_agent_generated_assets: false,
+        }
+    }
+
+    #[test]
+    fn production_promotions_need_an_approval_and_others_are_allowed() {
+        let policy = RegoPolicy::load(None).unwrap();
+        for class in [None, Some(EnvironmentClass::Production)] {
+            let d = policy
+                .evaluate_promotion(&promotion(class, None, false))
+                .unwrap();
+            assert_eq!(d.decision.decision, PolicyOutcome::RequireApproval, "{d:?}");
+            assert!(d.decision.evidence[0].contains("needs an approval of class production"));
+        }
+        let rollback = policy
+            .evaluate_promotion(&promotion(Some(EnvironmentClass::Production), None, true))
+            .unwrap();
+        assert_eq!(
+            rollback.decision.decision,
+            PolicyOutcome::Allow,
+            "{rollback:?}"
+        );
+        let staging = policy
+            .evaluate_promotion(&promotion(Some(EnvironmentClass::Staging), None, false))
+            .unwrap();
+        assert_eq!(staging.decision.decision, PolicyOutcome::Allow);
+        assert_eq!(
+            staging.decision.evidence,
+            vec!["allow: release 2.3.0 of payments into staging environment payments-prod"]
+        );
+    }
+
+    #[test]
+    fn hotfixes_skip_the_path_only_where_a_team_policy_allows_them() {
+        let built_in = RegoPolicy::load(None).unwrap();
+        let d = built_in
+            .evaluate_promotion(&promotion(
+                Some(EnvironmentClass::Production),
+                Some("CVE"),
+                false,
+            ))
+            .unwrap();
+        assert!(d.hotfix_allowed.is_empty(), "{d:?}");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("hotfix.rego"),
+            "package ferry.deployment\n\nimport rego.v1\n\nhotfix contains msg if {\n\tinput.hotfix\n\tmsg := sprintf(\"hotfixes may skip the path (%s)\", [input.hotfix])\n}\n",
+        )
+        .unwrap();
+        let team = RegoPolicy::load(Some(dir.path())).unwrap();
+        let d = team
+            .evaluate_promotion(&promotion(
+                Some(EnvironmentClass::Production),
+                Some("CVE"),
+                false,
+            ))
+            .unwrap();
+        assert_eq!(d.hotfix_allowed, vec!["hotfixes may skip the path (CVE)"]);
+        // The approval still applies.
+        assert_eq!(d.decision.decision, PolicyOutcome::RequireApproval);
+        let d = team
+            .evaluate_promotion(&promotion(Some(EnvironmentClass::Production), None, false))
+            .unwrap();
+        assert!(d.hotfix_allowed.is_empty());
     }
 
     fn with_delete(mut i: PolicyInput) -> PolicyInput {

@@ -36,6 +36,10 @@ pub enum Role {
     PlatformAdmin,
     /// Reads only.
     Observer,
+    /// Decides approvals (e.g. of production promotions).
+    Reviewer,
+    /// Administers a workspace of a tenant.
+    WorkspaceAdmin,
 }
 
 impl Role {
@@ -44,6 +48,8 @@ impl Role {
             "Operator" => Some(Self::Operator),
             "PlatformAdmin" => Some(Self::PlatformAdmin),
             "Observer" => Some(Self::Observer),
+            "Reviewer" => Some(Self::Reviewer),
+            "WorkspaceAdmin" => Some(Self::WorkspaceAdmin),
             _ => None,
         }
     }
@@ -98,6 +104,16 @@ impl Caller {
             causation_id: ids.request_id,
             request_id: ids.request_id,
         }
+    }
+
+    /// True when the token carries `role`.
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(&role)
+    }
+
+    /// True for a service identity: a token without any human role.
+    pub fn is_service(&self) -> bool {
+        self.roles.is_empty()
     }
 
     /// 403 unless the token carries `scope`.

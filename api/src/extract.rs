@@ -7,9 +7,13 @@ use crate::state::AppState;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderMap};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferry_projections::queries::decode_cursor;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use std::collections::HashMap;
 use uuid::Uuid;
 
 /// Largest accepted body.
@@ -159,5 +163,159 @@ impl<S: Send + Sync> FromRequestParts<S> for RequestIds {
             .get::<RequestIds>()
             .copied()
             .unwrap_or_else(|| RequestIds::from_headers(&parts.headers)))
+    }
+}
+
+/// Default page size.
+const DEFAULT_LIMIT: u32 = 50;
+/// Largest page size.
+const MAX_LIMIT: u32 = 200;
+
+/// Query parameters, refusing unknown ones so a typo is not silently ignored.
+pub struct QueryParams(HashMap<String, String>);
+
+impl QueryParams {
+    /// The parameters, refusing any not in `allowed`.
+    pub fn new(raw: HashMap<String, String>, allowed: &[&str]) -> Result<Self, ApiError> {
+        if let Some(unknown) = raw.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return Err(ApiError::bad_field(
+                unknown,
+                format!("unknown query parameter (allowed: {})", allowed.join(", ")),
+            ));
+        }
+        Ok(Self(raw))
+    }
+
+    /// Parameter `name` parsed by `parse`; a value that does not parse is a 400 naming it.
+    pub fn parse<T>(
+        &self,
+        name: &str,
+        parse: impl Fn(&str) -> Option<T>,
+        expected: &str,
+    ) -> Result<Option<T>, ApiError> {
+        match self.0.get(name) {
+            None => Ok(None),
+            Some(v) => parse(v)
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_field(name, format!("{v:?} is not {expected}"))),
+        }
+    }
+
+    /// `limit` (1 to 200, default 50) and `cursor`.
+    pub fn page(&self) -> Result<(u32, Option<i64>), ApiError> {
+        let limit = self
+            .parse(
+                "limit",
+                |v| {
+                    v.parse::<u32>()
+                        .ok()
+                        .filter(|n| (1..=MAX_LIMIT).contains(n))
+                },
+                "a number from 1 to 200",
+            )?
+            .unwrap_or(DEFAULT_LIMIT);
+        let cursor = match self.0.get("cursor") {
+            None => None,
+            Some(c) => Some(decode_cursor(c).map_err(|e| ApiError::bad_field("cursor", e))?),
+        };
+        Ok((limit, cursor))
+    }
+}
+
+/// An enum value from its serialized name (e.g. a `state` query parameter).
+pub fn enum_from_str<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(v.to_string())).ok()
+}
+
+/// The `Idempotency-Key` header, if sent (1 to 255 visible ASCII characters).
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 255)
+        .ok_or_else(|| {
+            ApiError::bad_field(
+                "Idempotency-Key",
+                "must be 1 to 255 visible ASCII characters",
+            )
+        })?;
+    Ok(Some(key.to_string()))
+}
+
+/// 201 with `body` and `Location: location`.
+pub fn created<T: serde::Serialize>(location: &str, body: &T) -> Response {
+    let mut response = (StatusCode::CREATED, Json(body)).into_response();
+    if let Ok(v) = HeaderValue::from_str(location) {
+        response.headers_mut().insert(header::LOCATION, v);
+    }
+    response
+}
+
+/// A request carrying an `Idempotency-Key`, about to create `resource_id`.
+pub struct IdempotentRequest<'a> {
+    /// The key.
+    pub key: &'a str,
+    /// The operation (a key is bound to one).
+    pub operation: &'a str,
+    /// The body as parsed (a key is bound to one body).
+    pub body: &'a Value,
+    /// The resource the first request creates (name-based on the key).
+    pub resource_id: &'a str,
+    /// This request (only it may give the key back).
+    pub owner: &'a str,
+}
+
+impl IdempotentRequest<'_> {
+    /// Reserves the key. `Some(response)` is the first request's stored answer, to replay
+    /// (marked `Idempotent-Replayed: true`, with `Location: location`); `None` means go on:
+    /// the key is fresh, or the first request has not answered (it is still running or it
+    /// crashed), and the same command on the same resource id is refused by its aggregate if
+    /// it already took effect. The same key with another body or operation is a 422.
+    pub async fn reserve(
+        &self,
+        db: &ferry_store::Database,
+        tenant: &str,
+        location: &str,
+    ) -> Result<Option<Response>, ApiError> {
+        use sha2::Digest;
+        let hash = hex::encode(sha2::Sha256::digest(self.body.to_string().as_bytes()));
+        match ferry_store::idempotency::reserve(
+            db,
+            tenant,
+            self.key,
+            self.operation,
+            &hash,
+            self.resource_id,
+            self.owner,
+        )
+        .await?
+        {
+            ferry_store::idempotency::KeyState::Fresh
+            | ferry_store::idempotency::KeyState::Replay { response: None, .. } => Ok(None),
+            ferry_store::idempotency::KeyState::Replay {
+                response: Some((status, body)),
+                ..
+            } => {
+                let mut response = (
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
+                    Json(body),
+                )
+                    .into_response();
+                response
+                    .headers_mut()
+                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
+                if let Ok(v) = HeaderValue::from_str(location) {
+                    response.headers_mut().insert(header::LOCATION, v);
+                }
+                Ok(Some(response))
+            }
+            ferry_store::idempotency::KeyState::Mismatch => {
+                Err(ApiError::IdempotencyMismatch(self.key.to_string()))
+            }
+        }
     }
 }

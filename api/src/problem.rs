@@ -315,8 +315,19 @@ where
     E: std::error::Error + Into<ApiError>,
 {
     fn from(e: CommandError<E>) -> Self {
+        Self::from_command(e, Into::into)
+    }
+}
+
+impl ApiError {
+    /// A command's error, its domain refusal mapped by `refusal`: for aggregates of a
+    /// bounded context whose error types this crate does not know.
+    pub fn from_command<E: std::error::Error>(
+        e: CommandError<E>,
+        refusal: impl FnOnce(E) -> ApiError,
+    ) -> Self {
         match e {
-            CommandError::Domain(d) => d.into(),
+            CommandError::Domain(d) => refusal(d),
             CommandError::NotFound => Self::NotFound("no such resource".to_string()),
             CommandError::Conflict => Self::Conflict,
             CommandError::Unavailable(cause) => Self::Unavailable(cause),

@@ -2,22 +2,23 @@
 //! specification, decide an approval, the current specification of an environment).
 
 use crate::auth::Caller;
-use crate::extract::{OptionalJson, RequestIds, ValidJson};
+use crate::extract::{
+    created, enum_from_str, idempotency_key, OptionalJson, QueryParams, RequestIds, ValidJson,
+};
 use crate::problem::{ApiError, FieldError};
 use crate::state::AppState;
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
 use ferry_domain::run::{Decision, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
-use ferry_projections::queries::{decode_cursor, RunFilter, SpecificationFilter};
+use ferry_projections::queries::{RunFilter, SpecificationFilter};
 use ferry_projections::RunView;
-use ferry_store::idempotency::{self, KeyState};
+use ferry_store::idempotency;
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 
 /// Body of `POST /factory/provisioning/specifications`.
@@ -94,8 +95,6 @@ pub struct ApprovalRequest {
 }
 
 const MAX_REASON: usize = 2000;
-const DEFAULT_LIMIT: u32 = 50;
-const MAX_LIMIT: u32 = 200;
 
 fn check_reason(reason: &Option<String>) -> Result<Option<String>, ApiError> {
     match reason.as_deref().map(str::trim) {
@@ -121,58 +120,6 @@ fn check_ref_keys<T>(field: &str, refs: &BTreeMap<String, T>) -> Result<(), ApiE
         }
     }
     Ok(())
-}
-
-/// Query parameters, refusing unknown ones so a typo is not silently ignored.
-struct QueryParams(HashMap<String, String>);
-
-impl QueryParams {
-    fn new(raw: HashMap<String, String>, allowed: &[&str]) -> Result<Self, ApiError> {
-        if let Some(unknown) = raw.keys().find(|k| !allowed.contains(&k.as_str())) {
-            return Err(ApiError::bad_field(
-                unknown,
-                format!("unknown query parameter (allowed: {})", allowed.join(", ")),
-            ));
-        }
-        Ok(Self(raw))
-    }
-
-    fn parse<T>(
-        &self,
-        name: &str,
-        parse: impl Fn(&str) -> Option<T>,
-        expected: &str,
-    ) -> Result<Option<T>, ApiError> {
-        match self.0.get(name) {
-            None => Ok(None),
-            Some(v) => parse(v)
-                .map(Some)
-                .ok_or_else(|| ApiError::bad_field(name, format!("{v:?} is not {expected}"))),
-        }
-    }
-
-    fn page(&self) -> Result<(u32, Option<i64>), ApiError> {
-        let limit = self
-            .parse(
-                "limit",
-                |v| {
-                    v.parse::<u32>()
-                        .ok()
-                        .filter(|n| (1..=MAX_LIMIT).contains(n))
-                },
-                "a number from 1 to 200",
-            )?
-            .unwrap_or(DEFAULT_LIMIT);
-        let cursor = match self.0.get("cursor") {
-            None => None,
-            Some(c) => Some(decode_cursor(c).map_err(|e| ApiError::bad_field("cursor", e))?),
-        };
-        Ok((limit, cursor))
-    }
-}
-
-fn enum_from_str<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
-    serde_json::from_value(serde_json::Value::String(v.to_string())).ok()
 }
 
 /// `GET /factory/provisioning/specifications`
@@ -283,14 +230,6 @@ pub async fn declare_specification(
     Ok(created(&location, &version))
 }
 
-fn created<T: serde::Serialize>(location: &str, body: &T) -> Response {
-    let mut response = (StatusCode::CREATED, Json(body)).into_response();
-    if let Ok(v) = HeaderValue::from_str(location) {
-        response.headers_mut().insert(header::LOCATION, v);
-    }
-    response
-}
-
 /// `GET /factory/provisioning/runs`
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn list_runs(
@@ -335,24 +274,6 @@ pub async fn get_run(
         Some(run) => Ok(Json(run).into_response()),
         None => Err(ApiError::NotFound(format!("no provisioning run {id}"))),
     }
-}
-
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(value) = headers.get("idempotency-key") else {
-        return Ok(None);
-    };
-    let key = value
-        .to_str()
-        .ok()
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 255)
-        .ok_or_else(|| {
-            ApiError::bad_field(
-                "Idempotency-Key",
-                "must be 1 to 255 visible ASCII characters",
-            )
-        })?;
-    Ok(Some(key.to_string()))
 }
 
 /// `POST /factory/provisioning/runs` (PlanProvisioning): records the run in `Requested`.
@@ -435,42 +356,16 @@ pub async fn plan_provisioning(
         None => ProvisioningRunId::new_random(),
     };
     if let Some(k) = &key {
-        let hash = hex::encode(Sha256::digest(raw.to_string().as_bytes()));
-        match idempotency::reserve(
-            state.db(),
-            tenant,
-            k,
-            "PlanProvisioning",
-            &hash,
-            &run_id.to_string(),
-            &owner,
-        )
-        .await?
-        {
-            KeyState::Fresh => {}
-            KeyState::Replay {
-                response: Some((status, body)),
-                ..
-            } => {
-                let mut response = (
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
-                    Json(body),
-                )
-                    .into_response();
-                response
-                    .headers_mut()
-                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
-                if let Ok(v) =
-                    HeaderValue::from_str(&format!("/factory/provisioning/runs/{run_id}"))
-                {
-                    response.headers_mut().insert(header::LOCATION, v);
-                }
-                return Ok(response);
-            }
-            // The first request has not answered (still running, or it crashed): run the
-            // same command on the same run id; the aggregate refuses a second run.
-            KeyState::Replay { response: None, .. } => {}
-            KeyState::Mismatch => return Err(ApiError::IdempotencyMismatch(k.clone())),
+        let location = format!("/factory/provisioning/runs/{run_id}");
+        let reservation = crate::extract::IdempotentRequest {
+            key: k,
+            operation: "PlanProvisioning",
+            body: &raw,
+            resource_id: &run_id.to_string(),
+            owner: &owner,
+        };
+        if let Some(first) = reservation.reserve(state.db(), tenant, &location).await? {
+            return Ok(first);
         }
     }
 

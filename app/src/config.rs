@@ -127,6 +127,8 @@ pub struct Config {
     /// Folder templates local program repositories may be in (`FERRY_TENANT_PROGRAM_ROOTS`);
     /// `None` = `<data dir>/tenants/{tenant}`.
     pub tenant_program_roots: Option<Vec<String>>,
+    /// Environment classes in promotion order (`FERRY_PROMOTION_PATH`).
+    pub promotion_path: ferry_domain::promotion::gates::PromotionPath,
     /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
     pub tenant_env_prefix: String,
     /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
@@ -383,6 +385,9 @@ settings! {
     tenant_program_url_prefixes: List, shown "none";
     /// URL prefixes a tenant's `http(s)://` configuration must start with.
     tenant_config_url_prefixes: List, shown "none";
+    /// Environment classes in promotion order (`PromotionPath`): a release enters a class
+    /// only after it completed in the one before.
+    promotion_path: List, shown "`development,test,staging,production`";
 }
 
 /// A whole number: an integer in the file, its digits in a variable.
@@ -705,6 +710,28 @@ impl Check<'_> {
     }
 
     /// Templates of URL prefixes (their schemes are checked with the confinement rules).
+    /// Environment classes, each once, in promotion order.
+    fn promotion_path(
+        &self,
+        (key, List(items)): At<List>,
+    ) -> Result<ferry_domain::promotion::gates::PromotionPath, ConfigError> {
+        let classes = items
+            .iter()
+            .map(|item| {
+                serde_json::from_value(serde_json::Value::String(item.to_lowercase())).map_err(
+                    |_| {
+                        self.refuse(
+                            key,
+                            format!("{item:?} is not an environment class (development, test, staging, production)"),
+                        )
+                    },
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        ferry_domain::promotion::gates::PromotionPath::parse(classes)
+            .map_err(|e| self.refuse(key, e.to_string()))
+    }
+
     fn prefixes(&self, (key, List(prefixes)): At<List>) -> Result<Vec<String>, ConfigError> {
         for prefix in &prefixes {
             self.template(key, prefix)?;
@@ -881,6 +908,9 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             .unwrap_or_default(),
         tenant_config_url_prefixes: c
             .opt(at!(raw.tenant_config_url_prefixes), Check::prefixes)?
+            .unwrap_or_default(),
+        promotion_path: c
+            .opt(at!(raw.promotion_path), Check::promotion_path)?
             .unwrap_or_default(),
         config_file: None,
     })
@@ -1084,6 +1114,33 @@ mod tests {
         let c = Config::load(Some(&file), &env(&[("FERRY_HTTP_ADDR", "127.0.0.1:7000")])).unwrap();
         assert_eq!(c.http_addr.to_string(), "127.0.0.1:7000");
         assert_eq!(c.poll_interval, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn the_promotion_path_is_classes_in_order_each_once() {
+        use ferry_domain::EnvironmentClass as C;
+        let c = Config::load(None, &env(&[])).unwrap();
+        assert_eq!(
+            c.promotion_path.classes(),
+            [C::Development, C::Test, C::Staging, C::Production]
+        );
+        let c = Config::load(
+            None,
+            &env(&[("FERRY_PROMOTION_PATH", "development, Production")]),
+        )
+        .unwrap();
+        assert_eq!(c.promotion_path.classes(), [C::Development, C::Production]);
+        let e = Config::load(None, &env(&[("FERRY_PROMOTION_PATH", "dev,prod")])).unwrap_err();
+        assert_eq!(e.setting, "FERRY_PROMOTION_PATH");
+        assert!(
+            e.reason.contains("\"dev\" is not an environment class"),
+            "{e}"
+        );
+        let e = Config::load(None, &env(&[("FERRY_PROMOTION_PATH", "test,test")])).unwrap_err();
+        assert_eq!(
+            (e.setting.as_str(), e.reason.as_str()),
+            ("FERRY_PROMOTION_PATH", "names Test twice")
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! runs every context's projections, the relay and the SSE stream publish through every
 //! context's publishers, and `ferry schemas` documents them all. No other list exists.
 
+pub mod promotions;
 pub mod provisioning;
 
 use crate::config::Config;
@@ -21,6 +22,7 @@ use ferry_store::Database;
 use std::sync::Arc;
 use tokio::sync::watch;
 
+pub use promotions::Promotions;
 pub use provisioning::Provisioning;
 
 /// What a context's background work is started with: the process's shared parts.
@@ -58,6 +60,11 @@ pub trait BoundedContext: Send + Sync {
     /// What its aggregates' events become on NATS and the SSE stream, and their schemas.
     fn publishers(&self) -> Publishers;
 
+    /// The token scopes its routes name (for `ferry token`). None by default.
+    fn scopes(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// Starts its background work (workers, the subscriptions that enqueue their steps).
     /// Nothing by default.
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
@@ -73,7 +80,7 @@ pub struct Contexts(Vec<Arc<dyn BoundedContext>>);
 impl Contexts {
     /// Ferry's own contexts.
     pub fn builtin() -> Self {
-        Self(vec![Arc::new(Provisioning)])
+        Self(vec![Arc::new(Provisioning), Arc::new(Promotions)])
     }
 
     /// These and `context`.
@@ -87,6 +94,17 @@ impl Contexts {
         for context in &self.0 {
             context.register_aggregates();
         }
+    }
+
+    /// Every scope a token may carry: the process's and every context's.
+    pub fn scopes(&self) -> Vec<&'static str> {
+        let mut scopes = ferry_api::auth::SCOPES.to_vec();
+        for scope in self.0.iter().flat_map(|c| c.scopes().iter().copied()) {
+            if !scopes.contains(&scope) {
+                scopes.push(scope);
+            }
+        }
+        scopes
     }
 
     /// Every context's projections.

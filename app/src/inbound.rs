@@ -5,7 +5,9 @@
 //! | `EnvironmentCreated` | records the environment (class, health URL, baseline program): its baseline is planned |
 //! | `EnvironmentStateChanged` | records its readiness |
 //! | `ApprovalDecided` | approves or rejects the named run awaiting approval (expired = rejected) |
-//! | `PromotionApproved`, `ReleaseReady`, `ReleaseWithdrawn`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: promotions are not part of Ferry yet |
+//! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable) |
+//! | `ReleaseWithdrawn` | withdraws the release: promotions of it not yet deploying are rejected |
+//! | `PromotionApproved`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: another service's promotions are not driven by Ferry |
 //!
 //! Every effect is committed with the message's "handled" mark (one transaction), and its
 //! actor is who sent the event (the token's subject over HTTP, `nats:<source>` over NATS),
@@ -19,6 +21,7 @@ use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
+use ferry_domain::release::{Release, ReleaseCommand, ReleaseRecord, ReleaseVersion};
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
 use ferry_domain::Actor;
 use ferry_messaging::inbound::{
@@ -31,6 +34,7 @@ use std::sync::Arc;
 /// The handler of inbound events.
 pub struct FerryInbound {
     environments: Repository<Environment>,
+    releases: Repository<Release>,
     runs: Repository<ProvisioningRun>,
     metrics: Arc<Metrics>,
     confinement: Arc<Confinement>,
@@ -45,6 +49,7 @@ impl FerryInbound {
     ) -> Self {
         Self {
             environments: Repository::new(db.clone(), ()),
+            releases: Repository::new(db.clone(), ()),
             runs: Repository::new(db, ()),
             metrics,
             confinement,
@@ -222,8 +227,88 @@ impl InboundHandler for FerryInbound {
                         .run_reached(tenant.as_str(), r.kind.as_str(), state.as_str());
                 }
             }
+            InboundEvent::ReleaseReady(r) => {
+                if r.tenant_id != tenant {
+                    return Err(InboundError::Permanent(
+                        "payload tenantId differs from the CloudEvent's".to_string(),
+                    ));
+                }
+                let (Some(program_ref), Some(program_version), Some(version)) =
+                    (&r.program_ref, &r.program_version, &r.version)
+                else {
+                    return Err(InboundError::Permanent(
+                        "a promotable release needs version, programRef and programVersion"
+                            .to_string(),
+                    ));
+                };
+                let version = ReleaseVersion::parse(version.clone())
+                    .map_err(|e| InboundError::Permanent(format!("version: {e}")))?;
+                // The program is the tenant's reference like any other: confined.
+                self.confinement
+                    .check_program(&tenant, program_ref, program_version)
+                    .map_err(|refusal| InboundError::Permanent(format!("programRef: {refusal}")))?;
+                let record = ReleaseRecord {
+                    release_id: r.release_id,
+                    tenant_id: tenant.clone(),
+                    project_id: r.project_id.clone(),
+                    version,
+                    program_ref: program_ref.clone(),
+                    program_version: program_version.clone(),
+                    pipeline: r.pipeline.clone(),
+                    has_agent_generated_assets: r.has_agent_generated_assets.unwrap_or(false),
+                    evaluation_evidence: r.evaluation_evidence.clone(),
+                    recorded_by: envelope.actor.clone(),
+                    recorded_at: Utc::now(),
+                };
+                self.releases
+                    .execute_linked(
+                        &tenant,
+                        &Release::aggregate_id(&tenant, r.release_id),
+                        ReleaseCommand::Record(Box::new(record)),
+                        &metadata(&envelope, envelope.actor.clone()),
+                        true,
+                        Some(&envelope.mark),
+                    )
+                    .await
+                    .map_err(classify)?;
+            }
+            InboundEvent::ReleaseWithdrawn(w) => {
+                if w.tenant_id != tenant {
+                    return Err(InboundError::Permanent(
+                        "payload tenantId differs from the CloudEvent's".to_string(),
+                    ));
+                }
+                let result =
+                    self.releases
+                        .execute_linked(
+                            &tenant,
+                            &Release::aggregate_id(&tenant, w.release_id),
+                            ReleaseCommand::Withdraw {
+                                reason: w.reason.clone().unwrap_or_else(|| {
+                                    "withdrawn by the release service".to_string()
+                                }),
+                                by: envelope.actor.clone(),
+                                at: envelope.time.unwrap_or_else(Utc::now),
+                            },
+                            &metadata(&envelope, envelope.actor.clone()),
+                            false,
+                            Some(&envelope.mark),
+                        )
+                        .await;
+                match result {
+                    Ok(_) => {}
+                    // It may arrive before ReleaseReady: try again later.
+                    Err(CommandError::NotFound) => {
+                        return Err(InboundError::Transient(format!(
+                            "release {} is not recorded yet",
+                            w.release_id
+                        )))
+                    }
+                    Err(other) => return Err(classify(other)),
+                }
+            }
             other => {
-                tracing::info!(event = other.name(), subject = %envelope.subject, id = %envelope.id, "heard; promotions are not part of Ferry yet");
+                tracing::info!(event = other.name(), subject = %envelope.subject, id = %envelope.id, "heard; another service's promotions are not driven by Ferry");
                 return Ok(Handled::NothingToDo);
             }
         }

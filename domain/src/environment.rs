@@ -184,6 +184,13 @@ impl Environment {
     pub fn is_ready(&self) -> bool {
         self.ready
     }
+    /// The state the environment service last reported, and when it observed it; `None`
+    /// when it never reported (readiness must then be probed).
+    pub fn reported_state(&self) -> Option<(&str, Option<DateTime<Utc>>)> {
+        self.state
+            .as_deref()
+            .map(|state| (state, self.state_observed_at))
+    }
 }
 
 impl TenantOwned for Environment {

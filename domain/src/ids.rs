@@ -203,6 +203,11 @@ uuid_id!(
     /// A release of the releases context.
     ReleaseId
 );
+uuid_id!(
+    /// A Factory run (an agent's run that asked for something, e.g. a promotion through the
+    /// deploy-environment tool).
+    FactoryRunId
+);
 
 /// Namespace for the name-based ids Ferry derives (uuid v5).
 const FERRY_NAMESPACE: Uuid = Uuid::from_u128(0x6f1b_5c2e_7d7a_4f0e_9c3b_2a1d_0e5f_4a11);
@@ -225,6 +230,15 @@ impl ProvisioningRunId {
     /// lands on the same run instead of making a second one.
     pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
         let name = format!("run/{tenant}/{key}");
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
+}
+
+impl PromotionId {
+    /// The promotion created by a request carrying `Idempotency-Key: key`: a retry after a
+    /// crash lands on the same promotion instead of making a second one.
+    pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
+        let name = format!("promotion/{tenant}/{key}");
         Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
     }
 }

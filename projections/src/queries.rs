@@ -92,40 +92,43 @@ fn doc<T: DeserializeOwned>(v: Value) -> Result<T, QueryError> {
     Ok(serde_json::from_value(v)?)
 }
 
+/// One page of `table`'s documents (a `position` and a `document` column) matching
+/// `clauses` (with `params` for their `$n`), newest first, after `cursor`; and the cursor of
+/// the next page, if there is one.
+pub async fn page(
+    db: &Database,
+    table: &str,
+    mut clauses: Vec<String>,
+    mut params: Vec<Param>,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<(Vec<Value>, Option<String>), QueryError> {
+    if let Some(c) = cursor {
+        params.push(Param::Int(Some(c)));
+        clauses.push(format!("position < ${}", params.len()));
+    }
+    params.push(Param::Int(Some(i64::from(limit) + 1)));
+    let sql = format!(
+        "SELECT position, document FROM {table} WHERE {} ORDER BY position DESC LIMIT ${}",
+        clauses.join(" AND "),
+        params.len()
+    );
+    let sql = db.sql(&sql);
+    let mut rows: Vec<(i64, Json<Value>)> = on_pool!(db, pool =>
+        bind_params!(sqlx::query_as(&sql), &params).fetch_all(pool).await?);
+    let next = if rows.len() > limit as usize {
+        rows.truncate(limit as usize);
+        rows.last().map(|(p, _)| encode_cursor(*p))
+    } else {
+        None
+    };
+    Ok((rows.into_iter().map(|(_, d)| d.0).collect(), next))
+}
+
 impl ReadModels {
     /// Reads from `db`; `progress` (from the projector) wakes read-your-writes waits.
     pub fn new(db: Database, progress: Option<watch::Receiver<u64>>) -> Self {
         Self { db, progress }
-    }
-
-    async fn page(
-        &self,
-        table: &str,
-        mut clauses: Vec<String>,
-        mut params: Vec<Param>,
-        limit: u32,
-        cursor: Option<i64>,
-    ) -> Result<(Vec<Value>, Option<String>), QueryError> {
-        if let Some(c) = cursor {
-            params.push(Param::Int(Some(c)));
-            clauses.push(format!("position < ${}", params.len()));
-        }
-        params.push(Param::Int(Some(i64::from(limit) + 1)));
-        let sql = format!(
-            "SELECT position, document FROM {table} WHERE {} ORDER BY position DESC LIMIT ${}",
-            clauses.join(" AND "),
-            params.len()
-        );
-        let sql = self.db.sql(&sql);
-        let mut rows: Vec<(i64, Json<Value>)> = on_pool!(self.db, pool =>
-            bind_params!(sqlx::query_as(&sql), &params).fetch_all(pool).await?);
-        let next = if rows.len() > limit as usize {
-            rows.truncate(limit as usize);
-            rows.last().map(|(p, _)| encode_cursor(*p))
-        } else {
-            None
-        };
-        Ok((rows.into_iter().map(|(_, d)| d.0).collect(), next))
     }
 
     /// Every declared version matching `filter`, newest first.
@@ -157,9 +160,15 @@ impl ReadModels {
             "specification_id",
             filter.specification_id.map(|s| s.to_string()),
         );
-        let (docs, next_cursor) = self
-            .page("rm_specification_versions", clauses, params, limit, cursor)
-            .await?;
+        let (docs, next_cursor) = page(
+            &self.db,
+            "rm_specification_versions",
+            clauses,
+            params,
+            limit,
+            cursor,
+        )
+        .await?;
         Ok(Page {
             items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
             next_cursor,
@@ -188,7 +197,7 @@ impl ReadModels {
         );
         add("kind", filter.kind.map(|k| k.as_str().to_string()));
         add("state", filter.state.map(|s| s.as_str().to_string()));
-        let (docs, next_cursor) = self.page("rm_runs", clauses, params, limit, cursor).await?;
+        let (docs, next_cursor) = page(&self.db, "rm_runs", clauses, params, limit, cursor).await?;
         Ok(Page {
             items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
             next_cursor,

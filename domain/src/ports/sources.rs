@@ -174,6 +174,51 @@ pub trait PolicyEngine: Send + Sync {
     fn evaluate(&self, input: &PolicyInput) -> Result<PolicyDecision, PolicyError>;
 }
 
+/// What deployment-domain policy sees of a promotion (package `ferry.deployment`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeploymentPolicyInput {
+    /// The environment.
+    pub environment_id: String,
+    /// Its class; absent = unknown (treated as production).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub environment_class: Option<EnvironmentClass>,
+    /// The release's project.
+    pub project_id: String,
+    /// The release.
+    pub release_id: String,
+    /// The release's version.
+    pub release_version: String,
+    /// The hotfix reason; absent unless the promotion is a hotfix (Rego counts `null` as
+    /// true, so it is left out rather than sent as `null`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hotfix: Option<String>,
+    /// True for a rollback (a promotion of the release last completed there).
+    pub rollback: bool,
+    /// True when the release carries agent-generated assets.
+    pub has_agent_generated_assets: bool,
+}
+
+/// A deployment-domain decision: allow, require an approval or deny, with reasons; and
+/// whether a hotfix may skip the prior environment class (the `hotfix` set's reasons; empty
+/// = not allowed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeploymentDecision {
+    /// The decision and its reasons.
+    pub decision: PolicyDecision,
+    /// Why a hotfix may skip the promotion path; empty when it may not.
+    pub hotfix_allowed: Vec<String>,
+}
+
+/// Evaluates deployment-domain policy on every promotion.
+pub trait DeploymentPolicy: Send + Sync {
+    /// The decision for `input`.
+    fn evaluate_promotion(
+        &self,
+        input: &DeploymentPolicyInput,
+    ) -> Result<DeploymentDecision, PolicyError>;
+}
+
 /// Why an artifact could not be stored or read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("artifact {key}: {reason}")]

@@ -134,6 +134,18 @@ pub struct ReleaseReady {
     /// True when the release carries agent-generated assets (evaluation evidence gate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub has_agent_generated_assets: Option<bool>,
+    /// The release's infrastructure program, `<repository>#<folder>` (needed to promote it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_ref: Option<ferry_domain::ProgramRef>,
+    /// The program's commit (needed to promote it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_version: Option<ferry_domain::ProgramVersion>,
+    /// The pipeline's stages and their results (the pipeline-results gate).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipeline: Vec<ferry_domain::release::PipelineResult>,
+    /// The evaluation of its agent-generated assets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_evidence: Option<ferry_domain::release::EvaluationEvidence>,
 }
 
 /// `releases.releases.v1.release-withdrawn`: pending promotions of it are rejected.

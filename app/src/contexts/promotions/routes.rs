@@ -1,0 +1,581 @@
+//! The delivery API: releases, promotions, an environment's current release.
+
+use super::views::{
+    self, PromotionFilter, PromotionView, ReleaseFilter, ReleaseState, ReleaseView,
+};
+use super::{OPERATE, PROMOTE, READ};
+use aide::axum::routing::{get_with, put_with};
+use aide::axum::ApiRouter;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use chrono::Utc;
+use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
+use ferry_api::extract::{
+    created, enum_from_str, idempotency_key, IdempotentRequest, QueryParams, RequestIds, ValidJson,
+};
+use ferry_api::openapi::{schema_of, Doc};
+use ferry_api::problem::{refused_references, ApiError, FieldError};
+use ferry_api::state::AppState;
+use ferry_domain::environment::Environment;
+use ferry_domain::promotion::gates::Completion;
+use ferry_domain::promotion::{
+    Hotfix, Promotion, PromotionCommand, PromotionError, PromotionRequest, PromotionState, Strategy,
+};
+use ferry_domain::release::{
+    EvaluationEvidence, PipelineResult, Release, ReleaseCommand, ReleaseError, ReleaseRecord,
+    ReleaseVersion,
+};
+use ferry_domain::{
+    EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId, PromotionId, ReleaseId,
+};
+use ferry_store::idempotency;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::collections::HashMap;
+
+/// A release refusal's status.
+fn release_refusal(e: ReleaseError) -> ApiError {
+    {
+        match e {
+            ReleaseError::Immutable(_) | ReleaseError::Withdrawn(_) => {
+                ApiError::WrongState(e.to_string())
+            }
+            ReleaseError::NotRecorded => ApiError::NotFound(e.to_string()),
+            ReleaseError::IdentityMismatch => ApiError::Rule {
+                detail: e.to_string(),
+                field: None,
+            },
+        }
+    }
+}
+
+/// A promotion refusal's status.
+fn promotion_refusal(e: PromotionError) -> ApiError {
+    {
+        match e {
+            PromotionError::NotRequested => ApiError::NotFound(e.to_string()),
+            PromotionError::SelfApproval(_) => ApiError::Forbidden(e.to_string()),
+            PromotionError::ReasonRequired => ApiError::invalid_field("reason", e.to_string()),
+            PromotionError::ApprovalMismatch(_) => ApiError::Rule {
+                detail: e.to_string(),
+                field: Some("approvalId".to_string()),
+            },
+            _ => ApiError::WrongState(e.to_string()),
+        }
+    }
+}
+
+/// Body of `PUT /factory/delivery/releases/{releaseId}`: the release as the release service
+/// would report it in `ReleaseReady`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PutReleaseRequest {
+    /// The project.
+    pub project_id: ProjectId,
+    /// Its version (e.g. `2.3.0`).
+    pub version: ReleaseVersion,
+    /// The release's infrastructure program, `<repository>#<folder>`.
+    pub program_ref: ProgramRef,
+    /// The program's commit.
+    pub program_version: ProgramVersion,
+    /// The pipeline's stages and their results.
+    pub pipeline: Vec<PipelineResult>,
+    /// True when the release carries agent-generated assets.
+    #[serde(default)]
+    pub has_agent_generated_assets: bool,
+    /// The evaluation of those assets.
+    #[serde(default)]
+    pub evaluation_evidence: Option<EvaluationEvidence>,
+}
+
+fn release_id(raw: &str) -> Result<ReleaseId, ApiError> {
+    ReleaseId::parse(raw).map_err(|e| ApiError::bad_field("releaseId", e))
+}
+
+fn promotion_id(raw: &str) -> Result<PromotionId, ApiError> {
+    PromotionId::parse(raw)
+        .map_err(|_| ApiError::NotFound(format!("no promotion {raw:?} (promotion ids are UUIDs)")))
+}
+
+/// Recording a release: a service identity with `factory.events.publish` (the release
+/// service), or a PlatformAdmin with `factory.delivery.promote`.
+fn require_release_recorder(caller: &Caller) -> Result<(), ApiError> {
+    if caller.is_service() {
+        return caller.require_scope(SCOPE_EVENTS_PUBLISH);
+    }
+    caller.require_scope(PROMOTE)?;
+    if caller.has_role(Role::PlatformAdmin) {
+        Ok(())
+    } else {
+        Err(ApiError::Forbidden(
+            "recording a release needs the release service's identity or the PlatformAdmin role"
+                .to_string(),
+        ))
+    }
+}
+
+/// `PUT /factory/delivery/releases/{releaseId}`: 201 when recorded, 200 when the same
+/// release was recorded before.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, release = %raw))]
+pub async fn put_release(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<PutReleaseRequest>,
+) -> Result<Response, ApiError> {
+    require_release_recorder(&caller)?;
+    let id = release_id(&raw)?;
+    // The program a release deploys is a reference like any other: this tenant's only.
+    state
+        .confinement()
+        .check_program(&caller.tenant, &body.program_ref, &body.program_version)
+        .map_err(|refusal| {
+            refused_references(vec![ferry_domain::confinement::FieldRefusal {
+                field: "programRef".to_string(),
+                refusal,
+            }])
+        })?;
+    let record = ReleaseRecord {
+        release_id: id,
+        tenant_id: caller.tenant.clone(),
+        project_id: body.project_id,
+        version: body.version,
+        program_ref: body.program_ref,
+        program_version: body.program_version,
+        pipeline: body.pipeline,
+        has_agent_generated_assets: body.has_agent_generated_assets,
+        evaluation_evidence: body.evaluation_evidence,
+        recorded_by: caller.actor.clone(),
+        recorded_at: Utc::now(),
+    };
+    let done = state
+        .repository::<Release>()
+        .execute(
+            &caller.tenant,
+            &Release::aggregate_id(&caller.tenant, id),
+            ReleaseCommand::Record(Box::new(record)),
+            &caller.metadata(ids),
+            true,
+        )
+        .await
+        .map_err(|e| ApiError::from_command(e, release_refusal))?;
+    let db = state.db().clone();
+    let tenant = caller.tenant.clone();
+    state
+        .reads()
+        .wait_until(state.read_your_writes(), || async {
+            Ok(views::get_release(&db, &tenant, id).await?.is_some())
+        })
+        .await?;
+    let view = views::get_release(state.db(), &caller.tenant, id)
+        .await?
+        .ok_or_else(|| ApiError::internal("recorded release is not projected yet"))?;
+    if done.events.is_empty() {
+        Ok(Json(view).into_response())
+    } else {
+        tracing::info!(release_id = %id, "release recorded");
+        Ok(created(&format!("/factory/delivery/releases/{id}"), &view))
+    }
+}
+
+/// `GET /factory/delivery/releases`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_releases(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(raw): Query<HashMap<String, String>>,
+) -> Result<Json<ferry_projections::Page<ReleaseView>>, ApiError> {
+    caller.require_scope(READ)?;
+    let q = QueryParams::new(raw, &["projectId", "state", "limit", "cursor"])?;
+    let filter = ReleaseFilter {
+        project_id: q.parse("projectId", |v| ProjectId::parse(v).ok(), "a project id")?,
+        state: q.parse("state", enum_from_str, "Ready or Withdrawn")?,
+    };
+    let (limit, cursor) = q.page()?;
+    Ok(Json(
+        views::list_releases(state.db(), &caller.tenant, &filter, limit, cursor).await?,
+    ))
+}
+
+/// `GET /factory/delivery/releases/{releaseId}`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, release = %raw))]
+pub async fn get_release(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Json<ReleaseView>, ApiError> {
+    caller.require_scope(READ)?;
+    let id = ReleaseId::parse(&raw)
+        .map_err(|_| ApiError::NotFound(format!("no release {raw:?} (release ids are UUIDs)")))?;
+    views::get_release(state.db(), &caller.tenant, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no release {id}")))
+}
+
+/// Body of `POST /factory/delivery/promotions`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RequestPromotionRequest {
+    /// The release to promote (recorded and not withdrawn).
+    pub release_id: ReleaseId,
+    /// The environment to promote it into (recorded).
+    pub environment_id: EnvironmentId,
+    /// How to roll it out (default `AllAtOnce`); handed to the program as configuration.
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// The Factory run asking (the deploy-environment tool).
+    #[serde(default)]
+    pub run_id: Option<FactoryRunId>,
+    /// A hotfix may skip the prior environment class when policy allows it.
+    #[serde(default)]
+    pub hotfix: Option<Hotfix>,
+}
+
+/// Requesting promotions: `factory.delivery.promote` on a service identity (the
+/// deploy-environment tool) or an Operator, WorkspaceAdmin or PlatformAdmin.
+fn require_promoter(caller: &Caller) -> Result<(), ApiError> {
+    caller.require_scope(PROMOTE)?;
+    if caller.is_service()
+        || [Role::Operator, Role::WorkspaceAdmin, Role::PlatformAdmin]
+            .into_iter()
+            .any(|r| caller.has_role(r))
+    {
+        Ok(())
+    } else {
+        Err(ApiError::Forbidden(
+            "requesting a promotion needs the Operator, WorkspaceAdmin or PlatformAdmin role"
+                .to_string(),
+        ))
+    }
+}
+
+/// `POST /factory/delivery/promotions` (RequestPromotion): the promotion starts in
+/// `Requested` (queued while another promotion holds the environment).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn request_promotion(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    headers: HeaderMap,
+    ValidJson { value: body, raw }: ValidJson<RequestPromotionRequest>,
+) -> Result<Response, ApiError> {
+    require_promoter(&caller)?;
+    let key = idempotency_key(&headers)?;
+    if let Some(hotfix) = &body.hotfix {
+        if hotfix.reason.trim().is_empty() {
+            return Err(ApiError::invalid_field(
+                "hotfix.reason",
+                "a hotfix needs a reason",
+            ));
+        }
+    }
+    let release = views::get_release(state.db(), &caller.tenant, body.release_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::invalid_field("releaseId", format!("no release {}", body.release_id))
+        })?;
+    if release.state == ReleaseState::Withdrawn {
+        return Err(ApiError::Unprocessable(vec![FieldError::new(
+            "releaseId",
+            format!(
+                "release {} was withdrawn: {}",
+                release.release.version,
+                release
+                    .withdrawal
+                    .as_ref()
+                    .map_or("no reason given", |w| w.reason.as_str())
+            ),
+        )]));
+    }
+    let environment = state
+        .repository::<Environment>()
+        .load(
+            &caller.tenant,
+            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
+        )
+        .await
+        .map_err(|e| ApiError::from_command(e, |d| ApiError::WrongState(d.to_string())))?
+        .and_then(|(e, _)| e.class())
+        .ok_or_else(|| {
+            ApiError::invalid_field(
+                "environmentId",
+                format!("no environment {} is recorded", body.environment_id),
+            )
+        })?;
+    let previous = views::current_release(state.db(), &caller.tenant, &body.environment_id)
+        .await?
+        .map(|(release, _)| release);
+    let tenant = caller.tenant.as_str();
+    let owner = ids.request_id.to_string();
+    let id = match &key {
+        Some(k) => PromotionId::for_idempotency_key(&caller.tenant, k),
+        None => PromotionId::new_random(),
+    };
+    if let Some(k) = &key {
+        let reservation = IdempotentRequest {
+            key: k,
+            operation: "RequestPromotion",
+            body: &raw,
+            resource_id: &id.to_string(),
+            owner: &owner,
+        };
+        let location = format!("/factory/delivery/promotions/{id}");
+        if let Some(first) = reservation.reserve(state.db(), tenant, &location).await? {
+            return Ok(first);
+        }
+    }
+    let request = PromotionRequest {
+        promotion_id: id,
+        tenant_id: caller.tenant.clone(),
+        project_id: release.release.project_id.clone(),
+        release_id: body.release_id,
+        environment_id: body.environment_id,
+        environment_class: environment,
+        strategy: body.strategy,
+        run_id: body.run_id,
+        hotfix: body.hotfix,
+        previous_release_id: previous,
+        rollback_of: None,
+        requested_by: caller.actor.clone(),
+        requested_at: Utc::now(),
+    };
+    let result = state
+        .repository::<Promotion>()
+        .execute(
+            &caller.tenant,
+            &id.to_string(),
+            PromotionCommand::Request(Box::new(request)),
+            &caller.metadata(ids),
+            true,
+        )
+        .await;
+    match result {
+        Ok(_) => {}
+        // Another request with this key created it first: answer with that promotion.
+        Err(
+            ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
+            | ferry_store::CommandError::Conflict,
+        ) if key.is_some() => {}
+        Err(e) => {
+            if let Some(k) = &key {
+                idempotency::release(state.db(), tenant, k, &owner).await?;
+            }
+            return Err(ApiError::from_command(e, promotion_refusal));
+        }
+    }
+    let view = wait_for_promotion(&state, &caller, id, 1).await?;
+    let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
+    if let Some(k) = &key {
+        idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
+    }
+    tracing::info!(promotion_id = %id, "promotion requested");
+    Ok(created(
+        &format!("/factory/delivery/promotions/{id}"),
+        &body,
+    ))
+}
+
+/// The promotion's view once it reflects at least `version` (read your writes).
+async fn wait_for_promotion(
+    state: &AppState,
+    caller: &Caller,
+    id: PromotionId,
+    version: u64,
+) -> Result<PromotionView, ApiError> {
+    let db = state.db().clone();
+    let tenant = caller.tenant.clone();
+    state
+        .reads()
+        .wait_until(state.read_your_writes(), || async {
+            Ok(views::promotion_version(&db, &tenant, id)
+                .await?
+                .is_some_and(|v| v >= version))
+        })
+        .await?;
+    views::get_promotion(state.db(), &caller.tenant, id)
+        .await?
+        .ok_or_else(|| ApiError::internal("the promotion is not projected yet; retry the read"))
+}
+
+/// `GET /factory/delivery/promotions`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_promotions(
+    State(state): State<AppState>,
+    caller: Caller,
+    Query(raw): Query<HashMap<String, String>>,
+) -> Result<Json<ferry_projections::Page<PromotionView>>, ApiError> {
+    caller.require_scope(READ)?;
+    let q = QueryParams::new(
+        raw,
+        &["environmentId", "releaseId", "state", "limit", "cursor"],
+    )?;
+    let filter = PromotionFilter {
+        environment_id: q.parse(
+            "environmentId",
+            |v| EnvironmentId::parse(v).ok(),
+            "an environment id",
+        )?,
+        release_id: q.parse("releaseId", |v| ReleaseId::parse(v).ok(), "a UUID")?,
+        state: q.parse(
+            "state",
+            enum_from_str::<PromotionState>,
+            "one of Requested, GatesEvaluating, AwaitingApproval, Approved, Deploying, Verifying, Completed, Rejected, Failed, RolledBack",
+        )?,
+    };
+    let (limit, cursor) = q.page()?;
+    Ok(Json(
+        views::list_promotions(state.db(), &caller.tenant, &filter, limit, cursor).await?,
+    ))
+}
+
+/// `GET /factory/delivery/promotions/{promotionId}`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %raw))]
+pub async fn get_promotion(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Json<PromotionView>, ApiError> {
+    caller.require_scope(READ)?;
+    let id = promotion_id(&raw)?;
+    views::get_promotion(state.db(), &caller.tenant, id)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))
+}
+
+/// The release running in an environment.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentReleaseView {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The release last completed there (and not rolled back).
+    pub release_id: ReleaseId,
+    /// Its version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub version: Option<ReleaseVersion>,
+    /// The promotion that completed it.
+    pub completion: Completion,
+}
+
+/// `GET /factory/environments/{environmentId}/current-release`
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+pub async fn current_release(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Json<CurrentReleaseView>, ApiError> {
+    caller.require_scope(READ)?;
+    let environment =
+        EnvironmentId::parse(&raw).map_err(|e| ApiError::bad_field("environmentId", e))?;
+    let (release_id, completion) = views::current_release(state.db(), &caller.tenant, &environment)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no release has completed in {environment}")))?;
+    let version = views::get_release(state.db(), &caller.tenant, release_id)
+        .await?
+        .map(|r| r.release.version);
+    Ok(Json(CurrentReleaseView {
+        environment_id: environment,
+        release_id,
+        version,
+        completion,
+    }))
+}
+
+/// Every delivery route with its documentation.
+pub fn routes() -> ApiRouter<AppState> {
+    let release_path = || json!({"type": "string", "format": "uuid"});
+    let promotion_path = || json!({"type": "string", "format": "uuid"});
+    ApiRouter::new()
+        .api_route(
+            "/factory/delivery/releases",
+            get_with(list_releases, |op| {
+                op.id("ListReleases")
+                    .summary("Releases Ferry may promote, newest first, each with the environments it completed in.")
+                    .scope(READ)
+                    .query("projectId", "Only this project's.", json!({"type": "string"}))
+                    .query("state", "Only in this state.", schema_of::<ReleaseState>())
+                    .paging()
+                    .response_with::<200, Json<ferry_projections::Page<ReleaseView>>, _>(|r| {
+                        r.description("A page of releases.")
+                    })
+                    .errors(&[400, 401, 403])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/releases/{releaseId}",
+            put_with(put_release, move |op| {
+                op.id("PutRelease")
+                    .summary("Record a release as ready (for users without a release service): the release service's identity (factory.events.publish) or a PlatformAdmin (factory.delivery.promote). The same release again changes nothing; another under the same id is refused.")
+                    .scope(PROMOTE)
+                    .path("releaseId", "The release.", release_path())
+                    .response_with::<200, Json<ReleaseView>, _>(|r| {
+                        r.description("Already recorded, unchanged (201 when recorded now).")
+                    })
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            })
+            .get_with(get_release, move |op| {
+                op.id("GetRelease")
+                    .summary("One release with the environments it completed in.")
+                    .scope(READ)
+                    .path("releaseId", "The release.", release_path())
+                    .response_with::<200, Json<ReleaseView>, _>(|r| r.description("The release."))
+                    .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions",
+            get_with(list_promotions, |op| {
+                op.id("ListPromotions")
+                    .summary("Promotions by environment, release and state, with gates, newest first.")
+                    .scope(READ)
+                    .query("environmentId", "Only into this environment.", json!({"type": "string"}))
+                    .query("releaseId", "Only of this release.", json!({"type": "string", "format": "uuid"}))
+                    .query("state", "Only in this state.", schema_of::<PromotionState>())
+                    .paging()
+                    .response_with::<200, Json<ferry_projections::Page<PromotionView>>, _>(|r| {
+                        r.description("A page of promotions.")
+                    })
+                    .errors(&[400, 401, 403])
+            })
+            .post_with(request_promotion, |op| {
+                op.id("RequestPromotion")
+                    .summary("Promote a ready release into an environment: gates in order (pipeline results, policy, prior environment class, environment ready, evaluation evidence), then, for production, an approval by someone other than the requester. Queued while another promotion holds the environment.")
+                    .scope(PROMOTE)
+                    .idempotency_key()
+                    .response_with::<201, Json<PromotionView>, _>(|r| r.description("The promotion."))
+                    .errors(&[400, 401, 403, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions/{promotionId}",
+            get_with(get_promotion, move |op| {
+                op.id("GetPromotion")
+                    .summary("One promotion with gates, approval, desired state, verification and rollback evidence.")
+                    .scope(READ)
+                    .path("promotionId", "The promotion.", promotion_path())
+                    .response_with::<200, Json<PromotionView>, _>(|r| r.description("The promotion."))
+                    .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/environments/{environmentId}/current-release",
+            get_with(current_release, |op| {
+                op.id("GetCurrentRelease")
+                    .summary("The release currently completed in an environment.")
+                    .scope(READ)
+                    .path("environmentId", "The environment.", json!({"type": "string"}))
+                    .response_with::<200, Json<CurrentReleaseView>, _>(|r| {
+                        r.description("The current release.")
+                    })
+                    .errors(&[400, 401, 403, 404])
+            }),
+        )
+}
+
+/// The scopes the delivery routes name, for `ferry token`.
+pub const SCOPES: [&str; 3] = [READ, PROMOTE, OPERATE];

@@ -1,0 +1,835 @@
+//! The delivery read models: releases, promotions, and the environments each release
+//! completed in. One projection (`delivery`) writes all three, so that a release's
+//! completions and its promotions never disagree.
+
+use chrono::{DateTime, Utc};
+use ferry_domain::promotion::gates::Completion;
+use ferry_domain::promotion::{
+    ApprovalRequest, GateKind, GateResult, Hotfix, Measurement, Promotion, PromotionEvent,
+    PromotionRequest, PromotionState, RollbackOf, Strategy, VerificationOutcome,
+};
+use ferry_domain::release::{Release, ReleaseEvent, ReleaseRecord};
+use ferry_domain::{
+    Actor, ApprovalId, EnvironmentClass, EnvironmentId, FactoryRunId, ProjectId, PromotionId,
+    ProvisioningRunId, ReleaseId, TenantId,
+};
+use ferry_projections::projection::TableNames;
+use ferry_projections::queries::{page, Page, QueryError};
+use ferry_projections::{Projection, TableSpec};
+use ferry_store::stream::{HandlerError, Param, Tx};
+use ferry_store::{on_pool, Database, Subscriber, Subscription, Typed};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sqlx::types::Json;
+
+/// A release's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum ReleaseState {
+    /// Promotable.
+    Ready,
+    /// Withdrawn: not promotable, pending promotions rejected.
+    Withdrawn,
+}
+
+/// Why and when a release was withdrawn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Withdrawal {
+    /// Why.
+    pub reason: String,
+    /// Who.
+    pub withdrawn_by: Actor,
+    /// When.
+    pub withdrawn_at: DateTime<Utc>,
+}
+
+/// A release as `GET /factory/delivery/releases` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseView {
+    /// What the release is.
+    #[serde(flatten)]
+    pub release: ReleaseRecord,
+    /// Ready or withdrawn.
+    pub state: ReleaseState,
+    /// The withdrawal, if withdrawn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withdrawal: Option<Withdrawal>,
+    /// The environments it completed in (a rolled-back completion is gone).
+    #[serde(default)]
+    pub completed_in: Vec<Completion>,
+}
+
+/// An approval's decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalDecisionView {
+    /// The approval.
+    pub approval_id: ApprovalId,
+    /// `approve` or `reject`.
+    pub decision: String,
+    /// Who.
+    pub decided_by: Actor,
+    /// Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When.
+    pub decided_at: DateTime<Utc>,
+}
+
+/// Verification so far.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VerificationView {
+    /// When the window closes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_ends_at: Option<DateTime<Utc>>,
+    /// Every measurement, in order.
+    pub measurements: Vec<Measurement>,
+    /// The outcome, once concluded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<VerificationOutcome>,
+    /// Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The Operator who decided a held verification.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concluded_by: Option<Actor>,
+}
+
+/// The rollback of a promotion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackView {
+    /// The rollback promotion.
+    pub rollback_promotion_id: PromotionId,
+    /// The release it restores.
+    pub restored_release_id: ReleaseId,
+    /// Started by failed verification rather than an Operator.
+    pub automatic: bool,
+    /// Who.
+    pub started_by: Actor,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub started_at: DateTime<Utc>,
+    /// `Running`, `Completed` or `Failed`.
+    pub outcome: String,
+    /// Why it failed, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+/// Why a promotion ended without completing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Outcome {
+    /// Why.
+    pub reason: String,
+    /// The failing gate, for a rejection by a gate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<GateKind>,
+    /// For a failure: whether the previous release was restored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back: Option<bool>,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+/// A promotion as the API shows it: gates, approval, desired state, plan, verification and
+/// rollback evidence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PromotionView {
+    /// The promotion.
+    pub promotion_id: PromotionId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The release's project.
+    pub project_id: ProjectId,
+    /// The release.
+    pub release_id: ReleaseId,
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// Its class when requested.
+    pub environment_class: EnvironmentClass,
+    /// How it rolls out.
+    pub strategy: Strategy,
+    /// The Factory run that asked for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<FactoryRunId>,
+    /// Set for a hotfix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hotfix: Option<Hotfix>,
+    /// The release completed in the environment before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_release_id: Option<ReleaseId>,
+    /// Set for a rollback promotion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_of: Option<RollbackOf>,
+    /// Who asked.
+    pub requested_by: Actor,
+    /// When.
+    pub requested_at: DateTime<Utc>,
+    /// Where it is; `Requested` while queued behind another promotion of the environment.
+    pub state: PromotionState,
+    /// Each gate evaluated, in order, with its evidence.
+    pub gates: Vec<GateResult>,
+    /// Whether an approval is needed (once the gates passed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_required: Option<bool>,
+    /// The approval asked for, bound to its plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalRequest>,
+    /// Its decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_decision: Option<ApprovalDecisionView>,
+    /// The desired state handed to provisioning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_state_ref: Option<String>,
+    /// The provisioning run that plans and applies it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioning_run_id: Option<ProvisioningRunId>,
+    /// Verification measurements and outcome.
+    pub verification: VerificationView,
+    /// The rollback, if one was started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<RollbackView>,
+    /// Why it was rejected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejection: Option<Outcome>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Outcome>,
+    /// When it completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<DateTime<Utc>>,
+    /// The aggregate's sequence this view reflects.
+    pub version: u64,
+}
+
+impl PromotionView {
+    /// The view of a promotion just requested.
+    pub fn start(request: &PromotionRequest) -> Self {
+        Self {
+            promotion_id: request.promotion_id,
+            tenant_id: request.tenant_id.clone(),
+            project_id: request.project_id.clone(),
+            release_id: request.release_id,
+            environment_id: request.environment_id.clone(),
+            environment_class: request.environment_class,
+            strategy: request.strategy,
+            run_id: request.run_id,
+            hotfix: request.hotfix.clone(),
+            previous_release_id: request.previous_release_id,
+            rollback_of: request.rollback_of.clone(),
+            requested_by: request.requested_by.clone(),
+            requested_at: request.requested_at,
+            state: PromotionState::Requested,
+            gates: Vec::new(),
+            approval_required: None,
+            approval: None,
+            approval_decision: None,
+            desired_state_ref: None,
+            provisioning_run_id: None,
+            verification: VerificationView::default(),
+            rollback: None,
+            rejection: None,
+            failure: None,
+            completed_at: None,
+            version: 1,
+        }
+    }
+
+    /// The view after `event`, the aggregate's event number `sequence`.
+    pub fn apply(&mut self, event: &PromotionEvent, sequence: u64) {
+        use PromotionEvent as E;
+        self.version = sequence;
+        match event {
+            E::PromotionRequested(request) => *self = Self::start(request),
+            E::GatesEvaluationStarted { .. } => self.state = PromotionState::GatesEvaluating,
+            E::GateEvaluated(gate) => self.gates.push((**gate).clone()),
+            E::GatesPassed {
+                approval_required, ..
+            } => {
+                self.approval_required = Some(*approval_required);
+                self.state = if *approval_required {
+                    PromotionState::AwaitingApproval
+                } else {
+                    PromotionState::Approved
+                };
+            }
+            E::ApprovalRequested(approval) => {
+                self.desired_state_ref = Some(approval.desired_state_ref.clone());
+                self.provisioning_run_id = Some(approval.provisioning_run_id);
+                self.approval = Some((**approval).clone());
+                self.approval_decision = None;
+            }
+            E::ApprovalVoided { .. } => {
+                self.approval = None;
+                self.approval_decision = None;
+                self.provisioning_run_id = None;
+                self.state = PromotionState::AwaitingApproval;
+            }
+            E::ApprovalGranted {
+                approval_id,
+                decided_by,
+                reason,
+                decided_at,
+            } => {
+                self.approval_decision = Some(ApprovalDecisionView {
+                    approval_id: *approval_id,
+                    decision: "approve".to_string(),
+                    decided_by: decided_by.clone(),
+                    reason: reason.clone(),
+                    decided_at: *decided_at,
+                });
+                self.state = PromotionState::Approved;
+            }
+            E::ApprovalRejected {
+                approval_id,
+                decided_by,
+                reason,
+                decided_at,
+            } => {
+                self.approval_decision = Some(ApprovalDecisionView {
+                    approval_id: *approval_id,
+                    decision: "reject".to_string(),
+                    decided_by: decided_by.clone(),
+                    reason: reason.clone(),
+                    decided_at: *decided_at,
+                });
+            }
+            E::PromotionRejected {
+                reason,
+                gate,
+                rejected_at,
+            } => {
+                self.rejection = Some(Outcome {
+                    reason: reason.clone(),
+                    gate: *gate,
+                    rolled_back: None,
+                    at: *rejected_at,
+                });
+                self.state = PromotionState::Rejected;
+            }
+            E::PromotionApproved {
+                desired_state_ref,
+                provisioning_run_id,
+                ..
+            } => {
+                self.desired_state_ref = Some(desired_state_ref.clone());
+                self.provisioning_run_id = Some(*provisioning_run_id);
+                self.state = PromotionState::Deploying;
+            }
+            E::DeploymentApplied {
+                verification_ends_at,
+                ..
+            } => {
+                self.verification.window_ends_at = Some(*verification_ends_at);
+                self.state = PromotionState::Verifying;
+            }
+            E::DeploymentFailed { .. } => {}
+            E::VerificationMeasured(m) => self.verification.measurements.push((**m).clone()),
+            E::VerificationConcluded {
+                outcome,
+                reason,
+                concluded_by,
+                ..
+            } => {
+                self.verification.outcome = Some(*outcome);
+                self.verification.reason = Some(reason.clone());
+                self.verification.concluded_by = concluded_by.clone();
+            }
+            E::PromotionCompleted { completed_at } => {
+                self.completed_at = Some(*completed_at);
+                self.state = PromotionState::Completed;
+            }
+            E::RollbackStarted {
+                rollback_promotion_id,
+                restored_release_id,
+                automatic,
+                started_by,
+                reason,
+                started_at,
+            } => {
+                self.rollback = Some(RollbackView {
+                    rollback_promotion_id: *rollback_promotion_id,
+                    restored_release_id: *restored_release_id,
+                    automatic: *automatic,
+                    started_by: started_by.clone(),
+                    reason: reason.clone(),
+                    started_at: *started_at,
+                    outcome: "Running".to_string(),
+                    failure: None,
+                });
+            }
+            E::RollbackFailed { reason, .. } => {
+                if let Some(r) = self.rollback.as_mut() {
+                    r.outcome = "Failed".to_string();
+                    r.failure = Some(reason.clone());
+                }
+            }
+            E::RollbackCompleted { .. } => {
+                if let Some(r) = self.rollback.as_mut() {
+                    r.outcome = "Completed".to_string();
+                }
+                self.state = PromotionState::RolledBack;
+            }
+            E::PromotionFailed {
+                reason,
+                rolled_back,
+                failed_at,
+            } => {
+                self.failure = Some(Outcome {
+                    reason: reason.clone(),
+                    gate: None,
+                    rolled_back: Some(*rolled_back),
+                    at: *failed_at,
+                });
+                if !rolled_back {
+                    self.state = PromotionState::Failed;
+                }
+            }
+        }
+    }
+}
+
+fn text(v: impl ToString) -> Param {
+    Param::Text(Some(v.to_string()))
+}
+
+fn int(v: impl Into<i64>) -> Param {
+    Param::Int(Some(v.into()))
+}
+
+fn json<T: Serialize>(v: &T) -> Result<Param, HandlerError> {
+    serde_json::to_value(v)
+        .map(|v| Param::Json(Some(v)))
+        .map_err(|e| HandlerError::Record {
+            what: "a delivery read-model document".to_string(),
+            source: Box::new(e),
+        })
+}
+
+fn document<T: serde::de::DeserializeOwned>(what: String, doc: Value) -> Result<T, HandlerError> {
+    serde_json::from_value(doc).map_err(|e| HandlerError::Record {
+        what,
+        source: Box::new(e),
+    })
+}
+
+const TABLES: &[TableSpec] = &[
+    TableSpec {
+        base: "rm_releases",
+        ddl: &[
+            "CREATE TABLE IF NOT EXISTS {t} (
+                tenant_id text NOT NULL, release_id text NOT NULL, project_id text NOT NULL,
+                state text NOT NULL, position bigint NOT NULL, document {json} NOT NULL,
+                PRIMARY KEY (tenant_id, release_id))",
+            "CREATE INDEX IF NOT EXISTS {i}_page ON {t} (tenant_id, position)",
+        ],
+    },
+    TableSpec {
+        base: "rm_promotions",
+        ddl: &[
+            "CREATE TABLE IF NOT EXISTS {t} (
+                promotion_id text PRIMARY KEY, tenant_id text NOT NULL,
+                environment_id text NOT NULL, release_id text NOT NULL,
+                environment_class text NOT NULL, state text NOT NULL,
+                position bigint NOT NULL, version bigint NOT NULL, document {json} NOT NULL)",
+            "CREATE INDEX IF NOT EXISTS {i}_page ON {t} (tenant_id, position)",
+            "CREATE INDEX IF NOT EXISTS {i}_environment ON {t} (tenant_id, environment_id, state)",
+        ],
+    },
+    TableSpec {
+        base: "rm_release_completions",
+        ddl: &[
+            "CREATE TABLE IF NOT EXISTS {t} (
+                promotion_id text PRIMARY KEY, tenant_id text NOT NULL,
+                release_id text NOT NULL, environment_id text NOT NULL,
+                environment_class text NOT NULL, position bigint NOT NULL,
+                document {json} NOT NULL)",
+            "CREATE INDEX IF NOT EXISTS {i}_release ON {t} (tenant_id, release_id)",
+            "CREATE INDEX IF NOT EXISTS {i}_environment ON {t} (tenant_id, environment_id, position)",
+        ],
+    },
+];
+
+/// The `delivery` projection: `rm_releases`, `rm_promotions`, `rm_release_completions`.
+pub struct DeliveryProjection;
+
+impl Projection for DeliveryProjection {
+    fn name(&self) -> &'static str {
+        "delivery"
+    }
+    fn tables(&self) -> &'static [TableSpec] {
+        TABLES
+    }
+    fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
+        subscription
+            .on::<Release>(ReleaseRows(tables.clone()))
+            .on::<Promotion>(PromotionRows(tables.clone()))
+    }
+}
+
+struct ReleaseRows(TableNames);
+
+#[async_trait::async_trait]
+impl Subscriber<Release> for ReleaseRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<ReleaseEvent>) -> Result<(), HandlerError> {
+        let table = self.0.get("rm_releases");
+        match &event.event {
+            ReleaseEvent::ReleaseRecorded(record) => {
+                let view = ReleaseView {
+                    release: (**record).clone(),
+                    state: ReleaseState::Ready,
+                    withdrawal: None,
+                    completed_in: Vec::new(),
+                };
+                let sql = format!(
+                    "INSERT INTO {table} (tenant_id, release_id, project_id, state, position, document)
+                     VALUES ($1, $2, $3, 'Ready', $4, $5) ON CONFLICT DO NOTHING"
+                );
+                tx.execute(
+                    &sql,
+                    &[
+                        text(&record.tenant_id),
+                        text(record.release_id),
+                        text(&record.project_id),
+                        int(event.position.global_position),
+                        json(&view)?,
+                    ],
+                )
+                .await?;
+            }
+            ReleaseEvent::ReleaseWithdrawn {
+                reason,
+                withdrawn_by,
+                withdrawn_at,
+            } => {
+                let tenant = event.tenant_id().unwrap_or_default().to_string();
+                let release_id = event
+                    .aggregate_id
+                    .rsplit_once('/')
+                    .map_or(event.aggregate_id.as_str(), |(_, id)| id)
+                    .to_string();
+                let select = format!(
+                    "SELECT document FROM {table} WHERE tenant_id = $1 AND release_id = $2"
+                );
+                let Some(doc) = tx
+                    .fetch_json(&select, &[text(&tenant), text(&release_id)])
+                    .await?
+                else {
+                    return Ok(());
+                };
+                let mut view: ReleaseView =
+                    document(format!("the {table} row of release {release_id}"), doc)?;
+                view.state = ReleaseState::Withdrawn;
+                view.withdrawal = Some(Withdrawal {
+                    reason: reason.clone(),
+                    withdrawn_by: withdrawn_by.clone(),
+                    withdrawn_at: *withdrawn_at,
+                });
+                let update = format!(
+                    "UPDATE {table} SET state = 'Withdrawn', position = $3, document = $4
+                     WHERE tenant_id = $1 AND release_id = $2"
+                );
+                tx.execute(
+                    &update,
+                    &[
+                        text(&tenant),
+                        text(&release_id),
+                        int(event.position.global_position),
+                        json(&view)?,
+                    ],
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct PromotionRows(TableNames);
+
+#[async_trait::async_trait]
+impl Subscriber<Promotion> for PromotionRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<PromotionEvent>) -> Result<(), HandlerError> {
+        let promotions = self.0.get("rm_promotions");
+        let completions = self.0.get("rm_release_completions");
+        let sequence = u64::try_from(event.sequence).unwrap_or_default();
+        let view = if let PromotionEvent::PromotionRequested(request) = &event.event {
+            PromotionView::start(request)
+        } else {
+            let select = format!("SELECT document FROM {promotions} WHERE promotion_id = $1");
+            let Some(doc) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await? else {
+                return Ok(());
+            };
+            let mut view: PromotionView = document(
+                format!("the {promotions} row of promotion {}", event.aggregate_id),
+                doc,
+            )?;
+            if view.version >= sequence {
+                return Ok(());
+            }
+            view.apply(&event.event, sequence);
+            view
+        };
+        let class = serde_json::to_value(view.environment_class)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let upsert = format!(
+            "INSERT INTO {promotions} (promotion_id, tenant_id, environment_id, release_id, environment_class, state, position, version, document)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+             ON CONFLICT (promotion_id) DO UPDATE SET state = excluded.state,
+                 version = excluded.version, document = excluded.document"
+        );
+        tx.execute(
+            &upsert,
+            &[
+                text(view.promotion_id),
+                text(&view.tenant_id),
+                text(&view.environment_id),
+                text(view.release_id),
+                text(&class),
+                text(view.state.as_str()),
+                int(event.position.global_position),
+                int(i64::try_from(sequence).unwrap_or(i64::MAX)),
+                json(&view)?,
+            ],
+        )
+        .await?;
+        match &event.event {
+            PromotionEvent::PromotionCompleted { completed_at } => {
+                let completion = Completion {
+                    environment_id: view.environment_id.clone(),
+                    environment_class: view.environment_class,
+                    promotion_id: view.promotion_id,
+                    completed_at: *completed_at,
+                };
+                let sql = format!(
+                    "INSERT INTO {completions} (promotion_id, tenant_id, release_id, environment_id, environment_class, position, document)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING"
+                );
+                tx.execute(
+                    &sql,
+                    &[
+                        text(view.promotion_id),
+                        text(&view.tenant_id),
+                        text(view.release_id),
+                        text(&view.environment_id),
+                        text(&class),
+                        int(event.position.global_position),
+                        json(&completion)?,
+                    ],
+                )
+                .await?;
+            }
+            // A rolled-back release is no longer there: it no longer counts as completed.
+            PromotionEvent::RollbackCompleted { .. } => {
+                let sql = format!("DELETE FROM {completions} WHERE promotion_id = $1");
+                tx.execute(&sql, &[text(view.promotion_id)]).await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Filters of `GET /factory/delivery/releases`.
+#[derive(Debug, Clone, Default)]
+pub struct ReleaseFilter {
+    /// Only this project's.
+    pub project_id: Option<ProjectId>,
+    /// Only in this state.
+    pub state: Option<ReleaseState>,
+}
+
+/// Filters of `GET /factory/delivery/promotions`.
+#[derive(Debug, Clone, Default)]
+pub struct PromotionFilter {
+    /// Only into this environment.
+    pub environment_id: Option<EnvironmentId>,
+    /// Only of this release.
+    pub release_id: Option<ReleaseId>,
+    /// Only in this state.
+    pub state: Option<PromotionState>,
+}
+
+fn state_name<T: Serialize>(value: &T) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// Releases of `tenant` matching `filter`, newest first, with where each completed.
+pub async fn list_releases(
+    db: &Database,
+    tenant: &TenantId,
+    filter: &ReleaseFilter,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<Page<ReleaseView>, QueryError> {
+    let mut clauses = vec!["tenant_id = $1".to_string()];
+    let mut params = vec![text(tenant)];
+    if let Some(project) = &filter.project_id {
+        params.push(text(project));
+        clauses.push(format!("project_id = ${}", params.len()));
+    }
+    if let Some(state) = &filter.state {
+        params.push(text(state_name(state)));
+        clauses.push(format!("state = ${}", params.len()));
+    }
+    let (docs, next_cursor) = page(db, "rm_releases", clauses, params, limit, cursor).await?;
+    let mut items = Vec::with_capacity(docs.len());
+    for doc in docs {
+        let mut view: ReleaseView = serde_json::from_value(doc)?;
+        view.completed_in = completions(db, tenant, view.release.release_id).await?;
+        items.push(view);
+    }
+    Ok(Page { items, next_cursor })
+}
+
+/// One release of `tenant`, with where it completed.
+pub async fn get_release(
+    db: &Database,
+    tenant: &TenantId,
+    release: ReleaseId,
+) -> Result<Option<ReleaseView>, QueryError> {
+    let sql = db.sql("SELECT document FROM rm_releases WHERE tenant_id = $1 AND release_id = $2");
+    let doc: Option<Json<Value>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(release.to_string()).fetch_optional(pool).await?);
+    let Some(Json(doc)) = doc else {
+        return Ok(None);
+    };
+    let mut view: ReleaseView = serde_json::from_value(doc)?;
+    view.completed_in = completions(db, tenant, release).await?;
+    Ok(Some(view))
+}
+
+/// Where `release` completed (and was not rolled back), oldest first.
+pub async fn completions(
+    db: &Database,
+    tenant: &TenantId,
+    release: ReleaseId,
+) -> Result<Vec<Completion>, QueryError> {
+    let sql = db.sql(
+        "SELECT document FROM rm_release_completions WHERE tenant_id = $1 AND release_id = $2 ORDER BY position",
+    );
+    let docs: Vec<Json<Value>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(release.to_string()).fetch_all(pool).await?);
+    docs.into_iter()
+        .map(|Json(d)| serde_json::from_value(d).map_err(QueryError::from))
+        .collect()
+}
+
+/// The release last completed in `environment` (and not rolled back), with its promotion.
+pub async fn current_release(
+    db: &Database,
+    tenant: &TenantId,
+    environment: &EnvironmentId,
+) -> Result<Option<(ReleaseId, Completion)>, QueryError> {
+    let sql = db.sql(
+        "SELECT release_id, document FROM rm_release_completions WHERE tenant_id = $1 AND environment_id = $2 ORDER BY position DESC LIMIT 1",
+    );
+    let row: Option<(String, Json<Value>)> = on_pool!(db, pool => sqlx::query_as(&sql)
+        .bind(tenant.as_str()).bind(environment.as_str()).fetch_optional(pool).await?);
+    let Some((release, Json(doc))) = row else {
+        return Ok(None);
+    };
+    let Ok(release) = ReleaseId::parse(&release) else {
+        return Ok(None);
+    };
+    Ok(Some((release, serde_json::from_value(doc)?)))
+}
+
+/// Promotions of `tenant` matching `filter`, newest first.
+pub async fn list_promotions(
+    db: &Database,
+    tenant: &TenantId,
+    filter: &PromotionFilter,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<Page<PromotionView>, QueryError> {
+    let mut clauses = vec!["tenant_id = $1".to_string()];
+    let mut params = vec![text(tenant)];
+    if let Some(environment) = &filter.environment_id {
+        params.push(text(environment));
+        clauses.push(format!("environment_id = ${}", params.len()));
+    }
+    if let Some(release) = &filter.release_id {
+        params.push(text(release));
+        clauses.push(format!("release_id = ${}", params.len()));
+    }
+    if let Some(state) = &filter.state {
+        params.push(text(state.as_str()));
+        clauses.push(format!("state = ${}", params.len()));
+    }
+    let (docs, next_cursor) = page(db, "rm_promotions", clauses, params, limit, cursor).await?;
+    let items = docs
+        .into_iter()
+        .map(serde_json::from_value)
+        .collect::<Result<_, _>>()?;
+    Ok(Page { items, next_cursor })
+}
+
+/// One promotion of `tenant`.
+pub async fn get_promotion(
+    db: &Database,
+    tenant: &TenantId,
+    promotion: PromotionId,
+) -> Result<Option<PromotionView>, QueryError> {
+    let sql =
+        db.sql("SELECT document FROM rm_promotions WHERE tenant_id = $1 AND promotion_id = $2");
+    let doc: Option<Json<Value>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(promotion.to_string()).fetch_optional(pool).await?);
+    doc.map(|Json(d)| serde_json::from_value(d).map_err(QueryError::from))
+        .transpose()
+}
+
+/// The promotion's view version (to wait for a command's effect), if projected.
+pub async fn promotion_version(
+    db: &Database,
+    tenant: &TenantId,
+    promotion: PromotionId,
+) -> Result<Option<u64>, QueryError> {
+    let sql =
+        db.sql("SELECT version FROM rm_promotions WHERE tenant_id = $1 AND promotion_id = $2");
+    let version: Option<i64> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(promotion.to_string()).fetch_optional(pool).await?);
+    Ok(version.map(|v| u64::try_from(v).unwrap_or_default()))
+}
+
+/// Promotions the driver has work for: queued or evaluating gates (and, for every state,
+/// those whose environment slot must be let go). `(tenant, promotion, environment, state)`,
+/// oldest first.
+pub async fn open_promotions(
+    db: &Database,
+) -> Result<Vec<(String, String, String, String)>, QueryError> {
+    let sql = db.sql(
+        "SELECT tenant_id, promotion_id, environment_id, state FROM rm_promotions
+         WHERE state IN ('Requested', 'GatesEvaluating') ORDER BY position",
+    );
+    Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+}
+
+/// The tenant's promotions of `release` not yet deploying (for a withdrawal).
+pub async fn undeployed_promotions_of(
+    db: &Database,
+    tenant: &TenantId,
+    release: ReleaseId,
+) -> Result<Vec<PromotionId>, QueryError> {
+    let sql = db.sql(
+        "SELECT promotion_id FROM rm_promotions WHERE tenant_id = $1 AND release_id = $2
+         AND state IN ('Requested', 'GatesEvaluating', 'AwaitingApproval', 'Approved')",
+    );
+    let ids: Vec<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(release.to_string()).fetch_all(pool).await?);
+    Ok(ids
+        .iter()
+        .filter_map(|id| PromotionId::parse(id).ok())
+        .collect())
+}

@@ -1,0 +1,422 @@
+//! The Release aggregate: a release Ferry may promote, as the release service reported it
+//! (`releases.releases.v1.release-ready`) or an administrator recorded it
+//! (`PUT /factory/delivery/releases/{releaseId}`), and its withdrawal.
+//!
+//! A release is immutable: the same report again changes nothing, a different one under the
+//! same id is refused (a new build is a new release). A withdrawn release stays withdrawn.
+
+use crate::ids::{Actor, ProjectId, ReleaseId, TenantId};
+use crate::values::{ProgramRef, ProgramVersion, ValueError};
+use crate::{EventType, TenantOwned};
+use chrono::{DateTime, Utc};
+use cqrs_es::event_sink::EventSink;
+use cqrs_es::{Aggregate, DomainEvent};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A release's version as its release service names it (e.g. `2.3.0`): 1 to 64 printable
+/// characters without spaces.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(try_from = "String", into = "String")]
+pub struct ReleaseVersion(String);
+
+impl ReleaseVersion {
+    /// Validates and wraps a version.
+    pub fn parse(value: impl Into<String>) -> Result<Self, ValueError> {
+        let value = value.into();
+        if value.is_empty() {
+            return Err(ValueError::Empty);
+        }
+        if value.chars().count() > 64 {
+            return Err(ValueError::TooLong { max: 64 });
+        }
+        if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(ValueError::Whitespace);
+        }
+        Ok(Self(value))
+    }
+    /// The version as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for ReleaseVersion {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        Self::parse(value)
+    }
+}
+
+impl From<ReleaseVersion> for String {
+    fn from(value: ReleaseVersion) -> String {
+        value.0
+    }
+}
+
+impl fmt::Display for ReleaseVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The result of one pipeline stage of the release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PipelineOutcome {
+    /// The stage passed.
+    Passed,
+    /// The stage failed.
+    Failed,
+}
+
+/// One pipeline stage and its result (the pipeline-results gate reads these).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PipelineResult {
+    /// The stage's name (e.g. `unit-tests`).
+    pub name: String,
+    /// Its result.
+    pub result: PipelineOutcome,
+    /// Where its log or report is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+/// Evidence that agent-generated assets of the release were evaluated.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EvaluationEvidence {
+    /// Whether the evaluation passed.
+    pub passed: bool,
+    /// Where the evaluation report is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    /// A short summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
+}
+
+/// What a release is: the payload of `ReleaseRecorded`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseRecord {
+    /// The release.
+    pub release_id: ReleaseId,
+    /// The owning tenant.
+    pub tenant_id: TenantId,
+    /// The project it is a release of.
+    pub project_id: ProjectId,
+    /// Its version.
+    pub version: ReleaseVersion,
+    /// The release's infrastructure program, `<repository>#<folder>`.
+    pub program_ref: ProgramRef,
+    /// The program's commit.
+    pub program_version: ProgramVersion,
+    /// The pipeline's stages and their results.
+    pub pipeline: Vec<PipelineResult>,
+    /// True when the release carries agent-generated assets (the evaluation gate applies).
+    pub has_agent_generated_assets: bool,
+    /// The evaluation of those assets, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_evidence: Option<EvaluationEvidence>,
+    /// Who recorded it (a token's subject, or `system:inbound`).
+    pub recorded_by: Actor,
+    /// When.
+    pub recorded_at: DateTime<Utc>,
+}
+
+impl ReleaseRecord {
+    /// The same release, apart from who reported it and when.
+    fn same_release(&self, other: &Self) -> bool {
+        let mut this = self.clone();
+        this.recorded_by = other.recorded_by.clone();
+        this.recorded_at = other.recorded_at;
+        this == *other
+    }
+}
+
+/// Commands of the release aggregate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReleaseCommand {
+    /// Record the release as ready (idempotent: the same release again changes nothing).
+    Record(Box<ReleaseRecord>),
+    /// Withdraw it (idempotent).
+    Withdraw {
+        /// Why, as the release service or the administrator said.
+        reason: String,
+        /// Who.
+        by: Actor,
+        /// When.
+        at: DateTime<Utc>,
+    },
+}
+
+/// Events of the release aggregate (all version 1.0).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum ReleaseEvent {
+    /// The release is ready to be promoted.
+    ReleaseRecorded(Box<ReleaseRecord>),
+    /// The release was withdrawn: no new promotion of it, pending ones are rejected.
+    #[serde(rename_all = "camelCase")]
+    ReleaseWithdrawn {
+        /// Why.
+        reason: String,
+        /// Who.
+        withdrawn_by: Actor,
+        /// When.
+        withdrawn_at: DateTime<Utc>,
+    },
+}
+
+impl ReleaseEvent {
+    /// The name and version this event is stored under (see [`crate::event_type`]).
+    pub fn stored_type(&self) -> EventType {
+        match self {
+            Self::ReleaseRecorded(_) => EventType::first("ReleaseRecorded"),
+            Self::ReleaseWithdrawn { .. } => EventType::first("ReleaseWithdrawn"),
+        }
+    }
+}
+
+impl DomainEvent for ReleaseEvent {
+    fn event_type(&self) -> String {
+        self.stored_type().name.to_string()
+    }
+    fn event_version(&self) -> String {
+        self.stored_type().version.to_string()
+    }
+}
+
+/// Rules a release command can break.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReleaseError {
+    /// A different release under an id already recorded.
+    #[error("release {0} is already recorded with other contents; a new build is a new release")]
+    Immutable(ReleaseId),
+    /// The release was withdrawn; it cannot be recorded as ready again.
+    #[error("release {0} was withdrawn")]
+    Withdrawn(ReleaseId),
+    /// Withdrawing a release Ferry has not recorded.
+    #[error("release is not recorded")]
+    NotRecorded,
+    /// The record names another release or tenant than the aggregate.
+    #[error("the record does not match the release")]
+    IdentityMismatch,
+}
+
+/// The release as recorded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Release {
+    record: Option<ReleaseRecord>,
+    withdrawn: bool,
+}
+
+impl Release {
+    /// The aggregate id of a release of a tenant (release ids are the release service's;
+    /// scoping them by tenant keeps one tenant from claiming another's id).
+    pub fn aggregate_id(tenant: &TenantId, release: ReleaseId) -> String {
+        format!("{tenant}/{release}")
+    }
+    /// The record, if recorded.
+    pub fn record(&self) -> Option<&ReleaseRecord> {
+        self.record.as_ref()
+    }
+    /// True once withdrawn.
+    pub fn is_withdrawn(&self) -> bool {
+        self.withdrawn
+    }
+}
+
+impl TenantOwned for Release {
+    fn tenant(&self) -> Option<&TenantId> {
+        self.record.as_ref().map(|r| &r.tenant_id)
+    }
+}
+
+/// Stored with no upcasters yet: every event type is at its first version.
+impl crate::StoredAggregate for Release {}
+
+impl Aggregate for Release {
+    const TYPE: &'static str = "Release";
+    type Command = ReleaseCommand;
+    type Event = ReleaseEvent;
+    type Error = ReleaseError;
+    type Services = ();
+
+    async fn handle(
+        &mut self,
+        command: Self::Command,
+        _services: &(),
+        sink: &EventSink<Self>,
+    ) -> Result<(), Self::Error> {
+        let event = match command {
+            ReleaseCommand::Record(record) => match &self.record {
+                None => ReleaseEvent::ReleaseRecorded(record),
+                Some(existing) => {
+                    if existing.release_id != record.release_id
+                        || existing.tenant_id != record.tenant_id
+                    {
+                        return Err(ReleaseError::IdentityMismatch);
+                    }
+                    if self.withdrawn {
+                        return Err(ReleaseError::Withdrawn(existing.release_id));
+                    }
+                    if existing.same_release(&record) {
+                        return Ok(());
+                    }
+                    return Err(ReleaseError::Immutable(existing.release_id));
+                }
+            },
+            ReleaseCommand::Withdraw { reason, by, at } => {
+                if self.record.is_none() {
+                    return Err(ReleaseError::NotRecorded);
+                }
+                if self.withdrawn {
+                    return Ok(());
+                }
+                ReleaseEvent::ReleaseWithdrawn {
+                    reason,
+                    withdrawn_by: by,
+                    withdrawn_at: at,
+                }
+            }
+        };
+        sink.write(event, self).await;
+        Ok(())
+    }
+
+    fn apply(&mut self, event: Self::Event) {
+        match event {
+            ReleaseEvent::ReleaseRecorded(record) => self.record = Some(*record),
+            ReleaseEvent::ReleaseWithdrawn { .. } => self.withdrawn = true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cqrs_es::test::TestFramework;
+
+    type Fixture = TestFramework<Release>;
+
+    fn at(seconds: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_700_000_000 + seconds, 0).unwrap_or_default()
+    }
+
+    fn record(by: &str, seconds: i64) -> ReleaseRecord {
+        ReleaseRecord {
+            release_id: ReleaseId::from_uuid(uuid::Uuid::from_u128(5)),
+            tenant_id: TenantId::parse("acme").unwrap(),
+            project_id: ProjectId::parse("payments").unwrap(),
+            version: ReleaseVersion::parse("2.3.0").unwrap(),
+            program_ref: ProgramRef::parse("https://git.example.com/payments.git#infra").unwrap(),
+            program_version: ProgramVersion::parse("3f2a9c1").unwrap(),
+            pipeline: vec![PipelineResult {
+                name: "unit-tests".to_string(),
+                result: PipelineOutcome::Passed,
+                url: None,
+            }],
+            has_agent_generated_assets: false,
+            evaluation_evidence: None,
+            recorded_by: Actor::parse(by).unwrap(),
+            recorded_at: at(seconds),
+        }
+    }
+
+    fn recorded() -> ReleaseEvent {
+        ReleaseEvent::ReleaseRecorded(Box::new(record("system:inbound", 0)))
+    }
+
+    fn withdraw(seconds: i64) -> ReleaseCommand {
+        ReleaseCommand::Withdraw {
+            reason: "bad build".to_string(),
+            by: Actor::parse("system:inbound").unwrap(),
+            at: at(seconds),
+        }
+    }
+
+    #[test]
+    fn a_release_is_recorded_once() {
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(ReleaseCommand::Record(Box::new(record(
+                "system:inbound",
+                0,
+            ))))
+            .then_expect_events(vec![recorded()]);
+    }
+
+    #[test]
+    fn the_same_release_again_changes_nothing_even_from_someone_else_later() {
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(ReleaseCommand::Record(Box::new(record("admin", 60))))
+            .then_expect_events(vec![]);
+    }
+
+    #[test]
+    fn another_release_under_the_same_id_is_refused() {
+        let mut other = record("system:inbound", 0);
+        other.version = ReleaseVersion::parse("2.3.1").unwrap();
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(ReleaseCommand::Record(Box::new(other)))
+            .then_expect_error(ReleaseError::Immutable(ReleaseId::from_uuid(
+                uuid::Uuid::from_u128(5),
+            )));
+    }
+
+    #[test]
+    fn another_tenant_s_record_does_not_match() {
+        let mut other = record("system:inbound", 0);
+        other.tenant_id = TenantId::parse("globex").unwrap();
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(ReleaseCommand::Record(Box::new(other)))
+            .then_expect_error(ReleaseError::IdentityMismatch);
+    }
+
+    #[test]
+    fn a_withdrawal_is_recorded_once_and_sticks() {
+        let withdrawn = ReleaseEvent::ReleaseWithdrawn {
+            reason: "bad build".to_string(),
+            withdrawn_by: Actor::parse("system:inbound").unwrap(),
+            withdrawn_at: at(10),
+        };
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(withdraw(10))
+            .then_expect_events(vec![withdrawn.clone()]);
+        Fixture::with(())
+            .given(vec![recorded(), withdrawn.clone()])
+            .when(withdraw(20))
+            .then_expect_events(vec![]);
+        Fixture::with(())
+            .given(vec![recorded(), withdrawn])
+            .when(ReleaseCommand::Record(Box::new(record(
+                "system:inbound",
+                0,
+            ))))
+            .then_expect_error(ReleaseError::Withdrawn(ReleaseId::from_uuid(
+                uuid::Uuid::from_u128(5),
+            )));
+    }
+
+    #[test]
+    fn an_unknown_release_cannot_be_withdrawn() {
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(withdraw(0))
+            .then_expect_error(ReleaseError::NotRecorded);
+    }
+
+    #[test]
+    fn a_version_is_validated() {
+        assert!(ReleaseVersion::parse("2.3.0-rc.1").is_ok());
+        assert!(ReleaseVersion::parse("").is_err());
+        assert!(ReleaseVersion::parse("2 3").is_err());
+        assert!(ReleaseVersion::parse("v".repeat(65)).is_err());
+    }
+}

@@ -1,0 +1,386 @@
+//! Promotions end to end over HTTP: releases recorded, promotions queued one per
+//! environment, the gates in order with their evidence, rejection naming the failing gate,
+//! a hotfix that policy allows, a withdrawn release, and another tenant kept out.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod common;
+
+use axum::routing::get;
+use common::*;
+use ferry_store::database::Backend;
+use ferry_store::testing::eventually_showing;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+
+const D_READ: &str = "factory.delivery.read";
+const D_PROMOTE: &str = "factory.delivery.promote";
+
+/// A Ferry with its workers (the promotion driver) and a health endpoint the test controls.
+struct Delivery {
+    s: TestServer,
+    health: String,
+    status: Arc<AtomicU16>,
+}
+
+async fn start(backend: Backend, policy: Option<&str>) -> Delivery {
+    let status = Arc::new(AtomicU16::new(200));
+    let answer = status.clone();
+    let app = axum::Router::new().route(
+        "/healthz",
+        get(move || {
+            let answer = answer.clone();
+            async move {
+                axum::http::StatusCode::from_u16(answer.load(Ordering::SeqCst))
+                    .unwrap_or(axum::http::StatusCode::OK)
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health = format!("http://{}/healthz", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let data = tempfile::tempdir().unwrap();
+    let mut config = config(data.path());
+    config.workers = true;
+    if let Some(rego) = policy {
+        let dir = data.path().join("policies");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("team.rego"), rego).unwrap();
+        config.policy_dir = Some(dir);
+    }
+    Delivery {
+        s: TestServer::start_with(backend, config, data).await,
+        health,
+        status,
+    }
+}
+
+fn admin(tenant: &str) -> String {
+    token(
+        tenant,
+        "platform",
+        &[READ, APPLY, D_READ, D_PROMOTE],
+        &["PlatformAdmin"],
+    )
+}
+
+fn promoter(tenant: &str, sub: &str) -> String {
+    token(tenant, sub, &[D_READ, D_PROMOTE], &["Operator"])
+}
+
+impl Delivery {
+    async fn put(&self, token: &str, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .s
+            .client
+            .put(self.s.url(path))
+            .bearer_auth(token)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        response(r).await
+    }
+
+    async fn environment(&self, env: &str, class: &str) {
+        let (status, body) = self
+            .put(
+                &admin("acme"),
+                &format!("/factory/environments/{env}"),
+                &json!({"environmentClass": class, "healthUrl": self.health}),
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+    }
+
+    async fn release(&self, id: &str, version: &str, pipeline: Value) -> (u16, Value) {
+        self.put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{id}"),
+            &json!({
+                "projectId": "payments", "version": version,
+                "programRef": "https://git.example.com/payments.git#deploy",
+                "programVersion": "3f2a9c1",
+                "pipeline": pipeline
+            }),
+        )
+        .await
+    }
+
+    async fn promote(&self, release: &str, env: &str, extra: Value) -> Value {
+        let mut body = json!({"releaseId": release, "environmentId": env});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let (status, promotion) = self
+            .s
+            .post(
+                &promoter("acme", "alice"),
+                "/factory/delivery/promotions",
+                &body,
+            )
+            .await;
+        assert_eq!(status, 201, "{promotion}");
+        assert_eq!(promotion["state"], "Requested");
+        promotion
+    }
+
+    async fn wait(&self, promotion: &Value, state: &str) -> Value {
+        let path = format!(
+            "/factory/delivery/promotions/{}",
+            promotion["promotionId"].as_str().unwrap()
+        );
+        let s = &self.s;
+        let path = &path;
+        eventually_showing(&format!("promotion in {state}"), 20, || async move {
+            let (_, p) = s.get(&promoter("acme", "alice"), path).await;
+            if p["state"] == state {
+                Ok(p)
+            } else {
+                Err(p.to_string())
+            }
+        })
+        .await
+    }
+}
+
+const PASSED: &str = r#"[{"name": "unit", "result": "passed"}, {"name": "e2e", "result": "passed", "url": "https://ci.example.com/7"}]"#;
+
+fn passed() -> Value {
+    serde_json::from_str(PASSED).unwrap()
+}
+
+async fn gates_queue_and_reject(backend: Backend) {
+    let d = start(backend, None).await;
+    d.environment("payments-dev", "development").await;
+    d.environment("payments-prod", "production").await;
+    let release = uuid::Uuid::new_v4().to_string();
+
+    // A release is recorded once; the same again is unchanged, another under its id refused.
+    let (status, body) = d.release(&release, "2.3.0", passed()).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["state"], "Ready");
+    let (status, _) = d.release(&release, "2.3.0", passed()).await;
+    assert_eq!(status, 200);
+    let (status, body) = d.release(&release, "2.3.1", passed()).await;
+    assert_eq!(status, 409, "{body}");
+
+    // Into development: every gate recorded in order, then approved without an approval.
+    let first = d.promote(&release, "payments-dev", json!({})).await;
+    let first = d.wait(&first, "Approved").await;
+    let gates: Vec<(&str, &str)> = first["gates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| (g["kind"].as_str().unwrap(), g["outcome"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        gates,
+        [
+            ("PipelineResults", "Passed"),
+            ("Policy", "Passed"),
+            ("PriorEnvironment", "NotApplicable"),
+            ("EnvironmentReady", "Passed"),
+            ("EvaluationEvidence", "NotApplicable"),
+        ]
+    );
+    assert_eq!(first["gates"][3]["evidence"]["source"], "probed");
+    assert_eq!(first["gates"][3]["evidence"]["status"], 200);
+    assert_eq!(first["approvalRequired"], false);
+
+    // A second promotion into the same environment queues behind the first.
+    let queued = d.promote(&release, "payments-dev", json!({})).await;
+
+    // Skipping the path: production before staging is rejected at the prior-environment
+    // gate, which names it. Promotions are driven in request order, so by the time this one
+    // is decided the queued one was looked at and left waiting.
+    let skip = d.promote(&release, "payments-prod", json!({})).await;
+    let skip = d.wait(&skip, "Rejected").await;
+    assert_eq!(skip["rejection"]["gate"], "PriorEnvironment", "{skip}");
+    let reason = skip["rejection"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("has not completed in a staging environment"),
+        "{reason}"
+    );
+    let (_, still) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            &format!(
+                "/factory/delivery/promotions/{}",
+                queued["promotionId"].as_str().unwrap()
+            ),
+        )
+        .await;
+    assert_eq!(still["state"], "Requested", "{still}");
+    assert!(still["gates"].as_array().unwrap().is_empty());
+
+    // A hotfix without a policy that allows it is rejected at the same gate.
+    let hotfix = d
+        .promote(
+            &release,
+            "payments-prod",
+            json!({"hotfix": {"reason": "CVE-2026-1"}}),
+        )
+        .await;
+    let hotfix = d.wait(&hotfix, "Rejected").await;
+    assert_eq!(hotfix["rejection"]["gate"], "PriorEnvironment");
+    assert!(hotfix["rejection"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("policy does not allow this hotfix"));
+
+    // A failing pipeline is rejected at the first gate, naming the stage.
+    let broken = uuid::Uuid::new_v4().to_string();
+    let (status, _) = d
+        .release(
+            &broken,
+            "2.4.0",
+            json!([{"name": "e2e", "result": "failed"}]),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let failing = d.promote(&broken, "payments-prod", json!({})).await;
+    let failing = d.wait(&failing, "Rejected").await;
+    assert_eq!(failing["rejection"]["gate"], "PipelineResults");
+    assert!(failing["rejection"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("e2e"));
+    assert_eq!(
+        failing["gates"].as_array().unwrap().len(),
+        1,
+        "gates stop at the first failure"
+    );
+
+    // An environment whose health URL does not answer 2xx is not ready.
+    d.environment("payments-sandbox", "development").await;
+    d.status.store(503, Ordering::SeqCst);
+    let unready = d.promote(&release, "payments-sandbox", json!({})).await;
+    let unready = d.wait(&unready, "Rejected").await;
+    d.status.store(200, Ordering::SeqCst);
+    assert_eq!(
+        unready["rejection"]["gate"], "EnvironmentReady",
+        "{unready}"
+    );
+    assert!(unready["rejection"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("answered 503"));
+
+    // Withdrawn: the queued promotion is rejected and no new one is accepted.
+    let event = json!({
+        "specversion": "1.0", "id": format!("withdrawn-{release}"), "source": "urn:releases",
+        "type": "releases.releases.v1.release-withdrawn", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"releaseId": release, "tenantId": "acme", "projectId": "payments",
+                 "reason": "licence problem"}
+    });
+    let r =
+        d.s.client
+            .post(d.s.url("/factory/events"))
+            .bearer_auth(service("acme", "svc-releases"))
+            .header("content-type", "application/cloudevents+json")
+            .body(event.to_string())
+            .send()
+            .await
+            .unwrap();
+    let (status, body) = response(r).await;
+    assert_eq!(status, 202, "{body}");
+    let rejected = d.wait(&queued, "Rejected").await;
+    assert_eq!(rejected["rejection"]["reason"], "the release was withdrawn");
+    let (status, body) =
+        d.s.post(
+            &promoter("acme", "alice"),
+            "/factory/delivery/promotions",
+            &json!({"releaseId": release, "environmentId": "payments-dev"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert!(body.to_string().contains("licence problem"), "{body}");
+    let (status, list) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/delivery/releases?state=Withdrawn",
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(list["items"][0]["releaseId"], release.as_str());
+
+    // Another tenant sees none of it and cannot promote it.
+    let (status, _) =
+        d.s.get(
+            &promoter("globex", "mallory"),
+            &format!(
+                "/factory/delivery/promotions/{}",
+                first["promotionId"].as_str().unwrap()
+            ),
+        )
+        .await;
+    assert_eq!(status, 404);
+    let (status, body) =
+        d.s.post(
+            &promoter("globex", "mallory"),
+            "/factory/delivery/promotions",
+            &json!({"releaseId": broken, "environmentId": "payments-dev"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    let (_, list) =
+        d.s.get(
+            &promoter("globex", "mallory"),
+            "/factory/delivery/promotions",
+        )
+        .await;
+    assert_eq!(list["items"], json!([]));
+    // Only a PlatformAdmin (or the release service) records releases; an Operator may not.
+    let (status, _) = d
+        .put(
+            &promoter("acme", "alice"),
+            &format!("/factory/delivery/releases/{}", uuid::Uuid::new_v4()),
+            &json!({"projectId": "payments", "version": "1", "programRef": "https://git.example.com/p.git",
+                    "programVersion": "3f2a9c1", "pipeline": []}),
+        )
+        .await;
+    assert_eq!(status, 403);
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn gates_run_in_order_queue_per_environment_and_reject_naming_the_gate_on_sqlite() {
+    gates_queue_and_reject(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn gates_run_in_order_queue_per_environment_and_reject_naming_the_gate_on_postgres() {
+    gates_queue_and_reject(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn a_hotfix_that_policy_allows_passes_the_path_with_evidence_and_waits_for_approval() {
+    let policy = "package ferry.deployment\n\nimport rego.v1\n\nhotfix contains msg if {\n\tinput.hotfix\n\tmsg := sprintf(\"team policy: hotfixes may skip the path (%s)\", [input.hotfix])\n}\n";
+    let d = start(Backend::Sqlite, Some(policy)).await;
+    d.environment("payments-prod", "production").await;
+    let release = uuid::Uuid::new_v4().to_string();
+    let (status, _) = d.release(&release, "2.3.1", passed()).await;
+    assert_eq!(status, 201);
+    let p = d
+        .promote(
+            &release,
+            "payments-prod",
+            json!({"hotfix": {"reason": "CVE-2026-1"}, "strategy": "Canary"}),
+        )
+        .await;
+    let p = d.wait(&p, "AwaitingApproval").await;
+    let prior = &p["gates"][2];
+    assert_eq!(prior["kind"], "PriorEnvironment");
+    assert_eq!(prior["outcome"], "Passed");
+    assert_eq!(prior["evidence"]["hotfix"]["reason"], "CVE-2026-1");
+    assert_eq!(
+        prior["evidence"]["policy"][0],
+        "team policy: hotfixes may skip the path (CVE-2026-1)"
+    );
+    assert_eq!(p["gates"][1]["evidence"]["decision"], "require_approval");
+    assert_eq!(p["approvalRequired"], true);
+    assert_eq!(p["strategy"], "Canary");
+    d.s.stop().await;
+}
