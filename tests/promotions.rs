@@ -21,9 +21,45 @@ struct Delivery {
     s: TestServer,
     health: String,
     status: Arc<AtomicU16>,
+    /// `<repository>#stacks/web` and its commit, in acme's folder.
+    program: (String, String),
+    _root: tempfile::TempDir,
+}
+
+const PROGRAM: &str = "name: web\nruntime: yaml\nresources:\n  site:\n    type: aws:s3/bucket:Bucket\n    properties:\n      bucketPrefix: web\noutputs:\n  siteId: ${site.id}\n";
+
+fn git(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_AUTHOR_NAME", "t")
+        .env("GIT_AUTHOR_EMAIL", "t@example.com")
+        .env("GIT_COMMITTER_NAME", "t")
+        .env("GIT_COMMITTER_EMAIL", "t@example.com")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
 async fn start(backend: Backend, policy: Option<&str>) -> Delivery {
+    start_with(backend, policy, |_| {}).await
+}
+
+async fn start_with(
+    backend: Backend,
+    policy: Option<&str>,
+    tune: impl FnOnce(&mut ferry_app::Config),
+) -> Delivery {
+    let root = tempfile::tempdir().unwrap();
+    let repo = root.path().join("acme/infra");
+    std::fs::create_dir_all(repo.join("stacks/web")).unwrap();
+    git(&repo, &["init", "-q"]);
+    std::fs::write(repo.join("stacks/web/Pulumi.yaml"), PROGRAM).unwrap();
+    git(&repo, &["add", "."]);
+    git(&repo, &["commit", "-qm", "web"]);
+    let commit = git(&repo, &["rev-parse", "HEAD"]);
+    let program = (format!("{}#stacks/web", repo.display()), commit);
     let status = Arc::new(AtomicU16::new(200));
     let answer = status.clone();
     let app = axum::Router::new().route(
@@ -42,6 +78,8 @@ async fn start(backend: Backend, policy: Option<&str>) -> Delivery {
     let data = tempfile::tempdir().unwrap();
     let mut config = config(data.path());
     config.workers = true;
+    config.tenant_program_roots = Some(vec![format!("{}/{{tenant}}", root.path().display())]);
+    tune(&mut config);
     if let Some(rego) = policy {
         let dir = data.path().join("policies");
         std::fs::create_dir_all(&dir).unwrap();
@@ -52,6 +90,8 @@ async fn start(backend: Backend, policy: Option<&str>) -> Delivery {
         s: TestServer::start_with(backend, config, data).await,
         health,
         status,
+        program,
+        _root: root,
     }
 }
 
@@ -99,8 +139,7 @@ impl Delivery {
             &format!("/factory/delivery/releases/{id}"),
             &json!({
                 "projectId": "payments", "version": version,
-                "programRef": "https://git.example.com/payments.git#deploy",
-                "programVersion": "3f2a9c1",
+                "programRef": self.program.0, "programVersion": self.program.1,
                 "pipeline": pipeline
             }),
         )
@@ -125,16 +164,38 @@ impl Delivery {
         promotion
     }
 
+    /// A release of the repository's program.
+    async fn deployable(&self, version: &str) -> String {
+        let id = uuid::Uuid::new_v4().to_string();
+        let (status, body) = self
+            .put(
+                &admin("acme"),
+                &format!("/factory/delivery/releases/{id}"),
+                &json!({
+                    "projectId": "payments", "version": version,
+                    "programRef": self.program.0, "programVersion": self.program.1,
+                    "pipeline": passed()
+                }),
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+        id
+    }
+
     async fn wait(&self, promotion: &Value, state: &str) -> Value {
+        self.wait_any(promotion, &[state]).await
+    }
+
+    async fn wait_any(&self, promotion: &Value, states: &[&str]) -> Value {
         let path = format!(
             "/factory/delivery/promotions/{}",
             promotion["promotionId"].as_str().unwrap()
         );
         let s = &self.s;
         let path = &path;
-        eventually_showing(&format!("promotion in {state}"), 20, || async move {
+        eventually_showing(&format!("promotion in {states:?}"), 30, || async move {
             let (_, p) = s.get(&promoter("acme", "alice"), path).await;
-            if p["state"] == state {
+            if states.iter().any(|state| p["state"] == *state) {
                 Ok(p)
             } else {
                 Err(p.to_string())
@@ -165,9 +226,10 @@ async fn gates_queue_and_reject(backend: Backend) {
     let (status, body) = d.release(&release, "2.3.1", passed()).await;
     assert_eq!(status, 409, "{body}");
 
-    // Into development: every gate recorded in order, then approved without an approval.
+    // Into development: every gate recorded in order, approved without an approval, handed
+    // off and applied; it holds the environment while verification watches (15 minutes).
     let first = d.promote(&release, "payments-dev", json!({})).await;
-    let first = d.wait(&first, "Approved").await;
+    let first = d.wait(&first, "Verifying").await;
     let gates: Vec<(&str, &str)> = first["gates"]
         .as_array()
         .unwrap()
@@ -383,4 +445,117 @@ async fn a_hotfix_that_policy_allows_passes_the_path_with_evidence_and_waits_for
     assert_eq!(p["approvalRequired"], true);
     assert_eq!(p["strategy"], "Canary");
     d.s.stop().await;
+}
+
+async fn a_release_goes_through_the_path(backend: Backend) {
+    let d = start_with(backend, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    for (env, class) in [
+        ("payments-dev", "development"),
+        ("payments-test", "test"),
+        ("payments-staging", "staging"),
+        ("payments-prod", "production"),
+    ] {
+        d.environment(env, class).await;
+    }
+    let release = d.deployable("2.3.0").await;
+
+    // Development: gates, hand-off, a Release run planned and applied, verified, completed.
+    let dev = d
+        .promote(&release, "payments-dev", json!({"strategy": "BlueGreen"}))
+        .await;
+    let dev = d.wait(&dev, "Completed").await;
+    let run_id = dev["provisioningRunId"].as_str().unwrap();
+    assert!(
+        dev["desiredStateRef"].as_str().unwrap().ends_with("@1"),
+        "{dev}"
+    );
+    let (_, run) =
+        d.s.get(
+            &operator("acme", "alice"),
+            &format!("/factory/provisioning/runs/{run_id}"),
+        )
+        .await;
+    assert_eq!(run["state"], "Applied", "{run}");
+    assert_eq!(run["kind"], "Release");
+    assert_eq!(run["promotionId"], dev["promotionId"]);
+    let measurements = dev["verification"]["measurements"].as_array().unwrap();
+    assert!(!measurements.is_empty());
+    assert!(measurements
+        .iter()
+        .all(|m| m["passed"] == true && m["value"] == "200"));
+    assert_eq!(dev["verification"]["outcome"], "Passed");
+    let (status, current) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/environments/payments-dev/current-release",
+        )
+        .await;
+    assert_eq!(status, 200, "{current}");
+    assert_eq!(current["releaseId"], release.as_str());
+    assert_eq!(current["version"], "2.3.0");
+
+    // Skipping test is refused, naming the class it skipped.
+    let skip = d.promote(&release, "payments-staging", json!({})).await;
+    let skip = d.wait(&skip, "Rejected").await;
+    assert!(skip["rejection"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("has not completed in a test environment"));
+
+    // Test, then staging, then production, which waits for its approval.
+    for env in ["payments-test", "payments-staging"] {
+        let p = d.promote(&release, env, json!({})).await;
+        let p = d.wait(&p, "Completed").await;
+        assert_eq!(p["gates"][2]["outcome"], "Passed", "{p}");
+    }
+    let prod = d.promote(&release, "payments-prod", json!({})).await;
+    let prod = d.wait(&prod, "AwaitingApproval").await;
+    assert_eq!(
+        prod["gates"][2]["evidence"]["completion"]["environmentId"],
+        "payments-staging"
+    );
+    let (_, r) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            &format!("/factory/delivery/releases/{release}"),
+        )
+        .await;
+    let completed: Vec<&str> = r["completedIn"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["environmentId"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        completed,
+        ["payments-dev", "payments-test", "payments-staging"]
+    );
+
+    // A release whose health check fails during verification fails, with the measurement.
+    let bad = d.deployable("2.4.0").await;
+    let p = d.promote(&bad, "payments-dev", json!({})).await;
+    d.wait_any(&p, &["Approved", "Deploying", "Verifying"])
+        .await;
+    d.status.store(503, Ordering::SeqCst);
+    let failed = d.wait(&p, "Failed").await;
+    assert_eq!(failed["verification"]["outcome"], "Failed", "{failed}");
+    assert!(failed["failure"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("answered 503"));
+    assert_eq!(failed["failure"]["rolledBack"], false);
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn a_release_goes_development_test_staging_then_waits_for_production_approval_on_sqlite() {
+    a_release_goes_through_the_path(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_release_goes_development_test_staging_then_waits_for_production_approval_on_postgres() {
+    a_release_goes_through_the_path(Backend::Postgres).await;
 }

@@ -129,6 +129,8 @@ pub struct Config {
     pub tenant_program_roots: Option<Vec<String>>,
     /// Environment classes in promotion order (`FERRY_PROMOTION_PATH`).
     pub promotion_path: ferry_domain::promotion::gates::PromotionPath,
+    /// How long verification watches an applied release (`FERRY_VERIFICATION_WINDOW`).
+    pub verification_window: Duration,
     /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
     pub tenant_env_prefix: String,
     /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
@@ -388,6 +390,9 @@ settings! {
     /// Environment classes in promotion order (`PromotionPath`): a release enters a class
     /// only after it completed in the one before.
     promotion_path: List, shown "`development,test,staging,production`";
+    /// How long verification watches an applied release before completing it
+    /// (`VerificationWindow`), e.g. `15m`, `90s` (1 second to 24 hours).
+    verification_window: String = "15m";
 }
 
 /// A whole number: an integer in the file, its digits in a variable.
@@ -912,6 +917,15 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
         promotion_path: c
             .opt(at!(raw.promotion_path), Check::promotion_path)?
             .unwrap_or_default(),
+        verification_window: {
+            let (key, text) = at!(raw.verification_window);
+            let window = humantime::parse_duration(text.trim())
+                .map_err(|e| c.refuse(key, format!("not a duration like 15m or 90s: {e}")))?;
+            if window < Duration::from_secs(1) || window > Duration::from_secs(24 * 60 * 60) {
+                return Err(c.refuse(key, "must be from 1s to 24h"));
+            }
+            window
+        },
         config_file: None,
     })
 }

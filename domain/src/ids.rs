@@ -234,6 +234,15 @@ impl ProvisioningRunId {
     }
 }
 
+impl ProvisioningRunId {
+    /// The `Release` run a promotion hands its desired state to: one per promotion, so a
+    /// hand-off repeated after a crash finds the run it started.
+    pub fn for_promotion(promotion: PromotionId) -> Self {
+        let name = format!("run/promotion/{promotion}");
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
+}
+
 impl PromotionId {
     /// The promotion created by a request carrying `Idempotency-Key: key`: a retry after a
     /// crash lands on the same promotion instead of making a second one.

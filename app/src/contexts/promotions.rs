@@ -9,9 +9,10 @@
 //!   gates.
 //!
 //! Built so far: recording releases, requesting promotions, the queue (one promotion per
-//! environment), the five gates and the rejection of a withdrawn release's promotions. The
-//! approval, the hand-off to provisioning, verification and rollback are the aggregate's
-//! (`ferry_domain::promotion`) but not yet driven here.
+//! environment), the five gates, the rejection of a withdrawn release's promotions, the
+//! hand-off to provisioning and health verification of promotions that need no approval.
+//! The production approval and rollback are the aggregate's (`ferry_domain::promotion`) but
+//! not yet driven here.
 
 pub mod driver;
 pub mod routes;
@@ -74,8 +75,11 @@ impl BoundedContext for Promotions {
             Arc::new(driver::Driver::new(
                 process.db.clone(),
                 Arc::new(policy),
-                process.config.promotion_path.clone(),
-                process.config.poll_interval,
+                driver::DriverSettings {
+                    path: process.config.promotion_path.clone(),
+                    verification_window: process.config.verification_window,
+                    poll: process.config.poll_interval,
+                },
             ))
             .start(process.shutdown.clone());
         }

@@ -14,15 +14,29 @@
 //!   (reported, else a probe of its health URL), the evaluation evidence. The first failing
 //!   gate rejects the promotion.
 //! * **Withdrawn releases**: promotions of them not yet deploying are rejected.
+//! * **Hand-off**: an approved promotion declares the environment's `Workload`
+//!   specification from the release and requests a `Release` run of it (named after the
+//!   promotion, so a repeated hand-off finds it); provisioning's workers plan and apply it.
+//!   The run applied starts verification; a run failed, rejected, cancelled or superseded
+//!   fails the promotion with the reason.
+//! * **Verification** probes the health URL through the window and keeps every
+//!   measurement; passing completes the promotion, failing fails it.
 
 use super::views;
 use chrono::Utc;
 use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, PromotionPath, Readiness};
-use ferry_domain::promotion::{GateKind, GateOutcome, GateResult, Promotion, PromotionCommand};
+use ferry_domain::promotion::{
+    CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion, PromotionCommand,
+    VerificationOutcome,
+};
 use ferry_domain::release::Release;
+use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunEvent, RunRequest};
+use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
+use ferry_domain::values::Strategy as SpecStrategy;
 use ferry_domain::{Actor, EnvironmentId, PromotionId, TenantId};
+use ferry_domain::{ProvisioningKind, ProvisioningRunId, SpecificationId, SpecificationKind};
 use ferry_store::stream::Param;
 use ferry_store::{on_pool, CommandError, Database, EventMetadata, LinkedWrite, Repository};
 use std::sync::Arc;
@@ -54,10 +68,22 @@ pub struct Driver {
     promotions: Repository<Promotion>,
     releases: Repository<Release>,
     environments: Repository<Environment>,
+    specifications: Repository<DeploymentSpecification>,
+    runs: Repository<ProvisioningRun>,
     policy: Arc<dyn DeploymentPolicy>,
-    path: PromotionPath,
+    settings: DriverSettings,
     http: reqwest::Client,
-    poll: Duration,
+}
+
+/// How the driver behaves.
+#[derive(Debug, Clone)]
+pub struct DriverSettings {
+    /// The classes in promotion order.
+    pub path: PromotionPath,
+    /// How long verification watches an applied release.
+    pub verification_window: Duration,
+    /// How often to look when nothing wakes the driver.
+    pub poll: Duration,
 }
 
 /// The driver's identity in the events it causes.
@@ -67,25 +93,21 @@ fn actor() -> Actor {
 
 impl Driver {
     /// A driver over `db`.
-    pub fn new(
-        db: Database,
-        policy: Arc<dyn DeploymentPolicy>,
-        path: PromotionPath,
-        poll: Duration,
-    ) -> Self {
+    pub fn new(db: Database, policy: Arc<dyn DeploymentPolicy>, settings: DriverSettings) -> Self {
         Self {
             promotions: Repository::new(db.clone(), ()),
             releases: Repository::new(db.clone(), ()),
             environments: Repository::new(db.clone(), ()),
+            specifications: Repository::new(db.clone(), ()),
+            runs: Repository::new(db.clone(), ()),
             db,
             policy,
-            path,
+            settings,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(5))
                 .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .unwrap_or_default(),
-            poll,
         }
     }
 
@@ -104,7 +126,7 @@ impl Driver {
                     tokio::select! {
                         _ = shutdown.changed() => {}
                         _ = commits.changed() => {}
-                        _ = tokio::time::sleep(self.poll) => {}
+                        _ = tokio::time::sleep(self.settings.poll) => {}
                     }
                 }
             }
@@ -173,6 +195,9 @@ impl Driver {
                     self.start_gates(&tenant, promotion, &environment).await?;
                 }
                 "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await?,
+                "Approved" => self.hand_off(&tenant, promotion).await?,
+                "Deploying" => self.follow_run(&tenant, promotion).await?,
+                "Verifying" => self.verify(&tenant, promotion).await?,
                 _ => {}
             }
         }
@@ -337,7 +362,7 @@ impl Driver {
                         _ => Vec::new(),
                     };
                     gates::prior_environment(
-                        &self.path,
+                        &self.settings.path,
                         request.environment_class,
                         &completions,
                         request.hotfix.as_ref(),
@@ -389,6 +414,324 @@ impl Driver {
             .await?
         {
             tracing::info!(promotion_id = %promotion, "gates passed");
+        }
+        Ok(())
+    }
+
+    /// Hands an approved promotion's desired state to provisioning: a new version of the
+    /// environment's `Workload` specification from the release (program, commit, release,
+    /// strategy), and a `Release` run of it carrying the promotion's id. The run's id is the
+    /// promotion's own, so a hand-off repeated after a crash finds its run and hands that.
+    async fn hand_off(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
+        let Some((aggregate, _)) = self
+            .promotions
+            .load(tenant, &promotion.to_string())
+            .await
+            .map_err(command_error)?
+        else {
+            return Ok(());
+        };
+        let Some(request) = aggregate.request().cloned() else {
+            return Ok(());
+        };
+        // A production approval binds the planned run; that path is driven separately.
+        if aggregate.approval().is_some() {
+            return Ok(());
+        }
+        let run_id = ProvisioningRunId::for_promotion(promotion);
+        let existing = self
+            .runs
+            .load(tenant, &run_id.to_string())
+            .await
+            .map_err(command_error)?;
+        let (specification_id, version) = match existing.as_ref().and_then(|(r, _)| r.request()) {
+            Some(run) => (run.specification_id, run.specification_version),
+            None => {
+                let Some((release, _)) = self
+                    .releases
+                    .load(tenant, &Release::aggregate_id(tenant, request.release_id))
+                    .await
+                    .map_err(command_error)?
+                else {
+                    return Ok(());
+                };
+                let Some(record) = release.record().cloned() else {
+                    return Ok(());
+                };
+                let specification_id = SpecificationId::for_environment(
+                    tenant,
+                    &request.environment_id,
+                    SpecificationKind::Workload,
+                );
+                let metadata = self.metadata(tenant, promotion);
+                let declared = self
+                    .specifications
+                    .execute(
+                        tenant,
+                        &specification_id.to_string(),
+                        SpecificationCommand::Declare(Box::new(Declaration {
+                            specification_id,
+                            tenant_id: tenant.clone(),
+                            project_id: request.project_id.clone(),
+                            environment_id: request.environment_id.clone(),
+                            kind: SpecificationKind::Workload,
+                            program_ref: record.program_ref.clone(),
+                            program_version: record.program_version.clone(),
+                            release_id: Some(request.release_id),
+                            strategy: SpecStrategy::parse(request.strategy.as_str()).ok(),
+                            config_refs: Default::default(),
+                            secret_refs: Default::default(),
+                            declared_by: actor(),
+                            declared_at: Utc::now(),
+                        })),
+                        &metadata,
+                        true,
+                    )
+                    .await;
+                let version = match declared {
+                    Ok(done) => done.aggregate.latest().map_or(1, |v| v.version),
+                    Err(CommandError::Conflict) => return Ok(()),
+                    Err(e) => return Err(command_error(e)),
+                };
+                let run = RunRequest {
+                    provisioning_run_id: run_id,
+                    tenant_id: tenant.clone(),
+                    project_id: request.project_id.clone(),
+                    environment_id: request.environment_id.clone(),
+                    environment_class: Some(request.environment_class),
+                    specification_id,
+                    specification_version: version,
+                    kind: ProvisioningKind::Release,
+                    promotion_id: Some(promotion),
+                    approval_id: None,
+                    requested_by: actor(),
+                    requested_at: Utc::now(),
+                };
+                match self
+                    .runs
+                    .execute(
+                        tenant,
+                        &run_id.to_string(),
+                        RunCommand::Request(Box::new(run)),
+                        &metadata,
+                        true,
+                    )
+                    .await
+                {
+                    Ok(_) | Err(CommandError::Domain(RunError::AlreadyRequested)) => {}
+                    Err(CommandError::Conflict) => return Ok(()),
+                    Err(e) => return Err(command_error(e)),
+                }
+                (specification_id, version)
+            }
+        };
+        if self
+            .command(
+                tenant,
+                promotion,
+                PromotionCommand::HandOff {
+                    desired_state_ref: format!("{specification_id}@{version}"),
+                    provisioning_run_id: run_id,
+                    at: Utc::now(),
+                },
+                None,
+            )
+            .await?
+        {
+            tracing::info!(promotion_id = %promotion, provisioning_run_id = %run_id, "desired state handed to provisioning");
+        }
+        Ok(())
+    }
+
+    /// Follows a deploying promotion's run: applied starts verification, a run that ended
+    /// otherwise fails the promotion with provisioning's reason.
+    async fn follow_run(
+        &self,
+        tenant: &TenantId,
+        promotion: PromotionId,
+    ) -> Result<(), DriverError> {
+        let Some((aggregate, _)) = self
+            .promotions
+            .load(tenant, &promotion.to_string())
+            .await
+            .map_err(command_error)?
+        else {
+            return Ok(());
+        };
+        let Some(run_id) = aggregate.provisioning_run_id() else {
+            return Ok(());
+        };
+        let Some(events) = self
+            .runs
+            .load_events(tenant, &run_id.to_string())
+            .await
+            .map_err(command_error)?
+        else {
+            return Ok(());
+        };
+        let mut state = None;
+        let mut reason = None;
+        for event in &events {
+            match event {
+                RunEvent::ProvisioningApplied { .. } => state = Some(true),
+                RunEvent::ProvisioningFailed { reason: r, .. } => {
+                    state = Some(false);
+                    reason = Some(r.clone());
+                }
+                RunEvent::ApprovalRejected { .. } => {
+                    state = Some(false);
+                    reason = Some("the run's approval was rejected".to_string());
+                }
+                RunEvent::ProvisioningCancelled { .. } => {
+                    state = Some(false);
+                    reason = Some("the run was cancelled".to_string());
+                }
+                RunEvent::ProvisioningSuperseded { .. } => {
+                    state = Some(false);
+                    reason = Some("the run's plan went stale and was superseded".to_string());
+                }
+                _ => {}
+            }
+        }
+        let now = Utc::now();
+        let command = match state {
+            None => return Ok(()),
+            Some(true) => PromotionCommand::RecordApplied {
+                provisioning_run_id: run_id,
+                at: now,
+                verification_ends_at: now
+                    + chrono::Duration::from_std(self.settings.verification_window)
+                        .unwrap_or_default(),
+            },
+            Some(false) => PromotionCommand::RecordDeploymentFailed {
+                provisioning_run_id: run_id,
+                reason: reason.unwrap_or_else(|| "provisioning failed".to_string()),
+                at: now,
+            },
+        };
+        if self.command(tenant, promotion, command, None).await? {
+            tracing::info!(promotion_id = %promotion, applied = ?state, "provisioning reported");
+        }
+        Ok(())
+    }
+
+    /// Verification: probes the environment's health URL through the window (every tenth of
+    /// it, at least every second and at most every minute), keeps each measurement, and
+    /// concludes: a failed probe fails verification, a window of passing probes completes
+    /// the promotion. No health URL to probe holds it for an Operator (inconclusive).
+    async fn verify(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
+        let Some(view) = views::get_promotion(&self.db, tenant, promotion).await? else {
+            return Ok(());
+        };
+        let now = Utc::now();
+        match view.verification.outcome {
+            Some(VerificationOutcome::Failed) => {
+                let reason = format!(
+                    "verification failed: {}",
+                    view.verification.reason.as_deref().unwrap_or("no reason")
+                );
+                self.command(
+                    tenant,
+                    promotion,
+                    PromotionCommand::Fail { reason, at: now },
+                    None,
+                )
+                .await?;
+                return Ok(());
+            }
+            Some(_) => return Ok(()),
+            None => {}
+        }
+        let ends = view.verification.window_ends_at.unwrap_or(now);
+        let every = (self.settings.verification_window / 10)
+            .clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let last = view.verification.measurements.last().map(|m| m.measured_at);
+        let due =
+            last.is_none_or(|t| now.signed_duration_since(t).to_std().unwrap_or_default() >= every);
+        let conclude = |outcome, reason: String| PromotionCommand::ConcludeVerification {
+            outcome,
+            reason,
+            by: None,
+            at: now,
+        };
+        if due {
+            let loaded = self
+                .environments
+                .load(
+                    tenant,
+                    &Environment::aggregate_id(tenant, &view.environment_id),
+                )
+                .await
+                .map_err(command_error)?;
+            let url = loaded.and_then(|(e, _)| e.registration().and_then(|r| r.health_url.clone()));
+            let Some(url) = url else {
+                self.command(
+                    tenant,
+                    promotion,
+                    conclude(
+                        VerificationOutcome::Inconclusive,
+                        "the environment has no health URL to probe; an Operator decides"
+                            .to_string(),
+                    ),
+                    None,
+                )
+                .await?;
+                return Ok(());
+            };
+            let (value, passed) = match self.http.get(&url).send().await {
+                Ok(r) => (r.status().as_u16().to_string(), r.status().is_success()),
+                Err(e) => (format!("no answer: {e}"), false),
+            };
+            let measurement = Measurement {
+                kind: CheckKind::Health,
+                name: url.clone(),
+                value: value.clone(),
+                threshold: Some("2xx".to_string()),
+                passed: Some(passed),
+                measured_at: now,
+            };
+            if !self
+                .command(
+                    tenant,
+                    promotion,
+                    PromotionCommand::Measure(Box::new(measurement)),
+                    None,
+                )
+                .await?
+            {
+                return Ok(());
+            }
+            if !passed {
+                self.command(
+                    tenant,
+                    promotion,
+                    conclude(
+                        VerificationOutcome::Failed,
+                        format!("the health URL {url} answered {value}"),
+                    ),
+                    None,
+                )
+                .await?;
+                return Ok(());
+            }
+        }
+        let measured = !view.verification.measurements.is_empty() || due;
+        if now >= ends && measured {
+            let count = view.verification.measurements.len() + usize::from(due);
+            if self
+                .command(
+                    tenant,
+                    promotion,
+                    conclude(
+                        VerificationOutcome::Passed,
+                        format!("{count} health probes passed through the window"),
+                    ),
+                    None,
+                )
+                .await?
+            {
+                tracing::info!(promotion_id = %promotion, "verified; promotion completed");
+            }
         }
         Ok(())
     }

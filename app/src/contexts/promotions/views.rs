@@ -803,15 +803,15 @@ pub async fn promotion_version(
     Ok(version.map(|v| u64::try_from(v).unwrap_or_default()))
 }
 
-/// Promotions the driver has work for: queued or evaluating gates (and, for every state,
-/// those whose environment slot must be let go). `(tenant, promotion, environment, state)`,
-/// oldest first.
+/// Promotions the driver has work for (queued, evaluating gates, approved, deploying,
+/// verifying): `(tenant, promotion, environment, state)`, oldest first.
 pub async fn open_promotions(
     db: &Database,
 ) -> Result<Vec<(String, String, String, String)>, QueryError> {
     let sql = db.sql(
         "SELECT tenant_id, promotion_id, environment_id, state FROM rm_promotions
-         WHERE state IN ('Requested', 'GatesEvaluating') ORDER BY position",
+         WHERE state IN ('Requested', 'GatesEvaluating', 'Approved', 'Deploying', 'Verifying')
+         ORDER BY position",
     );
     Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
 }
