@@ -444,6 +444,55 @@ async fn a_hotfix_that_policy_allows_passes_the_path_with_evidence_and_waits_for
     assert_eq!(p["gates"][1]["evidence"]["decision"], "require_approval");
     assert_eq!(p["approvalRequired"], true);
     assert_eq!(p["strategy"], "Canary");
+
+    // Run control decides it: the decision must name the pending approval.
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    let (s, path) = (&d.s, &path);
+    let p = eventually_showing("the approval with its plan", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path).await;
+        if p["approval"]["approvalId"].is_string() {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    let decided = |approval: String, id: &str| {
+        json!({
+            "specversion": "1.0", "id": id, "source": "urn:runcontrol",
+            "type": "runcontrol.approvals.v1.approval-decided", "tenantid": "acme",
+            "datacontenttype": "application/json",
+            "data": {"approvalId": approval, "tenantId": "acme",
+                     "promotionId": p["promotionId"], "decision": "approve",
+                     "decidedBy": "carol", "reason": "CAB-7"}
+        })
+    };
+    let server = &d.s;
+    let post = |event: Value| async move {
+        let r = server
+            .client
+            .post(server.url("/factory/events"))
+            .bearer_auth(service("acme", "svc-runcontrol"))
+            .header("content-type", "application/cloudevents+json")
+            .body(event.to_string())
+            .send()
+            .await
+            .unwrap();
+        response(r).await
+    };
+    let (status, body) = post(decided(uuid::Uuid::new_v4().to_string(), "decision-1")).await;
+    assert_ne!(
+        status, 202,
+        "another approval's decision is refused: {body}"
+    );
+    let approval = p["approval"]["approvalId"].as_str().unwrap().to_string();
+    let (status, body) = post(decided(approval, "decision-2")).await;
+    assert_eq!(status, 202, "{body}");
+    let p = d.wait_any(&p, &["Deploying", "Verifying"]).await;
+    assert_eq!(p["approvalDecision"]["decidedBy"], "carol");
     d.s.stop().await;
 }
 
@@ -511,11 +560,97 @@ async fn a_release_goes_through_the_path(backend: Backend) {
         let p = d.wait(&p, "Completed").await;
         assert_eq!(p["gates"][2]["outcome"], "Passed", "{p}");
     }
-    let prod = d.promote(&release, "payments-prod", json!({})).await;
+    // Production: requested by someone who is also a Reviewer, who still cannot approve it.
+    let alice = token(
+        "acme",
+        "alice",
+        &[D_READ, D_PROMOTE, READ, APPLY],
+        &["Operator", "Reviewer"],
+    );
+    let (status, prod) =
+        d.s.post(
+            &alice,
+            "/factory/delivery/promotions",
+            &json!({"releaseId": release, "environmentId": "payments-prod"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{prod}");
     let prod = d.wait(&prod, "AwaitingApproval").await;
     assert_eq!(
         prod["gates"][2]["evidence"]["completion"]["environmentId"],
         "payments-staging"
+    );
+    // Ferry plans first and asks for the approval with the plan attached.
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        prod["promotionId"].as_str().unwrap()
+    );
+    let (s, path) = (&d.s, &path);
+    let prod = eventually_showing("the approval with its plan", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path).await;
+        if p["approval"]["planInputsHash"].is_string() {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    let run_id = prod["approval"]["provisioningRunId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (_, run) =
+        d.s.get(
+            &operator("acme", "alice"),
+            &format!("/factory/provisioning/runs/{run_id}"),
+        )
+        .await;
+    assert_eq!(run["state"], "AwaitingApproval", "{run}");
+    assert_eq!(
+        run["planReceipt"]["inputsHash"],
+        prod["approval"]["planInputsHash"]
+    );
+    // The requester is refused by name; the run cannot be approved around the promotion.
+    let (status, body) =
+        d.s.post(
+            &alice,
+            &format!("{path}/approval"),
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body["detail"].as_str().unwrap().contains("alice"), "{body}");
+    let (status, body) =
+        d.s.post(
+            &operator("acme", "carol"),
+            &format!("/factory/provisioning/runs/{run_id}/approval"),
+            &json!({"decision": "approve", "reason": "shortcut"}),
+        )
+        .await;
+    assert_eq!(status, 403, "{body}");
+    // Another identity with the Reviewer role approves; the run applies under that approval.
+    let bob = token("acme", "bob", &[D_READ, D_PROMOTE], &["Reviewer"]);
+    let (status, body) =
+        d.s.post(
+            &bob,
+            &format!("{path}/approval"),
+            &json!({"decision": "approve", "reason": "CAB-12"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let prod = d.wait(&prod, "Completed").await;
+    assert_eq!(prod["approvalDecision"]["decidedBy"], "bob");
+    let (_, run) =
+        d.s.get(
+            &operator("acme", "alice"),
+            &format!("/factory/provisioning/runs/{run_id}"),
+        )
+        .await;
+    assert_eq!(run["state"], "Applied", "{run}");
+    assert_eq!(run["authorization"]["approvedBy"], "bob", "{run}");
+    assert_eq!(
+        run["authorization"]["approvalId"],
+        prod["approval"]["approvalId"]
     );
     let (_, r) =
         d.s.get(
@@ -531,7 +666,12 @@ async fn a_release_goes_through_the_path(backend: Backend) {
         .collect();
     assert_eq!(
         completed,
-        ["payments-dev", "payments-test", "payments-staging"]
+        [
+            "payments-dev",
+            "payments-test",
+            "payments-staging",
+            "payments-prod"
+        ]
     );
 
     // A release whose health check fails during verification fails, with the measurement.
@@ -551,11 +691,35 @@ async fn a_release_goes_through_the_path(backend: Backend) {
 }
 
 #[tokio::test]
-async fn a_release_goes_development_test_staging_then_waits_for_production_approval_on_sqlite() {
+async fn a_release_goes_development_test_staging_and_production_approved_by_another_on_sqlite() {
     a_release_goes_through_the_path(Backend::Sqlite).await;
 }
 
 #[tokio::test]
-async fn a_release_goes_development_test_staging_then_waits_for_production_approval_on_postgres() {
+async fn a_release_goes_development_test_staging_and_production_approved_by_another_on_postgres() {
     a_release_goes_through_the_path(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn a_production_approval_left_undecided_expires_and_rejects_the_promotion() {
+    let policy = "package ferry.deployment\n\nimport rego.v1\n\nhotfix contains \"hotfixes may skip the path\" if input.hotfix\n";
+    let d = start_with(Backend::Sqlite, Some(policy), |c| {
+        c.approval_expiry = Some(std::time::Duration::from_secs(2));
+    })
+    .await;
+    d.environment("payments-prod", "production").await;
+    let release = d.deployable("2.3.2").await;
+    let p = d
+        .promote(
+            &release,
+            "payments-prod",
+            json!({"hotfix": {"reason": "CVE-2026-2"}}),
+        )
+        .await;
+    let p = d.wait(&p, "Rejected").await;
+    let reason = p["rejection"]["reason"].as_str().unwrap();
+    assert!(reason.contains("expired"), "{reason}");
+    // It was asked with its plan before it expired.
+    assert!(p["approval"]["planInputsHash"].is_string(), "{p}");
+    d.s.stop().await;
 }

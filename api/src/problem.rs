@@ -264,7 +264,9 @@ impl From<RunError> for ApiError {
             | RunError::ApplyReceiptAlreadyRecorded
             | RunError::ApprovalRequired(_)
             | RunError::PolicyDenied(_) => Self::WrongState(e.to_string()),
-            RunError::ApproverIsRequester(_) => Self::Forbidden(e.to_string()),
+            RunError::ApproverIsRequester(_) | RunError::PromotionApprovalRequired(_) => {
+                Self::Forbidden(e.to_string())
+            }
             RunError::ReceiptResultMismatch { .. } => Self::Rule {
                 detail: e.to_string(),
                 field: None,

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `EnvironmentCreated` | records the environment (class, health URL, baseline program): its baseline is planned |
 //! | `EnvironmentStateChanged` | records its readiness |
-//! | `ApprovalDecided` | approves or rejects the named run awaiting approval (expired = rejected) |
+//! | `ApprovalDecided` | decides the named promotion's pending approval (it must name that approval), or approves or rejects the named run awaiting approval (expired = rejected); a promotion's run is decided only through its promotion |
 //! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable) |
 //! | `ReleaseWithdrawn` | withdraws the release: promotions of it not yet deploying are rejected |
 //! | `PromotionApproved`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: another service's promotions are not driven by Ferry |
@@ -21,6 +21,7 @@ use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
+use ferry_domain::promotion::{Promotion, PromotionCommand};
 use ferry_domain::release::{Release, ReleaseCommand, ReleaseRecord, ReleaseVersion};
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
 use ferry_domain::Actor;
@@ -35,6 +36,7 @@ use std::sync::Arc;
 pub struct FerryInbound {
     environments: Repository<Environment>,
     releases: Repository<Release>,
+    promotions: Repository<Promotion>,
     runs: Repository<ProvisioningRun>,
     metrics: Arc<Metrics>,
     confinement: Arc<Confinement>,
@@ -50,6 +52,7 @@ impl FerryInbound {
         Self {
             environments: Repository::new(db.clone(), ()),
             releases: Repository::new(db.clone(), ()),
+            promotions: Repository::new(db.clone(), ()),
             runs: Repository::new(db, ()),
             metrics,
             confinement,
@@ -171,8 +174,51 @@ impl InboundHandler for FerryInbound {
             }
             InboundEvent::ApprovalDecided(a) => {
                 let Some(run_id) = a.provisioning_run_id else {
-                    tracing::info!(approval = %a.approval_id, "approval decided for a promotion: not a run of Ferry's");
-                    return Ok(Handled::NothingToDo);
+                    let Some(promotion) = a.promotion_id else {
+                        return Err(InboundError::Permanent(
+                            "an approval decision names neither a run nor a promotion".to_string(),
+                        ));
+                    };
+                    let (decision, reason) = match a.decision {
+                        ApprovalDecision::Approve => (Decision::Approve, a.reason.clone()),
+                        ApprovalDecision::Reject => (Decision::Reject, a.reason.clone()),
+                        ApprovalDecision::Expire => {
+                            self.promotions
+                                .execute_linked(
+                                    &tenant,
+                                    &promotion.to_string(),
+                                    PromotionCommand::ExpireApproval {
+                                        at: a.decided_at.unwrap_or_else(Utc::now),
+                                    },
+                                    &metadata(&envelope, envelope.actor.clone()),
+                                    false,
+                                    Some(&envelope.mark),
+                                )
+                                .await
+                                .map_err(classify)?;
+                            return Ok(Handled::Recorded);
+                        }
+                    };
+                    // The decision must name the promotion's pending approval; the approver
+                    // named in the payload is checked against the requester by the domain.
+                    self.promotions
+                        .execute_linked(
+                            &tenant,
+                            &promotion.to_string(),
+                            PromotionCommand::DecideApproval {
+                                approval_id: Some(a.approval_id),
+                                decision,
+                                decided_by: a.decided_by.clone(),
+                                reason,
+                                at: a.decided_at.unwrap_or_else(Utc::now),
+                            },
+                            &metadata(&envelope, envelope.actor.clone()),
+                            false,
+                            Some(&envelope.mark),
+                        )
+                        .await
+                        .map_err(classify)?;
+                    return Ok(Handled::Recorded);
                 };
                 // The same decision under another message id took effect already.
                 if let Some((run, _)) = self
@@ -181,6 +227,12 @@ impl InboundHandler for FerryInbound {
                     .await
                     .map_err(classify)?
                 {
+                    // A promotion's run is decided through the promotion, never directly.
+                    if let Some(promotion) = run.request().and_then(|r| r.promotion_id) {
+                        return Err(InboundError::Permanent(format!(
+                            "run {run_id} applies promotion {promotion}: decide the promotion's approval"
+                        )));
+                    }
                     if run.approval().is_some_and(|recorded| {
                         recorded.approval_id == Some(a.approval_id)
                             && (recorded.decision == Decision::Approve)

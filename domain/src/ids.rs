@@ -235,10 +235,11 @@ impl ProvisioningRunId {
 }
 
 impl ProvisioningRunId {
-    /// The `Release` run a promotion hands its desired state to: one per promotion, so a
-    /// hand-off repeated after a crash finds the run it started.
-    pub fn for_promotion(promotion: PromotionId) -> Self {
-        let name = format!("run/promotion/{promotion}");
+    /// The `Release` run a promotion hands its desired state to: one per promotion and
+    /// attempt (a plan that went stale before its approval was used starts a new attempt),
+    /// so a hand-off repeated after a crash finds the run it started.
+    pub fn for_promotion(promotion: PromotionId, attempt: u32) -> Self {
+        let name = format!("run/promotion/{promotion}/{attempt}");
         Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
     }
 }

@@ -262,8 +262,9 @@ pub struct ApprovalRequest {
     pub plan_inputs_hash: String,
     /// When asked.
     pub requested_at: DateTime<Utc>,
-    /// When it expires undecided.
-    pub expires_at: DateTime<Utc>,
+    /// When it expires undecided (never, when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime<Utc>>,
 }
 
 /// What verification measures.
@@ -713,6 +714,8 @@ pub struct Promotion {
     provisioning_run_id: Option<ProvisioningRunId>,
     verification_outcome: Option<VerificationOutcome>,
     rollback_in_progress: Option<(PromotionId, ReleaseId)>,
+    approvals_voided: u32,
+    approved_by: Option<(Actor, Option<String>, DateTime<Utc>)>,
 }
 
 impl Promotion {
@@ -739,6 +742,45 @@ impl Promotion {
     /// The rollback under way, if any: (rollback promotion, restored release).
     pub fn rollback_in_progress(&self) -> Option<(PromotionId, ReleaseId)> {
         self.rollback_in_progress
+    }
+    /// How many approvals were voided by a stale plan: each new plan is a new attempt, with
+    /// a run of its own.
+    pub fn attempt(&self) -> u32 {
+        self.approvals_voided
+    }
+    /// Who granted the approval, why and when (once granted).
+    pub fn approved_by(&self) -> Option<&(Actor, Option<String>, DateTime<Utc>)> {
+        self.approved_by.as_ref()
+    }
+
+    /// The granted approval as proof for the run it covers, with the inputs hash of the
+    /// plan it was asked for: only a promotion Ferry holds, approved by someone other than
+    /// its requester, can make one.
+    pub fn verified_approval(&self) -> Option<(crate::run::VerifiedPromotionApproval, String)> {
+        let request = self.request.as_ref()?;
+        let approval = self.approval.as_ref()?;
+        let approval_id = self.approval_id?;
+        let (approved_by, _, approved_at) = self.approved_by.as_ref()?;
+        let record = crate::run::PromotionApprovalRecord {
+            promotion_id: request.promotion_id,
+            approval_id,
+            tenant_id: request.tenant_id.clone(),
+            environment_id: request.environment_id.clone(),
+            approved_by: approved_by.clone(),
+            approved_at: *approved_at,
+        };
+        Some((
+            crate::run::VerifiedPromotionApproval::new(record),
+            approval.plan_inputs_hash.clone(),
+        ))
+    }
+    /// The desired state handed over or planned for the approval.
+    pub fn desired_state_ref(&self) -> Option<&str> {
+        self.desired_state_ref.as_deref()
+    }
+    /// The approval granted, if any.
+    pub fn approval_id(&self) -> Option<ApprovalId> {
+        self.approval_id
     }
     /// True for a rollback promotion.
     pub fn is_rollback(&self) -> bool {
@@ -1186,11 +1228,19 @@ impl Aggregate for Promotion {
             PromotionEvent::ApprovalVoided { .. } => {
                 self.approval = None;
                 self.approval_id = None;
+                self.approved_by = None;
                 self.provisioning_run_id = None;
+                self.approvals_voided += 1;
                 self.state = Some(S::AwaitingApproval);
             }
-            PromotionEvent::ApprovalGranted { approval_id, .. } => {
+            PromotionEvent::ApprovalGranted {
+                approval_id,
+                decided_by,
+                reason,
+                decided_at,
+            } => {
                 self.approval_id = Some(approval_id);
+                self.approved_by = Some((decided_by, reason, decided_at));
                 self.state = Some(S::Approved);
             }
             PromotionEvent::ApprovalRejected { .. } => {}

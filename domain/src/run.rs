@@ -14,8 +14,11 @@
 //!
 //! A run carries a promotion's approval only when Ferry created it from an approved
 //! promotion it holds ([`RunCommand::RequestForPromotion`] with a
-//! [`VerifiedPromotionApproval`], which only this crate can make). An approval id in a plain
-//! request grants nothing and is refused.
+//! [`VerifiedPromotionApproval`], which only this crate can make, from the promotion's own
+//! recorded approval), or when that approval is given to the run awaiting approval with the
+//! plan it was asked for ([`RunCommand::ApproveForPromotion`]: the plan's inputs hash must
+//! be the one approved). An approval id in a plain request grants nothing and is refused, and
+//! a promotion's run cannot be approved as a plain run.
 
 use crate::ids::{
     Actor, ApprovalId, EnvironmentId, ProjectId, PromotionId, ProvisioningRunId, SpecificationId,
@@ -72,7 +75,6 @@ pub struct VerifiedPromotionApproval {
 
 impl VerifiedPromotionApproval {
     /// Built by the promotion that holds the approval.
-    #[allow(dead_code)] // the promotions context is its only maker
     pub(crate) fn new(record: PromotionApprovalRecord) -> Self {
         Self { record }
     }
@@ -184,6 +186,16 @@ pub enum RunCommand {
         /// The proof.
         approval: Box<VerifiedPromotionApproval>,
     },
+    /// A promotion's approval, verified, for the plan this run awaits approval with: it
+    /// covers exactly that plan (the inputs hash the approval was asked with).
+    ApproveForPromotion {
+        /// The proof.
+        approval: Box<VerifiedPromotionApproval>,
+        /// The inputs hash of the plan the approval was asked with.
+        plan_inputs_hash: String,
+        /// When.
+        at: DateTime<Utc>,
+    },
     /// The planner's receipt.
     RecordPlan {
         /// The receipt.
@@ -277,6 +289,7 @@ impl RunCommand {
         match self {
             Self::Request(_) => "Request",
             Self::RequestForPromotion { .. } => "RequestForPromotion",
+            Self::ApproveForPromotion { .. } => "ApproveForPromotion",
             Self::RecordPlan { .. } => "RecordPlan",
             Self::FailPlanning { .. } => "FailPlanning",
             Self::RequireApproval { .. } => "RequireApproval",
@@ -446,6 +459,9 @@ pub enum RunError {
     /// The approver is the requester.
     #[error("{0} requested this run and cannot approve it")]
     ApproverIsRequester(Actor),
+    /// A promotion's run is approved only through the promotion's own approval.
+    #[error("this run applies promotion {0}: approve the promotion, not the run")]
+    PromotionApprovalRequired(PromotionId),
     /// A receipt whose result contradicts the command (a failed receipt recorded as success).
     #[error("the apply receipt's result is {found:?}, expected {expected:?}")]
     ReceiptResultMismatch {
@@ -655,6 +671,47 @@ impl Aggregate for ProvisioningRun {
                     .await;
                 RunEvent::PromotionApprovalVerified(record.clone())
             }
+            RunCommand::ApproveForPromotion {
+                approval,
+                plan_inputs_hash,
+                at,
+            } => {
+                let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
+                let record = approval.record();
+                let planned = self.plan_receipt.as_ref().map(|p| p.inputs_hash.as_str());
+                let mismatch = if record.tenant_id != request.tenant_id {
+                    Some("tenant")
+                } else if record.environment_id != request.environment_id {
+                    Some("environment")
+                } else if request.promotion_id != Some(record.promotion_id) {
+                    Some("promotion")
+                } else if planned != Some(plan_inputs_hash.as_str()) {
+                    Some("plan (the approval was asked for another plan)")
+                } else {
+                    None
+                };
+                if let Some(what) = mismatch {
+                    return Err(RunError::PromotionApprovalMismatch(what));
+                }
+                if let Some(p) = self
+                    .plan_receipt
+                    .as_ref()
+                    .and_then(|p| p.policy.as_ref())
+                    .filter(|p| p.decision == PolicyOutcome::Deny)
+                {
+                    return Err(RunError::PolicyDenied(p.evidence.join("; ")));
+                }
+                let granted = ApprovalRecord {
+                    decision: Decision::Approve,
+                    approval_id: Some(record.approval_id),
+                    decided_by: record.approved_by.clone(),
+                    reason: Some(format!("promotion {} approved", record.promotion_id)),
+                    decided_at: *at,
+                };
+                sink.write(RunEvent::PromotionApprovalVerified(record.clone()), self)
+                    .await;
+                RunEvent::ApprovalGranted(granted)
+            }
             RunCommand::RecordPlan {
                 receipt,
                 logs_ref,
@@ -699,6 +756,11 @@ impl Aggregate for ProvisioningRun {
                 let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
                 if *decision == Decision::Approve && request.requested_by == *decided_by {
                     return Err(RunError::ApproverIsRequester(decided_by.clone()));
+                }
+                // A promotion's run is approved only with the promotion's verified approval
+                // (`ApproveForPromotion`): approving the run itself would skip the promotion's.
+                if let (Some(promotion), Decision::Approve) = (request.promotion_id, decision) {
+                    return Err(RunError::PromotionApprovalRequired(promotion));
                 }
                 if let Some(p) = self
                     .plan_receipt

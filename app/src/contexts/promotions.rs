@@ -78,6 +78,7 @@ impl BoundedContext for Promotions {
                 driver::DriverSettings {
                     path: process.config.promotion_path.clone(),
                     verification_window: process.config.verification_window,
+                    approval_expiry: process.config.approval_expiry,
                     poll: process.config.poll_interval,
                 },
             ))

@@ -105,7 +105,7 @@ fn approval() -> ApprovalRequest {
         provisioning_run_id: run(5),
         plan_inputs_hash: "ab".repeat(32),
         requested_at: at(4),
-        expires_at: at(4 + 3600),
+        expires_at: Some(at(4 + 3600)),
     }
 }
 

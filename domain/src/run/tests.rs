@@ -537,6 +537,81 @@ fn the_requester_cannot_approve() {
 }
 
 #[test]
+fn a_promotion_s_run_is_approved_only_with_the_promotion_s_verified_approval_of_its_plan() {
+    let promotion = PromotionId::from_uuid(uuid::Uuid::from_u128(11));
+    let mut handed = request(
+        Some(EnvironmentClass::Production),
+        ProvisioningKind::Release,
+    );
+    handed.promotion_id = Some(promotion);
+    let given = vec![
+        requested(handed),
+        planned(receipt(0, None)),
+        approval_required(),
+    ];
+    // Not by a person on the run, whoever they are, with or without an approval id.
+    Fixture::with(())
+        .given(given.clone())
+        .when(decide(Decision::Approve, "bob"))
+        .then_expect_error(RunError::PromotionApprovalRequired(promotion));
+    Fixture::with(())
+        .given(given.clone())
+        .when(RunCommand::DecideApproval {
+            decision: Decision::Approve,
+            decided_by: actor("bob"),
+            reason: None,
+            approval_id: Some(ApprovalId::from_uuid(uuid::Uuid::from_u128(12))),
+            at: at(4),
+        })
+        .then_expect_error(RunError::PromotionApprovalRequired(promotion));
+    // With the promotion's verified approval of exactly this plan.
+    let record = PromotionApprovalRecord {
+        promotion_id: promotion,
+        approval_id: ApprovalId::from_uuid(uuid::Uuid::from_u128(12)),
+        tenant_id: TenantId::parse("acme").unwrap(),
+        environment_id: EnvironmentId::parse("payments-prod").unwrap(),
+        approved_by: actor("bob"),
+        approved_at: at(3),
+    };
+    let approve = |hash: String| RunCommand::ApproveForPromotion {
+        approval: Box::new(VerifiedPromotionApproval::new(record.clone())),
+        plan_inputs_hash: hash,
+        at: at(4),
+    };
+    Fixture::with(())
+        .given(given.clone())
+        .when(approve("cd".repeat(32)))
+        .then_expect_error(RunError::PromotionApprovalMismatch(
+            "plan (the approval was asked for another plan)",
+        ));
+    Fixture::with(())
+        .given(given.clone())
+        .when(approve("ab".repeat(32)))
+        .then_expect_events(vec![
+            RunEvent::PromotionApprovalVerified(record.clone()),
+            RunEvent::ApprovalGranted(ApprovalRecord {
+                decision: Decision::Approve,
+                approval_id: Some(record.approval_id),
+                decided_by: actor("bob"),
+                reason: Some(format!("promotion {promotion} approved")),
+                decided_at: at(4),
+            }),
+        ]);
+    // Refusing stays open to anyone allowed to decide: it only stops the apply.
+    Fixture::with(())
+        .given(given)
+        .when(decide(Decision::Reject, "bob"))
+        .then_expect_events(vec![RunEvent::ApprovalRejected(record_of(
+            Decision::Reject,
+            "bob",
+        ))]);
+}
+
+fn record_of(decision: Decision, by: &str) -> ApprovalRecord {
+    record(decision, by)
+}
+
+#[test]
 fn another_identity_approves_and_the_run_applies() {
     Fixture::with(())
         .given(history(S::AwaitingApproval))

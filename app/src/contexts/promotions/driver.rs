@@ -19,6 +19,10 @@
 //!   promotion, so a repeated hand-off finds it); provisioning's workers plan and apply it.
 //!   The run applied starts verification; a run failed, rejected, cancelled or superseded
 //!   fails the promotion with the reason.
+//! * **Production approval**: the promotion plans first (its run awaits approval), then
+//!   asks for an approval bound to that plan's inputs hash; once a Reviewer other than the
+//!   requester grants it, the run is approved with it and handed over. An expired approval
+//!   rejects the promotion; a plan that ended first voids the approval and plans anew.
 //! * **Verification** probes the health URL through the window and keeps every
 //!   measurement; passing completes the promotion, failing fails it.
 
@@ -28,15 +32,18 @@ use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, PromotionPath, Readiness};
 use ferry_domain::promotion::{
-    CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion, PromotionCommand,
-    VerificationOutcome,
+    ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion,
+    PromotionCommand, VerificationOutcome,
 };
 use ferry_domain::release::Release;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunEvent, RunRequest};
 use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
 use ferry_domain::values::Strategy as SpecStrategy;
 use ferry_domain::{Actor, EnvironmentId, PromotionId, TenantId};
-use ferry_domain::{ProvisioningKind, ProvisioningRunId, SpecificationId, SpecificationKind};
+use ferry_domain::{
+    ApprovalId, ProvisioningKind, ProvisioningRunId, ProvisioningState, SpecificationId,
+    SpecificationKind,
+};
 use ferry_store::stream::Param;
 use ferry_store::{on_pool, CommandError, Database, EventMetadata, LinkedWrite, Repository};
 use std::sync::Arc;
@@ -82,8 +89,36 @@ pub struct DriverSettings {
     pub path: PromotionPath,
     /// How long verification watches an applied release.
     pub verification_window: Duration,
+    /// How long a production approval may wait (never expires when unset).
+    pub approval_expiry: Option<Duration>,
     /// How often to look when nothing wakes the driver.
     pub poll: Duration,
+}
+
+/// What a promotion awaiting (or holding) its approval does when the planned run stopped
+/// waiting before it applied: a plan that went stale voids the approval, so that a new plan
+/// asks anew; a run rejected (its own approval expired or refused), cancelled or failed ends
+/// the promotion too, rather than planning again behind the Operator's back.
+fn after_run_ended(
+    state: ProvisioningState,
+    at: chrono::DateTime<Utc>,
+) -> Option<PromotionCommand> {
+    match state {
+        ProvisioningState::Superseded => Some(PromotionCommand::VoidApproval {
+            reason: "the planned run was superseded: its inputs changed".to_string(),
+            at,
+        }),
+        ProvisioningState::Rejected | ProvisioningState::Cancelled | ProvisioningState::Failed => {
+            Some(PromotionCommand::Reject {
+                reason: format!(
+                    "the run planned for the approval was {} (its approval expired or was refused, or it was stopped)",
+                    state.as_str()
+                ),
+                at,
+            })
+        }
+        _ => None,
+    }
 }
 
 /// The driver's identity in the events it causes.
@@ -195,6 +230,7 @@ impl Driver {
                     self.start_gates(&tenant, promotion, &environment).await?;
                 }
                 "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await?,
+                "AwaitingApproval" => self.await_approval(&tenant, promotion).await?,
                 "Approved" => self.hand_off(&tenant, promotion).await?,
                 "Deploying" => self.follow_run(&tenant, promotion).await?,
                 "Verifying" => self.verify(&tenant, promotion).await?,
@@ -418,10 +454,115 @@ impl Driver {
         Ok(())
     }
 
-    /// Hands an approved promotion's desired state to provisioning: a new version of the
-    /// environment's `Workload` specification from the release (program, commit, release,
-    /// strategy), and a `Release` run of it carrying the promotion's id. The run's id is the
-    /// promotion's own, so a hand-off repeated after a crash finds its run and hands that.
+    /// The promotion's run of this attempt, requested now if it does not exist yet: a new
+    /// version of the environment's `Workload` specification from the release (program,
+    /// commit, release, strategy), and a `Release` run of it carrying the promotion's id.
+    /// `None` when someone else is creating it (the next pass finds it).
+    async fn ensure_run(
+        &self,
+        tenant: &TenantId,
+        promotion: PromotionId,
+        request: &ferry_domain::promotion::PromotionRequest,
+        run_id: ProvisioningRunId,
+    ) -> Result<Option<(ProvisioningRun, String)>, DriverError> {
+        if let Some((run, _)) = self
+            .runs
+            .load(tenant, &run_id.to_string())
+            .await
+            .map_err(command_error)?
+        {
+            let desired = run
+                .request()
+                .map(|r| format!("{}@{}", r.specification_id, r.specification_version))
+                .unwrap_or_default();
+            return Ok(Some((run, desired)));
+        }
+        let Some((release, _)) = self
+            .releases
+            .load(tenant, &Release::aggregate_id(tenant, request.release_id))
+            .await
+            .map_err(command_error)?
+        else {
+            return Ok(None);
+        };
+        let Some(record) = release.record().cloned() else {
+            return Ok(None);
+        };
+        let specification_id = SpecificationId::for_environment(
+            tenant,
+            &request.environment_id,
+            SpecificationKind::Workload,
+        );
+        let metadata = self.metadata(tenant, promotion);
+        let declared = self
+            .specifications
+            .execute(
+                tenant,
+                &specification_id.to_string(),
+                SpecificationCommand::Declare(Box::new(Declaration {
+                    specification_id,
+                    tenant_id: tenant.clone(),
+                    project_id: request.project_id.clone(),
+                    environment_id: request.environment_id.clone(),
+                    kind: SpecificationKind::Workload,
+                    program_ref: record.program_ref.clone(),
+                    program_version: record.program_version.clone(),
+                    release_id: Some(request.release_id),
+                    strategy: SpecStrategy::parse(request.strategy.as_str()).ok(),
+                    config_refs: Default::default(),
+                    secret_refs: Default::default(),
+                    declared_by: actor(),
+                    declared_at: Utc::now(),
+                })),
+                &metadata,
+                true,
+            )
+            .await;
+        let version = match declared {
+            Ok(done) => done.aggregate.latest().map_or(1, |v| v.version),
+            Err(CommandError::Conflict) => return Ok(None),
+            Err(e) => return Err(command_error(e)),
+        };
+        let run = RunRequest {
+            provisioning_run_id: run_id,
+            tenant_id: tenant.clone(),
+            project_id: request.project_id.clone(),
+            environment_id: request.environment_id.clone(),
+            environment_class: Some(request.environment_class),
+            specification_id,
+            specification_version: version,
+            kind: ProvisioningKind::Release,
+            promotion_id: Some(promotion),
+            approval_id: None,
+            requested_by: actor(),
+            requested_at: Utc::now(),
+        };
+        match self
+            .runs
+            .execute(
+                tenant,
+                &run_id.to_string(),
+                RunCommand::Request(Box::new(run)),
+                &metadata,
+                true,
+            )
+            .await
+        {
+            Ok(done) => Ok(Some((
+                done.aggregate,
+                format!("{specification_id}@{version}"),
+            ))),
+            Err(CommandError::Domain(RunError::AlreadyRequested) | CommandError::Conflict) => {
+                Ok(None)
+            }
+            Err(e) => Err(command_error(e)),
+        }
+    }
+
+    /// Hands an approved promotion's desired state to provisioning. Without an approval
+    /// (below production) the run is requested now and applies as policy allows; with one,
+    /// the run planned for the approval is approved with the promotion's approval (its id
+    /// and approver, which Ferry holds) and handed over.
     async fn hand_off(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
         let Some((aggregate, _)) = self
             .promotions
@@ -434,103 +575,74 @@ impl Driver {
         let Some(request) = aggregate.request().cloned() else {
             return Ok(());
         };
-        // A production approval binds the planned run; that path is driven separately.
-        if aggregate.approval().is_some() {
+        let run_id = aggregate
+            .provisioning_run_id()
+            .unwrap_or_else(|| ProvisioningRunId::for_promotion(promotion, aggregate.attempt()));
+        let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
+        else {
             return Ok(());
-        }
-        let run_id = ProvisioningRunId::for_promotion(promotion);
-        let existing = self
-            .runs
-            .load(tenant, &run_id.to_string())
-            .await
-            .map_err(command_error)?;
-        let (specification_id, version) = match existing.as_ref().and_then(|(r, _)| r.request()) {
-            Some(run) => (run.specification_id, run.specification_version),
-            None => {
-                let Some((release, _)) = self
-                    .releases
-                    .load(tenant, &Release::aggregate_id(tenant, request.release_id))
-                    .await
-                    .map_err(command_error)?
-                else {
-                    return Ok(());
-                };
-                let Some(record) = release.record().cloned() else {
-                    return Ok(());
-                };
-                let specification_id = SpecificationId::for_environment(
-                    tenant,
-                    &request.environment_id,
-                    SpecificationKind::Workload,
-                );
-                let metadata = self.metadata(tenant, promotion);
-                let declared = self
-                    .specifications
-                    .execute(
-                        tenant,
-                        &specification_id.to_string(),
-                        SpecificationCommand::Declare(Box::new(Declaration {
-                            specification_id,
-                            tenant_id: tenant.clone(),
-                            project_id: request.project_id.clone(),
-                            environment_id: request.environment_id.clone(),
-                            kind: SpecificationKind::Workload,
-                            program_ref: record.program_ref.clone(),
-                            program_version: record.program_version.clone(),
-                            release_id: Some(request.release_id),
-                            strategy: SpecStrategy::parse(request.strategy.as_str()).ok(),
-                            config_refs: Default::default(),
-                            secret_refs: Default::default(),
-                            declared_by: actor(),
-                            declared_at: Utc::now(),
-                        })),
-                        &metadata,
-                        true,
-                    )
-                    .await;
-                let version = match declared {
-                    Ok(done) => done.aggregate.latest().map_or(1, |v| v.version),
-                    Err(CommandError::Conflict) => return Ok(()),
-                    Err(e) => return Err(command_error(e)),
-                };
-                let run = RunRequest {
-                    provisioning_run_id: run_id,
-                    tenant_id: tenant.clone(),
-                    project_id: request.project_id.clone(),
-                    environment_id: request.environment_id.clone(),
-                    environment_class: Some(request.environment_class),
-                    specification_id,
-                    specification_version: version,
-                    kind: ProvisioningKind::Release,
-                    promotion_id: Some(promotion),
-                    approval_id: None,
-                    requested_by: actor(),
-                    requested_at: Utc::now(),
-                };
-                match self
-                    .runs
-                    .execute(
-                        tenant,
-                        &run_id.to_string(),
-                        RunCommand::Request(Box::new(run)),
-                        &metadata,
-                        true,
-                    )
-                    .await
-                {
-                    Ok(_) | Err(CommandError::Domain(RunError::AlreadyRequested)) => {}
-                    Err(CommandError::Conflict) => return Ok(()),
-                    Err(e) => return Err(command_error(e)),
-                }
-                (specification_id, version)
-            }
         };
+        if let Some((approval, plan_inputs_hash)) = aggregate.verified_approval() {
+            match run.state() {
+                Some(ProvisioningState::AwaitingApproval) => {
+                    let granted = self
+                        .runs
+                        .execute(
+                            tenant,
+                            &run_id.to_string(),
+                            RunCommand::ApproveForPromotion {
+                                approval: Box::new(approval),
+                                plan_inputs_hash,
+                                at: Utc::now(),
+                            },
+                            &self.metadata(tenant, promotion),
+                            false,
+                        )
+                        .await;
+                    match granted {
+                        Ok(_) => {}
+                        Err(CommandError::Conflict) => return Ok(()),
+                        // The plan is not the one approved: ask anew.
+                        Err(CommandError::Domain(RunError::PromotionApprovalMismatch(what))) => {
+                            self.command(
+                                tenant,
+                                promotion,
+                                PromotionCommand::VoidApproval {
+                                    reason: format!("the approval does not match the run's {what}"),
+                                    at: Utc::now(),
+                                },
+                                None,
+                            )
+                            .await?;
+                            return Ok(());
+                        }
+                        Err(e) => return Err(command_error(e)),
+                    }
+                }
+                Some(
+                    ProvisioningState::Applying
+                    | ProvisioningState::Applied
+                    | ProvisioningState::Failed,
+                ) => {}
+                Some(other) => {
+                    if let Some(command) = after_run_ended(other, Utc::now()) {
+                        self.command(tenant, promotion, command, None).await?;
+                    }
+                    return Ok(());
+                }
+                None => return Ok(()),
+            }
+        }
+        let desired = aggregate
+            .desired_state_ref()
+            .map(str::to_string)
+            .unwrap_or(desired);
         if self
             .command(
                 tenant,
                 promotion,
                 PromotionCommand::HandOff {
-                    desired_state_ref: format!("{specification_id}@{version}"),
+                    desired_state_ref: desired,
                     provisioning_run_id: run_id,
                     at: Utc::now(),
                 },
@@ -539,6 +651,105 @@ impl Driver {
             .await?
         {
             tracing::info!(promotion_id = %promotion, provisioning_run_id = %run_id, "desired state handed to provisioning");
+        }
+        Ok(())
+    }
+
+    /// A promotion waiting for its production approval: plans first (its run of this
+    /// attempt), then asks for the approval bound to that plan's inputs hash. While it
+    /// waits, an expired approval rejects it, and a plan that ended (superseded by changed
+    /// inputs, say) voids the approval so that a new plan asks anew.
+    async fn await_approval(
+        &self,
+        tenant: &TenantId,
+        promotion: PromotionId,
+    ) -> Result<(), DriverError> {
+        let Some((aggregate, _)) = self
+            .promotions
+            .load(tenant, &promotion.to_string())
+            .await
+            .map_err(command_error)?
+        else {
+            return Ok(());
+        };
+        let Some(request) = aggregate.request().cloned() else {
+            return Ok(());
+        };
+        let now = Utc::now();
+        if let Some(pending) = aggregate.approval().cloned() {
+            if pending.expires_at.is_some_and(|at| now >= at) {
+                self.command(
+                    tenant,
+                    promotion,
+                    PromotionCommand::ExpireApproval { at: now },
+                    None,
+                )
+                .await?;
+                return Ok(());
+            }
+            let run = self
+                .runs
+                .load(tenant, &pending.provisioning_run_id.to_string())
+                .await
+                .map_err(command_error)?;
+            let state = run.as_ref().and_then(|(r, _)| r.state());
+            if let Some(command) = state.and_then(|state| after_run_ended(state, now)) {
+                self.command(tenant, promotion, command, None).await?;
+            }
+            return Ok(());
+        }
+        let run_id = ProvisioningRunId::for_promotion(promotion, aggregate.attempt());
+        let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
+        else {
+            return Ok(());
+        };
+        match (run.state(), run.plan_receipt()) {
+            (Some(ProvisioningState::AwaitingApproval), Some(plan)) => {
+                let approval = ApprovalRequest {
+                    approval_id: ApprovalId::new_random(),
+                    desired_state_ref: desired,
+                    provisioning_run_id: run_id,
+                    plan_inputs_hash: plan.inputs_hash.clone(),
+                    requested_at: now,
+                    expires_at: self
+                        .settings
+                        .approval_expiry
+                        .and_then(|d| chrono::Duration::from_std(d).ok())
+                        .map(|d| now + d),
+                };
+                if self
+                    .command(
+                        tenant,
+                        promotion,
+                        PromotionCommand::RequestApproval(Box::new(approval)),
+                        None,
+                    )
+                    .await?
+                {
+                    tracing::info!(promotion_id = %promotion, provisioning_run_id = %run_id, "approval asked for, with the plan");
+                }
+            }
+            (
+                Some(
+                    state @ (ProvisioningState::Failed
+                    | ProvisioningState::Rejected
+                    | ProvisioningState::Cancelled
+                    | ProvisioningState::Superseded),
+                ),
+                _,
+            ) => {
+                self.command(
+                    tenant,
+                    promotion,
+                    PromotionCommand::Reject {
+                        reason: format!("the plan for the approval ended {}", state.as_str()),
+                        at: now,
+                    },
+                    None,
+                )
+                .await?;
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -4,7 +4,7 @@ use super::views::{
     self, PromotionFilter, PromotionView, ReleaseFilter, ReleaseState, ReleaseView,
 };
 use super::{OPERATE, PROMOTE, READ};
-use aide::axum::routing::{get_with, put_with};
+use aide::axum::routing::{get_with, post_with, put_with};
 use aide::axum::ApiRouter;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -27,6 +27,7 @@ use ferry_domain::release::{
     EvaluationEvidence, PipelineResult, Release, ReleaseCommand, ReleaseError, ReleaseRecord,
     ReleaseVersion,
 };
+use ferry_domain::run::Decision;
 use ferry_domain::{
     EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId, PromotionId, ReleaseId,
 };
@@ -447,6 +448,61 @@ pub async fn get_promotion(
         .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))
 }
 
+/// Body of `POST /factory/delivery/promotions/{promotionId}/approval`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DecideApprovalRequest {
+    /// `approve` or `reject`.
+    pub decision: Decision,
+    /// Why (kept with the decision).
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// `POST /factory/delivery/promotions/{promotionId}/approval`: a Reviewer or PlatformAdmin
+/// other than the requester decides the production approval, which covers exactly the plan
+/// attached to it.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %raw))]
+pub async fn decide_approval(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<DecideApprovalRequest>,
+) -> Result<Json<PromotionView>, ApiError> {
+    caller.require_scope(PROMOTE)?;
+    if !(caller.has_role(Role::Reviewer) || caller.has_role(Role::PlatformAdmin)) {
+        return Err(ApiError::Forbidden(
+            "deciding a promotion's approval needs the Reviewer or PlatformAdmin role".to_string(),
+        ));
+    }
+    let id = promotion_id(&raw)?;
+    let done = state
+        .repository::<Promotion>()
+        .execute(
+            &caller.tenant,
+            &id.to_string(),
+            PromotionCommand::DecideApproval {
+                approval_id: None,
+                decision: body.decision,
+                decided_by: caller.actor.clone(),
+                reason: body.reason.filter(|r| !r.trim().is_empty()),
+                at: Utc::now(),
+            },
+            &caller.metadata(ids),
+            false,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_store::CommandError::NotFound => ApiError::NotFound(format!("no promotion {id}")),
+            other => ApiError::from_command(other, promotion_refusal),
+        })?;
+    tracing::info!(decision = ?body.decision, "promotion approval decided");
+    Ok(Json(
+        wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
+    ))
+}
+
 /// The release running in an environment.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -560,6 +616,19 @@ pub fn routes() -> ApiRouter<AppState> {
                     .path("promotionId", "The promotion.", promotion_path())
                     .response_with::<200, Json<PromotionView>, _>(|r| r.description("The promotion."))
                     .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions/{promotionId}/approval",
+            post_with(decide_approval, move |op| {
+                op.id("DecidePromotionApproval")
+                    .summary("Approve or reject a production promotion's approval (Reviewer or PlatformAdmin; never the requester). It covers exactly the plan attached to it.")
+                    .scope(PROMOTE)
+                    .path("promotionId", "The promotion.", promotion_path())
+                    .response_with::<200, Json<PromotionView>, _>(|r| {
+                        r.description("The promotion after the decision.")
+                    })
+                    .errors(&[401, 403, 404, 409, 415, 422])
             }),
         )
         .api_route(

@@ -810,7 +810,8 @@ pub async fn open_promotions(
 ) -> Result<Vec<(String, String, String, String)>, QueryError> {
     let sql = db.sql(
         "SELECT tenant_id, promotion_id, environment_id, state FROM rm_promotions
-         WHERE state IN ('Requested', 'GatesEvaluating', 'Approved', 'Deploying', 'Verifying')
+         WHERE state IN ('Requested', 'GatesEvaluating', 'AwaitingApproval', 'Approved',
+                         'Deploying', 'Verifying')
          ORDER BY position",
     );
     Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
