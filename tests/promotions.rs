@@ -674,19 +674,133 @@ async fn a_release_goes_through_the_path(backend: Backend) {
         ]
     );
 
-    // A release whose health check fails during verification fails, with the measurement.
+    // A release whose health check fails during verification is rolled back to the one
+    // that completed there before, automatically, with the evidence kept.
     let bad = d.deployable("2.4.0").await;
     let p = d.promote(&bad, "payments-dev", json!({})).await;
     d.wait_any(&p, &["Approved", "Deploying", "Verifying"])
         .await;
     d.status.store(503, Ordering::SeqCst);
-    let failed = d.wait(&p, "Failed").await;
-    assert_eq!(failed["verification"]["outcome"], "Failed", "{failed}");
-    assert!(failed["failure"]["reason"]
-        .as_str()
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    let (s, path) = (&d.s, &path);
+    eventually_showing("verification failed", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path).await;
+        if p["verification"]["outcome"] == "Failed" {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    d.status.store(200, Ordering::SeqCst);
+    let rolled = d.wait(&p, "RolledBack").await;
+    assert!(rolled["verification"]["measurements"]
+        .as_array()
         .unwrap()
-        .contains("answered 503"));
-    assert_eq!(failed["failure"]["rolledBack"], false);
+        .iter()
+        .any(|m| m["passed"] == false && m["value"] == "503"));
+    assert_eq!(rolled["failure"]["rolledBack"], true, "{rolled}");
+    assert_eq!(rolled["rollback"]["outcome"], "Completed");
+    assert_eq!(rolled["rollback"]["automatic"], true);
+    assert_eq!(rolled["rollback"]["restoredReleaseId"], release.as_str());
+    let rollback = format!(
+        "/factory/delivery/promotions/{}",
+        rolled["rollback"]["rollbackPromotionId"].as_str().unwrap()
+    );
+    let (_, rollback) = d.s.get(&promoter("acme", "alice"), &rollback).await;
+    assert_eq!(rollback["state"], "Completed", "{rollback}");
+    assert_eq!(rollback["rollbackOf"]["releaseId"], bad.as_str());
+    assert!(rollback["approvalRequired"] == false);
+    let (_, current) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/environments/payments-dev/current-release",
+        )
+        .await;
+    assert_eq!(current["releaseId"], release.as_str(), "{current}");
+    // The bad release is quarantined in that environment.
+    let (status, body) =
+        d.s.post(
+            &promoter("acme", "alice"),
+            "/factory/delivery/promotions",
+            &json!({"releaseId": bad, "environmentId": "payments-dev"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert!(body.to_string().contains("quarantined"), "{body}");
+
+    // By hand: an Operator rolls production back to what ran there before (nothing), and
+    // staging's older completion cannot be rolled back while another runs there.
+    let carol = token(
+        "acme",
+        "carol",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let prod_path = format!(
+        "/factory/delivery/promotions/{}",
+        prod["promotionId"].as_str().unwrap()
+    );
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!("{prod_path}/rollback"),
+            &json!({"reason": "bad numbers"}),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("nothing to restore"),
+        "{body}"
+    );
+    let (status, _) =
+        d.s.post(
+            &promoter("acme", "alice"),
+            &format!("{prod_path}/rollback"),
+            &json!({"reason": "x"}),
+        )
+        .await;
+    assert_eq!(
+        status, 403,
+        "the operate scope and the Operator role are needed"
+    );
+    // A second release in development, rolled back by hand to the first.
+    let next = d.deployable("2.5.0").await;
+    let p = d.promote(&next, "payments-dev", json!({})).await;
+    let p = d.wait(&p, "Completed").await;
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    let (status, body) =
+        d.s.post(&carol, &format!("{path}/rollback"), &json!({"reason": ""}))
+            .await;
+    assert_eq!(status, 422, "{body}");
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!("{path}/rollback"),
+            &json!({"reason": "customer reports"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["rollback"]["automatic"], false);
+    let p = d.wait(&p, "RolledBack").await;
+    assert_eq!(p["rollback"]["startedBy"], "carol");
+    assert_eq!(p["rollback"]["outcome"], "Completed");
+    let (_, current) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/environments/payments-dev/current-release",
+        )
+        .await;
+    assert_eq!(current["releaseId"], release.as_str(), "{current}");
     d.s.stop().await;
 }
 

@@ -131,6 +131,9 @@ pub struct Config {
     pub promotion_path: ferry_domain::promotion::gates::PromotionPath,
     /// How long verification watches an applied release (`FERRY_VERIFICATION_WINDOW`).
     pub verification_window: Duration,
+    /// Roll back automatically when verification fails
+    /// (`FERRY_AUTO_ROLLBACK_ON_VERIFICATION_FAILURE`).
+    pub auto_rollback: bool,
     /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
     pub tenant_env_prefix: String,
     /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
@@ -393,6 +396,9 @@ settings! {
     /// How long verification watches an applied release before completing it
     /// (`VerificationWindow`), e.g. `15m`, `90s` (1 second to 24 hours).
     verification_window: String = "15m";
+    /// Roll back to the release last completed in the environment when verification fails
+    /// (`AutoRollbackOnVerificationFailure`).
+    auto_rollback_on_verification_failure: Flag = true;
 }
 
 /// A whole number: an integer in the file, its digits in a variable.
@@ -917,6 +923,7 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
         promotion_path: c
             .opt(at!(raw.promotion_path), Check::promotion_path)?
             .unwrap_or_default(),
+        auto_rollback: raw.auto_rollback_on_verification_failure.0,
         verification_window: {
             let (key, text) = at!(raw.verification_window);
             let window = humantime::parse_duration(text.trim())

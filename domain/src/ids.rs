@@ -245,6 +245,13 @@ impl ProvisioningRunId {
 }
 
 impl PromotionId {
+    /// The promotion that rolls `original` back: one per promotion, so a rollback started
+    /// again after a crash finds it.
+    pub fn for_rollback(original: PromotionId) -> Self {
+        let name = format!("rollback/{original}");
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
+
     /// The promotion created by a request carrying `Idempotency-Key: key`: a retry after a
     /// crash lands on the same promotion instead of making a second one.
     pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {

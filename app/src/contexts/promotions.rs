@@ -77,6 +77,7 @@ impl BoundedContext for Promotions {
                 Arc::new(policy),
                 driver::DriverSettings {
                     path: process.config.promotion_path.clone(),
+                    auto_rollback: process.config.auto_rollback,
                     verification_window: process.config.verification_window,
                     approval_expiry: process.config.approval_expiry,
                     poll: process.config.poll_interval,

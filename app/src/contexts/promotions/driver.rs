@@ -23,6 +23,10 @@
 //!   asks for an approval bound to that plan's inputs hash; once a Reviewer other than the
 //!   requester grants it, the run is approved with it and handed over. An expired approval
 //!   rejects the promotion; a plan that ended first voids the approval and plans anew.
+//! * **Rollback**: when verification fails (and `AutoRollbackOnVerificationFailure`), a
+//!   rollback promotion of the release last completed in the environment takes over the
+//!   environment's slot, goes through the same gates except the approval, is handed off and
+//!   verified; its completion ends the original rolled back, its failure leaves it failed.
 //! * **Verification** probes the health URL through the window and keeps every
 //!   measurement; passing completes the promotion, failing fails it.
 
@@ -87,6 +91,8 @@ pub struct Driver {
 pub struct DriverSettings {
     /// The classes in promotion order.
     pub path: PromotionPath,
+    /// Roll back automatically when verification fails (`AutoRollbackOnVerificationFailure`).
+    pub auto_rollback: bool,
     /// How long verification watches an applied release.
     pub verification_window: Duration,
     /// How long a production approval may wait (never expires when unset).
@@ -119,6 +125,77 @@ fn after_run_ended(
         }
         _ => None,
     }
+}
+
+/// Starts restoring `previous` in the environment of `request`'s promotion, the release
+/// last completed there: requests the rollback promotion (named after the original, so a
+/// repeat finds it; same gates, no approval), then records the rollback on the original.
+/// Used by the driver (automatic) and the rollback endpoint (an Operator).
+pub async fn start_rollback(
+    promotions: &Repository<Promotion>,
+    metadata: &EventMetadata,
+    request: &ferry_domain::promotion::PromotionRequest,
+    previous: ferry_domain::ReleaseId,
+    automatic: bool,
+    by: Actor,
+    reason: String,
+) -> Result<(), CommandError<ferry_domain::promotion::PromotionError>> {
+    let tenant = &request.tenant_id;
+    let original = request.promotion_id;
+    let rollback = PromotionId::for_rollback(original);
+    let now = Utc::now();
+    let rollback_request = ferry_domain::promotion::PromotionRequest {
+        promotion_id: rollback,
+        tenant_id: tenant.clone(),
+        project_id: request.project_id.clone(),
+        release_id: previous,
+        environment_id: request.environment_id.clone(),
+        environment_class: request.environment_class,
+        strategy: request.strategy,
+        run_id: None,
+        hotfix: None,
+        previous_release_id: Some(request.release_id),
+        rollback_of: Some(ferry_domain::promotion::RollbackOf {
+            promotion_id: original,
+            release_id: request.release_id,
+            automatic,
+            reason: reason.clone(),
+        }),
+        requested_by: by.clone(),
+        requested_at: now,
+    };
+    match promotions
+        .execute(
+            tenant,
+            &rollback.to_string(),
+            PromotionCommand::Request(Box::new(rollback_request)),
+            metadata,
+            true,
+        )
+        .await
+    {
+        Ok(_)
+        | Err(CommandError::Domain(ferry_domain::promotion::PromotionError::AlreadyRequested)) => {}
+        Err(e) => return Err(e),
+    }
+    promotions
+        .execute(
+            tenant,
+            &original.to_string(),
+            PromotionCommand::StartRollback {
+                rollback_promotion_id: rollback,
+                restored_release_id: previous,
+                automatic,
+                by,
+                reason,
+                at: now,
+            },
+            metadata,
+            false,
+        )
+        .await?;
+    tracing::info!(promotion_id = %original, rollback = %rollback, automatic, "rollback started");
+    Ok(())
 }
 
 /// The driver's identity in the events it causes.
@@ -208,10 +285,91 @@ impl Driver {
         }
     }
 
+    /// Starts restoring `previous` (see [`start_rollback`]).
+    async fn start_rollback(
+        &self,
+        tenant: &TenantId,
+        request: &ferry_domain::promotion::PromotionRequest,
+        previous: ferry_domain::ReleaseId,
+        automatic: bool,
+        by: Actor,
+        reason: String,
+    ) -> Result<(), DriverError> {
+        let metadata = self.metadata(tenant, request.promotion_id);
+        match start_rollback(
+            &self.promotions,
+            &metadata,
+            request,
+            previous,
+            automatic,
+            by,
+            reason,
+        )
+        .await
+        {
+            Ok(()) | Err(CommandError::Conflict | CommandError::Domain(_)) => Ok(()),
+            Err(e) => Err(command_error(e)),
+        }
+    }
+
+    /// Tells the promotions being rolled back how their rollback ended: completed restores
+    /// (the original ends rolled back), rejected or failed leaves the original failed (or,
+    /// rolled back by hand, completed).
+    async fn follow_rollbacks(&self) -> Result<(), DriverError> {
+        for (tenant, original, state) in views::ended_rollbacks(&self.db).await? {
+            let (Ok(tenant), Ok(original)) =
+                (TenantId::parse(&tenant), PromotionId::parse(&original))
+            else {
+                continue;
+            };
+            let Some(view) = views::get_promotion(&self.db, &tenant, original).await? else {
+                continue;
+            };
+            if view
+                .rollback
+                .as_ref()
+                .is_none_or(|r| r.outcome != "Running")
+            {
+                continue;
+            }
+            let now = Utc::now();
+            let command = if state == "Completed" {
+                PromotionCommand::CompleteRollback { at: now }
+            } else {
+                PromotionCommand::FailRollback {
+                    reason: format!("the rollback promotion ended {state}"),
+                    at: now,
+                }
+            };
+            if self.command(&tenant, original, command, None).await? {
+                tracing::info!(promotion_id = %original, rollback = %state, "rollback ended");
+            }
+        }
+        Ok(())
+    }
+
+    /// The promotion and its request, if it exists.
+    async fn load(
+        &self,
+        tenant: &TenantId,
+        promotion: PromotionId,
+    ) -> Result<Option<(Promotion, ferry_domain::promotion::PromotionRequest)>, DriverError> {
+        let loaded = self
+            .promotions
+            .load(tenant, &promotion.to_string())
+            .await
+            .map_err(command_error)?;
+        Ok(loaded.and_then(|(aggregate, _)| {
+            let request = aggregate.request().cloned()?;
+            Some((aggregate, request))
+        }))
+    }
+
     /// One pass over every promotion with something to do.
     pub async fn pass(&self) -> Result<(), DriverError> {
         self.free_slots().await?;
         self.reject_withdrawn().await?;
+        self.follow_rollbacks().await?;
         let mut started: Vec<(String, String)> = Vec::new();
         for (tenant, promotion, environment, state) in views::open_promotions(&self.db).await? {
             let (Ok(tenant), Ok(promotion)) =
@@ -221,13 +379,15 @@ impl Driver {
             };
             match state.as_str() {
                 "Requested" => {
-                    // Request order: only the oldest queued promotion of an environment tries.
+                    // Request order: the oldest queued promotion that can take the
+                    // environment does; once one did, the others wait for the next pass.
                     let slot = (tenant.to_string(), environment.clone());
                     if started.contains(&slot) {
                         continue;
                     }
-                    started.push(slot);
-                    self.start_gates(&tenant, promotion, &environment).await?;
+                    if self.start_gates(&tenant, promotion, &environment).await? {
+                        started.push(slot);
+                    }
                 }
                 "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await?,
                 "AwaitingApproval" => self.await_approval(&tenant, promotion).await?,
@@ -285,36 +445,48 @@ impl Driver {
         Ok(())
     }
 
-    /// Starts the gates by taking the environment's slot in the same transaction.
+    /// Starts the gates by taking the environment's slot in the same transaction; a
+    /// rollback takes over the slot of the promotion it rolls back. True when it started.
     async fn start_gates(
         &self,
         tenant: &TenantId,
         promotion: PromotionId,
         environment: &str,
-    ) -> Result<(), DriverError> {
+    ) -> Result<bool, DriverError> {
+        let Some((_, request)) = self.load(tenant, promotion).await? else {
+            return Ok(false);
+        };
+        let holder = request
+            .rollback_of
+            .as_ref()
+            .map_or(promotion, |r| r.promotion_id);
         let slot = LinkedWrite {
             sql: "INSERT INTO promotion_slots (tenant_id, environment_id, promotion_id)
-                  VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
+                  VALUES ($1, $2, $3)
+                  ON CONFLICT (tenant_id, environment_id)
+                  DO UPDATE SET promotion_id = excluded.promotion_id
+                  WHERE promotion_slots.promotion_id = $4"
                 .to_string(),
             params: vec![
                 Param::Text(Some(tenant.to_string())),
                 Param::Text(Some(environment.to_string())),
                 Param::Text(Some(promotion.to_string())),
+                Param::Text(Some(holder.to_string())),
             ],
             expect_rows: 1,
         };
-        if self
+        let started = self
             .command(
                 tenant,
                 promotion,
                 PromotionCommand::StartGates { at: Utc::now() },
                 Some(&slot),
             )
-            .await?
-        {
+            .await?;
+        if started {
             tracing::info!(promotion_id = %promotion, environment, "gates started");
         }
-        Ok(())
+        Ok(started)
     }
 
     /// Records the promotion's next gates, in order, until one fails or all passed.
@@ -323,15 +495,7 @@ impl Driver {
         tenant: &TenantId,
         promotion: PromotionId,
     ) -> Result<(), DriverError> {
-        let Some((aggregate, _)) = self
-            .promotions
-            .load(tenant, &promotion.to_string())
-            .await
-            .map_err(command_error)?
-        else {
-            return Ok(());
-        };
-        let Some(request) = aggregate.request().cloned() else {
+        let Some((aggregate, request)) = self.load(tenant, promotion).await? else {
             return Ok(());
         };
         let mut recorded: Vec<GateResult> = aggregate.gates().to_vec();
@@ -408,7 +572,21 @@ impl Driver {
                 }
                 (GateKind::EnvironmentReady, Some(_)) => {
                     let readiness = self.readiness(tenant, &request.environment_id).await?;
-                    gates::environment_ready(&request.environment_id, &readiness, now)
+                    match (&request.rollback_of, &readiness) {
+                        // A rollback restores an environment whose health failed; only the
+                        // environment service saying it cannot take changes stops it.
+                        (Some(rollback), Readiness::Probed { .. }) => GateResult {
+                            kind: *kind,
+                            outcome: GateOutcome::NotApplicable,
+                            reasons: vec![format!(
+                                "a rollback of release {} restores the environment whose health failed; verification measures it after",
+                                rollback.release_id
+                            )],
+                            evidence: serde_json::json!(readiness),
+                            evaluated_at: now,
+                        },
+                        _ => gates::environment_ready(&request.environment_id, &readiness, now),
+                    }
                 }
                 (GateKind::EvaluationEvidence, Some(record)) => {
                     gates::evaluation_evidence(record, now)
@@ -564,15 +742,7 @@ impl Driver {
     /// the run planned for the approval is approved with the promotion's approval (its id
     /// and approver, which Ferry holds) and handed over.
     async fn hand_off(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
-        let Some((aggregate, _)) = self
-            .promotions
-            .load(tenant, &promotion.to_string())
-            .await
-            .map_err(command_error)?
-        else {
-            return Ok(());
-        };
-        let Some(request) = aggregate.request().cloned() else {
+        let Some((aggregate, request)) = self.load(tenant, promotion).await? else {
             return Ok(());
         };
         let run_id = aggregate
@@ -664,15 +834,7 @@ impl Driver {
         tenant: &TenantId,
         promotion: PromotionId,
     ) -> Result<(), DriverError> {
-        let Some((aggregate, _)) = self
-            .promotions
-            .load(tenant, &promotion.to_string())
-            .await
-            .map_err(command_error)?
-        else {
-            return Ok(());
-        };
-        let Some(request) = aggregate.request().cloned() else {
+        let Some((aggregate, request)) = self.load(tenant, promotion).await? else {
             return Ok(());
         };
         let now = Utc::now();
@@ -841,13 +1003,32 @@ impl Driver {
                     "verification failed: {}",
                     view.verification.reason.as_deref().unwrap_or("no reason")
                 );
-                self.command(
-                    tenant,
-                    promotion,
-                    PromotionCommand::Fail { reason, at: now },
-                    None,
-                )
-                .await?;
+                // A rollback under way is followed from the rollback promotion's side.
+                if view.rollback.is_some() {
+                    return Ok(());
+                }
+                let Some((_, request)) = self.load(tenant, promotion).await? else {
+                    return Ok(());
+                };
+                match request.previous_release_id {
+                    // Restore the release that completed here before, through a promotion
+                    // of its own (same gates, no approval), unless this is a rollback.
+                    Some(previous)
+                        if self.settings.auto_rollback && request.rollback_of.is_none() =>
+                    {
+                        self.start_rollback(tenant, &request, previous, true, actor(), reason)
+                            .await?;
+                    }
+                    _ => {
+                        self.command(
+                            tenant,
+                            promotion,
+                            PromotionCommand::Fail { reason, at: now },
+                            None,
+                        )
+                        .await?;
+                    }
+                }
                 return Ok(());
             }
             Some(_) => return Ok(()),

@@ -307,6 +307,23 @@ pub async fn request_promotion(
                 format!("no environment {} is recorded", body.environment_id),
             )
         })?;
+    // A release rolled back in an environment is quarantined there.
+    if let Some(rolled_back) = views::rolled_back_in(
+        state.db(),
+        &caller.tenant,
+        body.release_id,
+        &body.environment_id,
+    )
+    .await?
+    {
+        return Err(ApiError::Unprocessable(vec![FieldError::new(
+            "releaseId",
+            format!(
+                "release {} was rolled back in {} (promotion {rolled_back}): it is quarantined there",
+                release.release.version, body.environment_id
+            ),
+        )]));
+    }
     let previous = views::current_release(state.db(), &caller.tenant, &body.environment_id)
         .await?
         .map(|(release, _)| release);
@@ -503,6 +520,92 @@ pub async fn decide_approval(
     ))
 }
 
+/// Body of `POST /factory/delivery/promotions/{promotionId}/rollback`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// Why (required; kept as evidence).
+    pub reason: String,
+}
+
+/// `POST /factory/delivery/promotions/{promotionId}/rollback`: an Operator rolls a completed
+/// promotion back to the release completed in that environment before it. The rollback is a
+/// promotion of that release through the same gates except the approval; the rolled-back
+/// release is quarantined in the environment.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %raw))]
+pub async fn rollback(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<RollbackRequest>,
+) -> Result<Json<PromotionView>, ApiError> {
+    caller.require_scope(OPERATE)?;
+    if !caller.has_role(Role::Operator) {
+        return Err(ApiError::Forbidden(
+            "rolling back needs the Operator role".to_string(),
+        ));
+    }
+    if body.reason.trim().is_empty() {
+        return Err(ApiError::invalid_field(
+            "reason",
+            "a rollback needs a reason",
+        ));
+    }
+    let id = promotion_id(&raw)?;
+    let promotions = state.repository::<Promotion>();
+    let (promotion, _) = promotions
+        .load(&caller.tenant, &id.to_string())
+        .await
+        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    let request = promotion
+        .request()
+        .cloned()
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    if promotion.state() != Some(PromotionState::Completed) {
+        return Err(ApiError::WrongState(format!(
+            "only a completed promotion is rolled back (this one is {})",
+            promotion.state().map_or("unknown", PromotionState::as_str)
+        )));
+    }
+    // Only the release running there now can be rolled back.
+    let current = views::current_release(state.db(), &caller.tenant, &request.environment_id)
+        .await?
+        .map(|(_, completion)| completion.promotion_id);
+    if current != Some(id) {
+        return Err(ApiError::WrongState(format!(
+            "release {} is no longer the one running in {}",
+            request.release_id, request.environment_id
+        )));
+    }
+    let previous = request.previous_release_id.ok_or_else(|| {
+        ApiError::WrongState(format!(
+            "no release completed in {} before this one: nothing to restore",
+            request.environment_id
+        ))
+    })?;
+    super::driver::start_rollback(
+        &promotions,
+        &caller.metadata(ids),
+        &request,
+        previous,
+        false,
+        caller.actor.clone(),
+        body.reason,
+    )
+    .await
+    .map_err(|e| ApiError::from_command(e, promotion_refusal))?;
+    let version = promotions
+        .load(&caller.tenant, &id.to_string())
+        .await
+        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+        .map_or(1, |(_, sequence)| sequence as u64);
+    Ok(Json(
+        wait_for_promotion(&state, &caller, id, version).await?,
+    ))
+}
+
 /// The release running in an environment.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -627,6 +730,19 @@ pub fn routes() -> ApiRouter<AppState> {
                     .path("promotionId", "The promotion.", promotion_path())
                     .response_with::<200, Json<PromotionView>, _>(|r| {
                         r.description("The promotion after the decision.")
+                    })
+                    .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions/{promotionId}/rollback",
+            post_with(rollback, move |op| {
+                op.id("RollbackPromotion")
+                    .summary("Roll a completed promotion back to the release completed in that environment before it (Operator; reason required). The rollback is a promotion of that release through the same gates except the approval; the rolled-back release is quarantined there.")
+                    .scope(OPERATE)
+                    .path("promotionId", "The promotion.", promotion_path())
+                    .response_with::<200, Json<PromotionView>, _>(|r| {
+                        r.description("The promotion with its rollback under way.")
                     })
                     .errors(&[401, 403, 404, 409, 415, 422])
             }),

@@ -436,7 +436,7 @@ const TABLES: &[TableSpec] = &[
             "CREATE TABLE IF NOT EXISTS {t} (
                 promotion_id text PRIMARY KEY, tenant_id text NOT NULL,
                 environment_id text NOT NULL, release_id text NOT NULL,
-                environment_class text NOT NULL, state text NOT NULL,
+                environment_class text NOT NULL, state text NOT NULL, rollback_of text,
                 position bigint NOT NULL, version bigint NOT NULL, document {json} NOT NULL)",
             "CREATE INDEX IF NOT EXISTS {i}_page ON {t} (tenant_id, position)",
             "CREATE INDEX IF NOT EXISTS {i}_environment ON {t} (tenant_id, environment_id, state)",
@@ -581,8 +581,8 @@ impl Subscriber<Promotion> for PromotionRows {
             .and_then(|v| v.as_str().map(str::to_string))
             .unwrap_or_default();
         let upsert = format!(
-            "INSERT INTO {promotions} (promotion_id, tenant_id, environment_id, release_id, environment_class, state, position, version, document)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+            "INSERT INTO {promotions} (promotion_id, tenant_id, environment_id, release_id, environment_class, state, position, version, document, rollback_of)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
              ON CONFLICT (promotion_id) DO UPDATE SET state = excluded.state,
                  version = excluded.version, document = excluded.document"
         );
@@ -598,6 +598,11 @@ impl Subscriber<Promotion> for PromotionRows {
                 int(event.position.global_position),
                 int(i64::try_from(sequence).unwrap_or(i64::MAX)),
                 json(&view)?,
+                Param::Text(
+                    view.rollback_of
+                        .as_ref()
+                        .map(|r| r.promotion_id.to_string()),
+                ),
             ],
         )
         .await?;
@@ -815,6 +820,35 @@ pub async fn open_promotions(
          ORDER BY position",
     );
     Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+}
+
+/// Rollback promotions that ended while the promotion they roll back is still waiting for
+/// them: `(tenant, original promotion, rollback's state)`.
+pub async fn ended_rollbacks(db: &Database) -> Result<Vec<(String, String, String)>, QueryError> {
+    let sql = db.sql(
+        "SELECT r.tenant_id, r.rollback_of, r.state FROM rm_promotions r
+           JOIN rm_promotions o ON o.promotion_id = r.rollback_of AND o.tenant_id = r.tenant_id
+          WHERE r.state IN ('Completed', 'Rejected', 'Failed', 'RolledBack')
+            AND o.state IN ('Verifying', 'Failed', 'Completed')",
+    );
+    Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+}
+
+/// Whether `release` was rolled back in `environment` (it is quarantined there).
+pub async fn rolled_back_in(
+    db: &Database,
+    tenant: &TenantId,
+    release: ReleaseId,
+    environment: &EnvironmentId,
+) -> Result<Option<PromotionId>, QueryError> {
+    let sql = db.sql(
+        "SELECT promotion_id FROM rm_promotions WHERE tenant_id = $1 AND release_id = $2
+         AND environment_id = $3 AND state = 'RolledBack' ORDER BY position DESC LIMIT 1",
+    );
+    let id: Option<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(tenant.as_str()).bind(release.to_string()).bind(environment.as_str())
+        .fetch_optional(pool).await?);
+    Ok(id.and_then(|id| PromotionId::parse(&id).ok()))
 }
 
 /// The tenant's promotions of `release` not yet deploying (for a withdrawal).
