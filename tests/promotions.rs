@@ -599,13 +599,18 @@ async fn a_release_goes_through_the_path(backend: Backend) {
         .as_str()
         .unwrap()
         .to_string();
-    let (_, run) =
-        d.s.get(
-            &operator("acme", "alice"),
-            &format!("/factory/provisioning/runs/{run_id}"),
-        )
-        .await;
-    assert_eq!(run["state"], "AwaitingApproval", "{run}");
+    // The runs' read model follows on its own subscription: wait for it.
+    let run_path = format!("/factory/provisioning/runs/{run_id}");
+    let run_path = &run_path;
+    let run = eventually_showing("the run awaiting approval", 30, || async move {
+        let (_, run) = s.get(&operator("acme", "alice"), run_path).await;
+        if run["state"] == "AwaitingApproval" {
+            Ok(run)
+        } else {
+            Err(run.to_string())
+        }
+    })
+    .await;
     assert_eq!(
         run["planReceipt"]["inputsHash"],
         prod["approval"]["planInputsHash"]
@@ -835,5 +840,80 @@ async fn a_production_approval_left_undecided_expires_and_rejects_the_promotion(
     assert!(reason.contains("expired"), "{reason}");
     // It was asked with its plan before it expired.
     assert!(p["approval"]["planInputsHash"].is_string(), "{p}");
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn a_verification_with_nothing_to_probe_is_held_for_an_operator() {
+    let d = start(Backend::Sqlite, None).await;
+    // Recorded without a health URL; the environment service reports it ready.
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/payments-dev",
+            &json!({"environmentClass": "development"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let event = json!({
+        "specversion": "1.0", "id": "env-ready-1", "source": "urn:environments",
+        "type": "environments.v1.environment-state-changed", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"environmentId": "payments-dev", "tenantId": "acme", "state": "Ready"}
+    });
+    let r =
+        d.s.client
+            .post(d.s.url("/factory/events"))
+            .bearer_auth(service("acme", "svc-environments"))
+            .header("content-type", "application/cloudevents+json")
+            .body(event.to_string())
+            .send()
+            .await
+            .unwrap();
+    let (status, body) = response(r).await;
+    assert_eq!(status, 202, "{body}");
+    let release = d.deployable("3.0.0").await;
+    let p = d.promote(&release, "payments-dev", json!({})).await;
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    let (s, path) = (&d.s, &path);
+    let held = eventually_showing("a held verification", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path).await;
+        if p["verification"]["outcome"] == "Inconclusive" {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    assert_eq!(held["state"], "Verifying");
+    assert_eq!(held["gates"][3]["evidence"]["source"], "reported");
+    let carol = token(
+        "acme",
+        "carol",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!("{path}/verification"),
+            &json!({"outcome": "Passed", "reason": ""}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    let (status, body) = d
+        .s
+        .post(
+            &carol,
+            &format!("{path}/verification"),
+            &json!({"outcome": "Passed", "reason": "dashboards green; the service has no health endpoint"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["state"], "Completed");
+    assert_eq!(body["verification"]["concludedBy"], "carol");
     d.s.stop().await;
 }

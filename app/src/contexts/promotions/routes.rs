@@ -21,7 +21,8 @@ use ferry_api::state::AppState;
 use ferry_domain::environment::Environment;
 use ferry_domain::promotion::gates::Completion;
 use ferry_domain::promotion::{
-    Hotfix, Promotion, PromotionCommand, PromotionError, PromotionRequest, PromotionState, Strategy,
+    Hotfix, Promotion, PromotionCommand, PromotionError, PromotionRequest, PromotionState,
+    Strategy, VerificationOutcome,
 };
 use ferry_domain::release::{
     EvaluationEvidence, PipelineResult, Release, ReleaseCommand, ReleaseError, ReleaseRecord,
@@ -606,6 +607,68 @@ pub async fn rollback(
     ))
 }
 
+/// Body of `POST /factory/delivery/promotions/{promotionId}/verification`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VerdictRequest {
+    /// `Passed` completes the promotion; `Failed` fails it (and rolls back, when on).
+    pub outcome: VerificationOutcome,
+    /// Why (required; kept with the verification).
+    pub reason: String,
+}
+
+/// `POST /factory/delivery/promotions/{promotionId}/verification`: an Operator passes or
+/// fails a verification held as inconclusive or in error (the tooling failed, not the
+/// release).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %raw))]
+pub async fn verdict(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<VerdictRequest>,
+) -> Result<Json<PromotionView>, ApiError> {
+    caller.require_scope(OPERATE)?;
+    if !caller.has_role(Role::Operator) {
+        return Err(ApiError::Forbidden(
+            "deciding a held verification needs the Operator role".to_string(),
+        ));
+    }
+    if !matches!(
+        body.outcome,
+        VerificationOutcome::Passed | VerificationOutcome::Failed
+    ) {
+        return Err(ApiError::invalid_field(
+            "outcome",
+            "must be Passed or Failed",
+        ));
+    }
+    let id = promotion_id(&raw)?;
+    let done = state
+        .repository::<Promotion>()
+        .execute(
+            &caller.tenant,
+            &id.to_string(),
+            PromotionCommand::ConcludeVerification {
+                outcome: body.outcome,
+                reason: body.reason,
+                by: Some(caller.actor.clone()),
+                at: Utc::now(),
+            },
+            &caller.metadata(ids),
+            false,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_store::CommandError::NotFound => ApiError::NotFound(format!("no promotion {id}")),
+            other => ApiError::from_command(other, promotion_refusal),
+        })?;
+    tracing::info!(outcome = ?body.outcome, "held verification decided");
+    Ok(Json(
+        wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
+    ))
+}
+
 /// The release running in an environment.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -743,6 +806,19 @@ pub fn routes() -> ApiRouter<AppState> {
                     .path("promotionId", "The promotion.", promotion_path())
                     .response_with::<200, Json<PromotionView>, _>(|r| {
                         r.description("The promotion with its rollback under way.")
+                    })
+                    .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions/{promotionId}/verification",
+            post_with(verdict, move |op| {
+                op.id("DecideVerification")
+                    .summary("Pass or fail a verification held as inconclusive or in error (Operator; reason required).")
+                    .scope(OPERATE)
+                    .path("promotionId", "The promotion.", promotion_path())
+                    .response_with::<200, Json<PromotionView>, _>(|r| {
+                        r.description("The promotion after the verdict.")
                     })
                     .errors(&[401, 403, 404, 409, 415, 422])
             }),
