@@ -917,3 +917,20 @@ async fn a_verification_with_nothing_to_probe_is_held_for_an_operator() {
     assert_eq!(body["verification"]["concludedBy"], "carol");
     d.s.stop().await;
 }
+
+#[tokio::test]
+async fn commands_answer_from_the_aggregate_when_the_read_model_has_not_caught_up() {
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.read_your_writes = std::time::Duration::ZERO;
+        c.workers = false;
+    })
+    .await;
+    d.environment("payments-dev", "development").await;
+    let release = uuid::Uuid::new_v4().to_string();
+    let (status, body) = d.release(&release, "1.0.0", passed()).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["releaseId"], release.as_str());
+    let p = d.promote(&release, "payments-dev", json!({})).await;
+    assert_eq!(p["releaseId"], release.as_str());
+    d.s.stop().await;
+}

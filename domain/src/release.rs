@@ -210,6 +210,7 @@ pub enum ReleaseError {
 pub struct Release {
     record: Option<ReleaseRecord>,
     withdrawn: bool,
+    withdrawal_reason: Option<String>,
 }
 
 impl Release {
@@ -225,6 +226,10 @@ impl Release {
     /// True once withdrawn.
     pub fn is_withdrawn(&self) -> bool {
         self.withdrawn
+    }
+    /// Why it was withdrawn, once withdrawn.
+    pub fn withdrawal_reason(&self) -> Option<&str> {
+        self.withdrawal_reason.as_deref()
     }
 }
 
@@ -289,7 +294,10 @@ impl Aggregate for Release {
     fn apply(&mut self, event: Self::Event) {
         match event {
             ReleaseEvent::ReleaseRecorded(record) => self.record = Some(*record),
-            ReleaseEvent::ReleaseWithdrawn { .. } => self.withdrawn = true,
+            ReleaseEvent::ReleaseWithdrawn { reason, .. } => {
+                self.withdrawn = true;
+                self.withdrawal_reason = Some(reason);
+            }
         }
     }
 }

@@ -172,9 +172,20 @@ pub async fn put_release(
             Ok(views::get_release(&db, &tenant, id).await?.is_some())
         })
         .await?;
-    let view = views::get_release(state.db(), &caller.tenant, id)
-        .await?
-        .ok_or_else(|| ApiError::internal("recorded release is not projected yet"))?;
+    // The read model, or, when it has not caught up in time, the aggregate's record.
+    let view = match views::get_release(state.db(), &caller.tenant, id).await? {
+        Some(view) => view,
+        None => ReleaseView {
+            release: done
+                .aggregate
+                .record()
+                .cloned()
+                .ok_or_else(|| ApiError::internal("a recorded release has no record"))?,
+            state: ReleaseState::Ready,
+            withdrawal: None,
+            completed_in: views::completions(state.db(), &caller.tenant, id).await?,
+        },
+    };
     if done.events.is_empty() {
         Ok(Json(view).into_response())
     } else {
@@ -275,21 +286,28 @@ pub async fn request_promotion(
             ));
         }
     }
-    let release = views::get_release(state.db(), &caller.tenant, body.release_id)
-        .await?
+    // The release as recorded (the aggregate, not the read model, which may lag).
+    let (release, _) = state
+        .repository::<Release>()
+        .load(
+            &caller.tenant,
+            &Release::aggregate_id(&caller.tenant, body.release_id),
+        )
+        .await
+        .map_err(|e| ApiError::from_command(e, release_refusal))?
         .ok_or_else(|| {
             ApiError::invalid_field("releaseId", format!("no release {}", body.release_id))
         })?;
-    if release.state == ReleaseState::Withdrawn {
+    let record = release.record().cloned().ok_or_else(|| {
+        ApiError::invalid_field("releaseId", format!("no release {}", body.release_id))
+    })?;
+    if release.is_withdrawn() {
         return Err(ApiError::Unprocessable(vec![FieldError::new(
             "releaseId",
             format!(
                 "release {} was withdrawn: {}",
-                release.release.version,
-                release
-                    .withdrawal
-                    .as_ref()
-                    .map_or("no reason given", |w| w.reason.as_str())
+                record.version,
+                release.withdrawal_reason().unwrap_or("no reason given")
             ),
         )]));
     }
@@ -321,7 +339,7 @@ pub async fn request_promotion(
             "releaseId",
             format!(
                 "release {} was rolled back in {} (promotion {rolled_back}): it is quarantined there",
-                release.release.version, body.environment_id
+                record.version, body.environment_id
             ),
         )]));
     }
@@ -350,7 +368,7 @@ pub async fn request_promotion(
     let request = PromotionRequest {
         promotion_id: id,
         tenant_id: caller.tenant.clone(),
-        project_id: release.release.project_id.clone(),
+        project_id: record.project_id.clone(),
         release_id: body.release_id,
         environment_id: body.environment_id,
         environment_class: environment,
@@ -415,9 +433,17 @@ async fn wait_for_promotion(
                 .is_some_and(|v| v >= version))
         })
         .await?;
-    views::get_promotion(state.db(), &caller.tenant, id)
-        .await?
-        .ok_or_else(|| ApiError::internal("the promotion is not projected yet; retry the read"))
+    match views::get_promotion(state.db(), &caller.tenant, id).await? {
+        Some(view) if view.version >= version => Ok(view),
+        // The read model has not caught up in time: the same view, from the aggregate.
+        _ => state
+            .repository::<Promotion>()
+            .load_events(&caller.tenant, &id.to_string())
+            .await
+            .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+            .and_then(|events| PromotionView::from_events(&events))
+            .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}"))),
+    }
 }
 
 /// `GET /factory/delivery/promotions`

@@ -241,6 +241,18 @@ impl PromotionView {
         }
     }
 
+    /// The view folded from a promotion's events, oldest first (`None` without a request).
+    pub fn from_events(events: &[PromotionEvent]) -> Option<Self> {
+        let PromotionEvent::PromotionRequested(request) = events.first()? else {
+            return None;
+        };
+        let mut view = Self::start(request);
+        for (sequence, event) in events.iter().enumerate().skip(1) {
+            view.apply(event, sequence as u64 + 1);
+        }
+        Some(view)
+    }
+
     /// The view after `event`, the aggregate's event number `sequence`.
     pub fn apply(&mut self, event: &PromotionEvent, sequence: u64) {
         use PromotionEvent as E;
