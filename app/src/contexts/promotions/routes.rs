@@ -404,7 +404,16 @@ pub async fn request_promotion(
             return Err(ApiError::from_command(e, promotion_refusal));
         }
     }
-    let view = wait_for_promotion(&state, &caller, id, 1).await?;
+    // Read your writes, then answer with the promotion as requested (its first event): the
+    // driver may already have moved it on, and the answer to a request is the request.
+    wait_for_promotion(&state, &caller, id, 1).await?;
+    let view = state
+        .repository::<Promotion>()
+        .load_events(&caller.tenant, &id.to_string())
+        .await
+        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+        .and_then(|events| PromotionView::from_events(&events[..1.min(events.len())]))
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
     let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
     if let Some(k) = &key {
         idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
