@@ -128,7 +128,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Serve => {
             let server = Server::start(&config).await?;
-            server.run_until_signal().await;
+            server.run_until_signal(&std::env::vars().collect()).await;
         }
         Command::Migrate => {
             let db = open_database(&config).await?;

@@ -7,6 +7,7 @@ mod common;
 
 use axum::routing::get;
 use common::*;
+use ferry_messaging::testing::Nats;
 use ferry_store::database::Backend;
 use ferry_store::testing::eventually_showing;
 use serde_json::{json, Value};
@@ -496,9 +497,10 @@ async fn a_hotfix_that_policy_allows_passes_the_path_with_evidence_and_waits_for
     d.s.stop().await;
 }
 
-async fn a_release_goes_through_the_path(backend: Backend) {
+async fn a_release_goes_through_the_path(backend: Backend, nats: Option<&Nats>) {
     let d = start_with(backend, None, |c| {
         c.verification_window = std::time::Duration::from_secs(1);
+        c.nats_url = nats.map(Nats::url);
     })
     .await;
     for (env, class) in [
@@ -806,17 +808,187 @@ async fn a_release_goes_through_the_path(backend: Backend) {
         )
         .await;
     assert_eq!(current["releaseId"], release.as_str(), "{current}");
+
+    // The quarantine of the bad release in development is lifted by an Operator, with a
+    // reason; then it may be promoted there again.
+    let lift = format!("/factory/delivery/releases/{bad}/quarantines/payments-dev/lift");
+    let (status, _) =
+        d.s.post(&promoter("acme", "alice"), &lift, &json!({"reason": "x"}))
+            .await;
+    assert_eq!(
+        status, 403,
+        "the operate scope and the Operator role are needed"
+    );
+    let (status, body) = d.s.post(&carol, &lift, &json!({"reason": " "})).await;
+    assert_eq!(status, 422, "{body}");
+    let mallory = token(
+        "globex",
+        "mallory",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let (status, body) =
+        d.s.post(&mallory, &lift, &json!({"reason": "mine now"}))
+            .await;
+    assert_eq!(status, 409, "another tenant sees no quarantine: {body}");
+    let (status, body) =
+        d.s.post(&carol, &lift, &json!({"reason": "the config fix is in"}))
+            .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["liftedBy"], "carol");
+    assert_eq!(body["promotionId"], rolled["promotionId"]);
+    let (status, body) = d.s.post(&carol, &lift, &json!({"reason": "again"})).await;
+    assert_eq!(status, 409, "{body}");
+    let again = d.promote(&bad, "payments-dev", json!({})).await;
+    d.wait(&again, "Completed").await;
+
+    let metrics =
+        d.s.client
+            .get(d.s.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    for family in [
+        r#"connectsoft_factory_delivery_promotions_total{environmentClass="production",state="Completed",tenant="acme"}"#,
+        r#"connectsoft_factory_delivery_promotions_total{environmentClass="development",state="RolledBack",tenant="acme"}"#,
+        r#"connectsoft_factory_delivery_promotions_total{environmentClass="staging",state="Rejected",tenant="acme"}"#,
+        r#"connectsoft_factory_delivery_rollbacks_total{automatic="true",environmentClass="development",tenant="acme"}"#,
+        r#"connectsoft_factory_delivery_rollbacks_total{automatic="false",environmentClass="development",tenant="acme"}"#,
+        r#"connectsoft_factory_delivery_promotion_lead_time_seconds_count{environmentClass="production"}"#,
+    ] {
+        assert!(metrics.contains(family), "{family} missing from /metrics");
+    }
+    if let Some(nats) = nats {
+        published_once_with_the_seed_payloads(&d, nats, [&release, &bad, &next]).await;
+    }
     d.s.stop().await;
+}
+
+/// Every promotion's integration events are on JetStream with payloads that match their
+/// schemas, each promotion's request once. `good` ran in development before `bad` failed its
+/// verification there (automatic rollback: `PromotionFailed{rolledBack}`) and `next` was
+/// rolled back by hand (`RollbackCompleted`); `bad` completed there last.
+async fn published_once_with_the_seed_payloads(
+    d: &Delivery,
+    nats: &Nats,
+    [good, bad, next]: [&str; 3],
+) {
+    use futures::TryStreamExt;
+    let (_, all) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/delivery/promotions?limit=100",
+        )
+        .await;
+    let promotions = all["items"].as_array().unwrap().len();
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url()).await.unwrap());
+    let js = &js;
+    let stream = eventually_showing("the relay's stream", 15, || async move {
+        js.get_stream("FERRY_EVENTS")
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let stream = &stream;
+    // The relay publishes after the commit: wait until it has caught up with the last event.
+    eventually_showing("every promotion's request on NATS", 30, || async move {
+        let counts: Vec<(String, usize)> = stream
+            .info_with_subjects("releases.promotions.v1.promotion-requested")
+            .await
+            .map_err(|e| e.to_string())?
+            .try_collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        match counts.first() {
+            Some((_, n)) if *n == promotions => Ok(()),
+            other => Err(format!("{other:?} of {promotions}")),
+        }
+    })
+    .await;
+    let last = |subject: &'static str| async move {
+        let message = eventually_showing(subject, 30, || async move {
+            stream
+                .get_last_raw_message_by_subject(subject)
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await;
+        let event: Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(event["type"], subject);
+        assert_eq!(event["tenantid"], "acme");
+        // `releases.promotions.v1.<event>` → `<event>`; `ferry.events.<aggregate>.<event>` →
+        // `ferry/<aggregate>.<event>`.
+        let file = match subject.strip_prefix("ferry.events.") {
+            Some(domain) => format!("ferry/{domain}"),
+            None => subject.rsplit('.').next().unwrap().to_string(),
+        };
+        let path = format!(
+            "{}/schemas/events/{file}.schema.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let schema: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let data = event["data"].clone();
+        assert!(
+            jsonschema::validator_for(&schema).unwrap().is_valid(&data),
+            "{subject}: {data} does not match its schema"
+        );
+        data
+    };
+    // The test's last promotion (the bad release again, after its quarantine was lifted)
+    // completed last: once it is on NATS, so is everything before it.
+    eventually_showing("the last completion on NATS", 30, || async move {
+        let message = stream
+            .get_last_raw_message_by_subject("releases.promotions.v1.promotion-completed")
+            .await
+            .map_err(|e| e.to_string())?;
+        let event: Value = serde_json::from_slice(&message.payload).unwrap();
+        if event["data"]["releaseId"] == bad {
+            Ok(())
+        } else {
+            Err(event.to_string())
+        }
+    })
+    .await;
+    let requested = last("releases.promotions.v1.promotion-requested").await;
+    assert_eq!(requested["projectId"], "payments");
+    let approved = last("releases.promotions.v1.promotion-approved").await;
+    assert!(
+        approved["desiredStateRef"].as_str().unwrap().contains('@'),
+        "{approved}"
+    );
+    let completed = last("releases.promotions.v1.promotion-completed").await;
+    assert_eq!(completed["environmentId"], "payments-dev");
+    assert_eq!(completed["previousReleaseId"], good, "{completed}");
+    let failed = last("releases.promotions.v1.promotion-failed").await;
+    assert_eq!(
+        (failed["releaseId"].as_str(), &failed["rolledBack"]),
+        (Some(bad), &json!(true)),
+        "{failed}"
+    );
+    let rollback = last("releases.promotions.v1.rollback-completed").await;
+    assert_eq!(
+        (
+            rollback["releaseId"].as_str(),
+            rollback["restoredReleaseId"].as_str()
+        ),
+        (Some(next), Some(good)),
+        "{rollback}"
+    );
+    // The finer events go on the promotion's domain subjects.
+    last("ferry.events.promotion.gate-evaluated").await;
 }
 
 #[tokio::test]
 async fn a_release_goes_development_test_staging_and_production_approved_by_another_on_sqlite() {
-    a_release_goes_through_the_path(Backend::Sqlite).await;
+    a_release_goes_through_the_path(Backend::Sqlite, None).await;
 }
 
 #[tokio::test]
 async fn a_release_goes_development_test_staging_and_production_approved_by_another_on_postgres() {
-    a_release_goes_through_the_path(Backend::Postgres).await;
+    a_release_goes_through_the_path(Backend::Postgres, Some(&Nats::start().await)).await;
 }
 
 #[tokio::test]
@@ -932,5 +1104,70 @@ async fn commands_answer_from_the_aggregate_when_the_read_model_has_not_caught_u
     assert_eq!(body["releaseId"], release.as_str());
     let p = d.promote(&release, "payments-dev", json!({})).await;
     assert_eq!(p["releaseId"], release.as_str());
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn the_promotion_path_reloads_without_a_restart_and_a_bad_file_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(&file, "verification_window = \"1s\"\n").unwrap();
+    let path = file.clone();
+    let d = start_with(Backend::Sqlite, None, move |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+        c.config_file = Some(path);
+    })
+    .await;
+    d.environment("payments-dev", "development").await;
+    d.environment("payments-prod", "production").await;
+    let release = d.deployable("3.0.0").await;
+    let dev = d.promote(&release, "payments-dev", json!({})).await;
+    d.wait(&dev, "Completed").await;
+    let prod = d.promote(&release, "payments-prod", json!({})).await;
+    let prod = d.wait(&prod, "Rejected").await;
+    assert!(
+        prod["rejection"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("staging"),
+        "{prod}"
+    );
+
+    // The team's path skips test and staging: taken up on reload, no restart.
+    std::fs::write(
+        &file,
+        "verification_window = \"1s\"\npromotion_path = \"development,production\"\n",
+    )
+    .unwrap();
+    let server = d.s.server.as_ref().unwrap();
+    let env = std::collections::HashMap::new();
+    assert!(server.reload(&env).unwrap(), "the path changed");
+    let prod = d.promote(&release, "payments-prod", json!({})).await;
+    let prod = d.wait_any(&prod, &["AwaitingApproval", "Rejected"]).await;
+    assert_eq!(prod["state"], "AwaitingApproval", "{prod}");
+    let prior = prod["gates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["kind"] == "PriorEnvironment")
+        .unwrap();
+    assert_eq!(prior["outcome"], "Passed", "{prior}");
+
+    // A file that does not load is refused, naming the setting; the settings in use stay.
+    std::fs::write(&file, "verification_window = \"forever\"\n").unwrap();
+    let refused = server.reload(&env).unwrap_err();
+    assert!(
+        refused.to_string().contains("verification_window"),
+        "{refused}"
+    );
+    std::fs::write(
+        &file,
+        "verification_window = \"1s\"\npromotion_path = \"development,production\"\n",
+    )
+    .unwrap();
+    assert!(
+        !server.reload(&env).unwrap(),
+        "nothing changed since the last good reload"
+    );
     d.s.stop().await;
 }

@@ -394,7 +394,8 @@ settings! {
     /// only after it completed in the one before.
     promotion_path: List, shown "`development,test,staging,production`";
     /// How long verification watches an applied release before completing it
-    /// (`VerificationWindow`), e.g. `15m`, `90s` (1 second to 24 hours).
+    /// (`VerificationWindow`), e.g. `15m`, `90s` (1 second to 24 hours). Reloadable, as are
+    /// the promotion path and automatic rollback (SIGHUP re-reads the configuration).
     verification_window: String = "15m";
     /// Roll back to the release last completed in the environment when verification fails
     /// (`AutoRollbackOnVerificationFailure`).
@@ -987,7 +988,37 @@ pub fn with_markdown_table(readme: &str) -> Option<String> {
     ))
 }
 
+/// The settings a running process takes up on reload (SIGHUP) without a restart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reloadable {
+    /// `FERRY_PROMOTION_PATH`.
+    pub promotion_path: ferry_domain::promotion::gates::PromotionPath,
+    /// `FERRY_VERIFICATION_WINDOW`.
+    pub verification_window: Duration,
+    /// `FERRY_AUTO_ROLLBACK_ON_VERIFICATION_FAILURE`.
+    pub auto_rollback: bool,
+}
+
 impl Config {
+    /// The reloadable settings.
+    pub fn reloadable(&self) -> Reloadable {
+        Reloadable {
+            promotion_path: self.promotion_path.clone(),
+            verification_window: self.verification_window,
+            auto_rollback: self.auto_rollback,
+        }
+    }
+
+    /// True when `newer` differs from this configuration in a setting that is not
+    /// reloadable (it takes effect only at the next start).
+    pub fn needs_restart_for(&self, newer: &Config) -> bool {
+        let mut same = newer.clone();
+        same.promotion_path = self.promotion_path.clone();
+        same.verification_window = self.verification_window;
+        same.auto_rollback = self.auto_rollback;
+        same != *self
+    }
+
     /// Defaults, then the file (if any: `file`, else `FERRY_CONFIG`), then the environment.
     pub fn load(file: Option<&Path>, env: &HashMap<String, String>) -> Result<Self, ConfigError> {
         refuse_unknown_variables(env)?;

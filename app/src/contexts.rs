@@ -39,6 +39,8 @@ pub struct Process<'a> {
     pub registry: &'a prometheus::Registry,
     /// Flips to true at shutdown.
     pub shutdown: &'a watch::Receiver<bool>,
+    /// The reloadable settings, as they are now (a reload sends the new ones).
+    pub options: &'a watch::Receiver<crate::config::Reloadable>,
 }
 
 /// One bounded context: its aggregates, routes, projections, publishers and background work.

@@ -7,7 +7,7 @@
 //! | `ApprovalDecided` | decides the named promotion's pending approval (it must name that approval), or approves or rejects the named run awaiting approval (expired = rejected); a promotion's run is decided only through its promotion |
 //! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable) |
 //! | `ReleaseWithdrawn` | withdraws the release: promotions of it not yet deploying are rejected |
-//! | `PromotionApproved`, `ProvisioningApplied`, `ProvisioningFailed` | logged only: another service's promotions are not driven by Ferry |
+//! | `ProvisioningApplied`, `ProvisioningFailed` | logged only: Ferry's promotions follow their runs in process (the promotions driver) |
 //!
 //! Every effect is committed with the message's "handled" mark (one transaction), and its
 //! actor is who sent the event (the token's subject over HTTP, `nats:<source>` over NATS),
@@ -16,6 +16,7 @@
 //! are permanent (the message is dead-lettered with the reason); a concurrent change or an
 //! unavailable store is transient (redelivered later).
 
+use crate::contexts::promotions::metrics::observe;
 use chrono::Utc;
 use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::{
@@ -183,7 +184,8 @@ impl InboundHandler for FerryInbound {
                         ApprovalDecision::Approve => (Decision::Approve, a.reason.clone()),
                         ApprovalDecision::Reject => (Decision::Reject, a.reason.clone()),
                         ApprovalDecision::Expire => {
-                            self.promotions
+                            let expired = self
+                                .promotions
                                 .execute_linked(
                                     &tenant,
                                     &promotion.to_string(),
@@ -196,12 +198,14 @@ impl InboundHandler for FerryInbound {
                                 )
                                 .await
                                 .map_err(classify)?;
+                            observe(&expired.aggregate, &expired.events);
                             return Ok(Handled::Recorded);
                         }
                     };
                     // The decision must name the promotion's pending approval; the approver
                     // named in the payload is checked against the requester by the domain.
-                    self.promotions
+                    let decided = self
+                        .promotions
                         .execute_linked(
                             &tenant,
                             &promotion.to_string(),
@@ -218,6 +222,7 @@ impl InboundHandler for FerryInbound {
                         )
                         .await
                         .map_err(classify)?;
+                    observe(&decided.aggregate, &decided.events);
                     return Ok(Handled::Recorded);
                 };
                 // The same decision under another message id took effect already.

@@ -11,6 +11,6 @@ pub mod inbound;
 pub mod server;
 pub mod telemetry;
 
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, Reloadable};
 pub use contexts::{BoundedContext, Contexts, Process};
 pub use server::{Server, StartError};

@@ -2,13 +2,14 @@
 //! the projections, workers, relay and inbound consumers, and serving the HTTP API until a
 //! shutdown signal.
 
-use crate::config::{Config, LogFormat, RunnerKind};
+use crate::config::{Config, ConfigError, LogFormat, RunnerKind};
 use crate::contexts::{Contexts, Process};
 use crate::telemetry::{NatsHealth, ProcessTelemetry};
 use ferry_api::auth::{load_or_create_key, Verifier};
 use ferry_api::state::AppState;
 use ferry_projections::{Projector, ReadModels};
 use ferry_store::{stream, Database, DatabaseError};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use tokio::sync::watch;
 
@@ -174,6 +175,9 @@ pub struct Server {
     /// Where it listens.
     pub addr: SocketAddr,
     shutdown: watch::Sender<bool>,
+    /// The configuration it started with, and its reloadable part as running now.
+    started_with: Config,
+    options: watch::Sender<crate::config::Reloadable>,
     handle: tokio::task::JoinHandle<Result<(), std::io::Error>>,
     db: Database,
     messaging: Option<(ferry_messaging::Relay, ferry_messaging::inbound::Inbound)>,
@@ -210,6 +214,7 @@ impl Server {
         metrics.register(&registry)?;
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let (options, options_rx) = watch::channel(config.reloadable());
         stream::spawn_notify_listener(&db, shutdown_rx.clone());
         let projector = Projector::start(
             &db,
@@ -227,6 +232,7 @@ impl Server {
             metrics: &metrics,
             registry: &registry,
             shutdown: &shutdown_rx,
+            options: &options_rx,
         })?;
         let handler = std::sync::Arc::new(crate::inbound::FerryInbound::new(
             db.clone(),
@@ -313,6 +319,8 @@ impl Server {
         Ok(Self {
             addr,
             shutdown,
+            started_with: config.clone(),
+            options,
             handle,
             db,
             messaging,
@@ -334,9 +342,62 @@ impl Server {
         self.db.close().await;
     }
 
-    /// Serves until Ctrl-C or SIGTERM.
-    pub async fn run_until_signal(self) {
-        shutdown_signal().await;
+    /// Reads the configuration again (the file it started with, then `env`) and takes up its
+    /// reloadable settings ([`crate::config::Reloadable`]) at once. Returns whether they
+    /// changed. A configuration that does not load is refused and nothing changes; other
+    /// settings that changed are named in a warning: they take effect at the next start.
+    pub fn reload(&self, env: &HashMap<String, String>) -> Result<bool, ConfigError> {
+        let newer = Config::load(self.started_with.config_file.as_deref(), env)?;
+        if self.started_with.needs_restart_for(&newer) {
+            tracing::warn!(
+                "the configuration changed in settings that are not reloadable; they take effect at the next start"
+            );
+        }
+        let reloadable = newer.reloadable();
+        let changed = self.options.send_if_modified(|current| {
+            let changed = *current != reloadable;
+            *current = reloadable.clone();
+            changed
+        });
+        tracing::info!(
+            changed,
+            promotion_path = ?reloadable.promotion_path.classes(),
+            verification_window = ?reloadable.verification_window,
+            auto_rollback = reloadable.auto_rollback,
+            "configuration reloaded"
+        );
+        Ok(changed)
+    }
+
+    /// Serves until Ctrl-C or SIGTERM; on SIGHUP reloads the configuration (with `env`, the
+    /// process's environment).
+    pub async fn run_until_signal(self, env: &HashMap<String, String>) {
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        #[cfg(unix)]
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        loop {
+            #[cfg(unix)]
+            let reload = async {
+                match hangup.as_mut() {
+                    Some(h) => {
+                        h.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let reload = std::future::pending::<()>();
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = reload => {
+                    if let Err(error) = self.reload(env) {
+                        tracing::error!(%error, "the configuration was not reloaded; the settings in use stay");
+                    }
+                }
+            }
+        }
         tracing::info!("shutting down");
         self.stop().await;
     }

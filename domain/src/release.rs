@@ -5,7 +5,7 @@
 //! A release is immutable: the same report again changes nothing, a different one under the
 //! same id is refused (a new build is a new release). A withdrawn release stays withdrawn.
 
-use crate::ids::{Actor, ProjectId, ReleaseId, TenantId};
+use crate::ids::{Actor, EnvironmentId, ProjectId, PromotionId, ReleaseId, TenantId};
 use crate::values::{ProgramRef, ProgramVersion, ValueError};
 use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
@@ -150,6 +150,21 @@ pub enum ReleaseCommand {
         /// When.
         at: DateTime<Utc>,
     },
+    /// Lift the quarantine a rollback put the release under in one environment, so that it
+    /// may be promoted there again. The caller has checked (from the promotions it holds)
+    /// that `promotion_id` rolled this release back in `environment_id`.
+    LiftQuarantine {
+        /// The environment.
+        environment_id: EnvironmentId,
+        /// The promotion of this release that was rolled back there.
+        promotion_id: PromotionId,
+        /// Why it may go there again (required).
+        reason: String,
+        /// Who (an Operator).
+        by: Actor,
+        /// When.
+        at: DateTime<Utc>,
+    },
 }
 
 /// Events of the release aggregate (all version 1.0).
@@ -167,6 +182,20 @@ pub enum ReleaseEvent {
         /// When.
         withdrawn_at: DateTime<Utc>,
     },
+    /// The quarantine from a rollback in one environment was lifted.
+    #[serde(rename_all = "camelCase")]
+    QuarantineLifted {
+        /// The environment.
+        environment_id: EnvironmentId,
+        /// The rolled-back promotion whose quarantine this lifts.
+        promotion_id: PromotionId,
+        /// Why.
+        reason: String,
+        /// Who.
+        lifted_by: Actor,
+        /// When.
+        lifted_at: DateTime<Utc>,
+    },
 }
 
 impl ReleaseEvent {
@@ -175,6 +204,7 @@ impl ReleaseEvent {
         match self {
             Self::ReleaseRecorded(_) => EventType::first("ReleaseRecorded"),
             Self::ReleaseWithdrawn { .. } => EventType::first("ReleaseWithdrawn"),
+            Self::QuarantineLifted { .. } => EventType::first("QuarantineLifted"),
         }
     }
 }
@@ -203,6 +233,12 @@ pub enum ReleaseError {
     /// The record names another release or tenant than the aggregate.
     #[error("the record does not match the release")]
     IdentityMismatch,
+    /// A quarantine is lifted only with a reason.
+    #[error("a reason is required to lift a quarantine")]
+    ReasonRequired,
+    /// That rollback's quarantine was lifted already.
+    #[error("the quarantine from promotion {0} was lifted already")]
+    AlreadyLifted(PromotionId),
 }
 
 /// The release as recorded.
@@ -211,6 +247,9 @@ pub struct Release {
     record: Option<ReleaseRecord>,
     withdrawn: bool,
     withdrawal_reason: Option<String>,
+    /// The rolled-back promotions whose quarantine was lifted.
+    #[serde(default)]
+    lifted: Vec<PromotionId>,
 }
 
 impl Release {
@@ -286,6 +325,30 @@ impl Aggregate for Release {
                     withdrawn_at: at,
                 }
             }
+            ReleaseCommand::LiftQuarantine {
+                environment_id,
+                promotion_id,
+                reason,
+                by,
+                at,
+            } => {
+                if self.record.is_none() {
+                    return Err(ReleaseError::NotRecorded);
+                }
+                if reason.trim().is_empty() {
+                    return Err(ReleaseError::ReasonRequired);
+                }
+                if self.lifted.contains(&promotion_id) {
+                    return Err(ReleaseError::AlreadyLifted(promotion_id));
+                }
+                ReleaseEvent::QuarantineLifted {
+                    environment_id,
+                    promotion_id,
+                    reason,
+                    lifted_by: by,
+                    lifted_at: at,
+                }
+            }
         };
         sink.write(event, self).await;
         Ok(())
@@ -298,6 +361,7 @@ impl Aggregate for Release {
                 self.withdrawn = true;
                 self.withdrawal_reason = Some(reason);
             }
+            ReleaseEvent::QuarantineLifted { promotion_id, .. } => self.lifted.push(promotion_id),
         }
     }
 }
@@ -417,6 +481,56 @@ mod tests {
         Fixture::with(())
             .given_no_previous_events()
             .when(withdraw(0))
+            .then_expect_error(ReleaseError::NotRecorded);
+    }
+
+    fn lift(promotion: u128, reason: &str) -> ReleaseCommand {
+        ReleaseCommand::LiftQuarantine {
+            environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+            promotion_id: PromotionId::from_uuid(uuid::Uuid::from_u128(promotion)),
+            reason: reason.to_string(),
+            by: Actor::parse("carol").unwrap(),
+            at: at(30),
+        }
+    }
+
+    #[test]
+    fn a_quarantine_is_lifted_once_with_a_reason() {
+        let lifted = ReleaseEvent::QuarantineLifted {
+            environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+            promotion_id: PromotionId::from_uuid(uuid::Uuid::from_u128(9)),
+            reason: "fixed by config".to_string(),
+            lifted_by: Actor::parse("carol").unwrap(),
+            lifted_at: at(30),
+        };
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(lift(9, "fixed by config"))
+            .then_expect_events(vec![lifted.clone()]);
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(lift(9, "  "))
+            .then_expect_error(ReleaseError::ReasonRequired);
+        Fixture::with(())
+            .given(vec![recorded(), lifted.clone()])
+            .when(lift(9, "again"))
+            .then_expect_error(ReleaseError::AlreadyLifted(PromotionId::from_uuid(
+                uuid::Uuid::from_u128(9),
+            )));
+        // Another rollback of the same release there is another quarantine.
+        Fixture::with(())
+            .given(vec![recorded(), lifted])
+            .when(lift(10, "fixed again"))
+            .then_expect_events(vec![ReleaseEvent::QuarantineLifted {
+                environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+                promotion_id: PromotionId::from_uuid(uuid::Uuid::from_u128(10)),
+                reason: "fixed again".to_string(),
+                lifted_by: Actor::parse("carol").unwrap(),
+                lifted_at: at(30),
+            }]);
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(lift(9, "x"))
             .then_expect_error(ReleaseError::NotRecorded);
     }
 

@@ -186,6 +186,18 @@ pub enum EnvironmentClass {
     Production,
 }
 
+impl EnvironmentClass {
+    /// Its name as serialized (`development`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Development => "development",
+            Self::Test => "test",
+            Self::Staging => "staging",
+            Self::Production => "production",
+        }
+    }
+}
+
 /// Whether production rules apply: an unknown class counts as production, so that a run
 /// never escapes approval because Ferry has not heard of its environment yet.
 pub fn is_production(class: Option<EnvironmentClass>) -> bool {

@@ -26,7 +26,7 @@
 //! | `provisioning.runs.v1.provisioning-applied` | `events/provisioning-applied.schema.json` | out, and in (promotions) |
 //! | `provisioning.runs.v1.provisioning-failed` | `events/provisioning-failed.schema.json` | out, and in (promotions) |
 //! | `ferry.events.<aggregate>.<event>` (e.g. `ferry.events.provisioning-run.provisioning-cancelled`) | `events/ferry/<aggregate>.<event>.schema.json` (the domain event's inner object) | out |
-//! | `releases.promotions.v1.promotion-approved` | `events/inbound/promotion-approved.schema.json` | in |
+//! | `releases.promotions.v1.promotion-requested`, `-approved`, `-completed`, `-failed`, `rollback-completed` | `events/promotion-requested.schema.json`, … (the promotions context's publisher) | out |
 //! | `environments.v1.environment-created` | `events/inbound/environment-created.schema.json` | in |
 //! | `environments.v1.environment-state-changed` | `events/inbound/environment-state-changed.schema.json` | in |
 //! | `runcontrol.approvals.v1.approval-decided` | `events/inbound/approval-decided.schema.json` | in |

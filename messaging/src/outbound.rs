@@ -67,7 +67,7 @@ pub fn inner_payload(payload: &Value) -> Value {
 }
 
 /// The domain event on `ferry.events.<aggregate>.<event>`, its inner object as data.
-pub(crate) fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
+pub fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
     let subject = subjects::domain_subject(&stored.aggregate_type, &event.event_type());
     match serde_json::to_value(event) {
         Ok(value) => Message {
@@ -89,7 +89,11 @@ pub(crate) fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) ->
 }
 
 /// An integration event whose payload cannot be built goes on its domain subject.
-fn integration_failed<E: DomainEvent>(stored: &StoredEvent, event: &E, reason: String) -> Message {
+pub fn integration_failed<E: DomainEvent>(
+    stored: &StoredEvent,
+    event: &E,
+    reason: String,
+) -> Message {
     log_degraded(stored, &reason);
     Message {
         degraded: Some(reason),
@@ -105,7 +109,7 @@ fn log_degraded(stored: &StoredEvent, reason: &str) {
 }
 
 /// A built integration payload on `subject`, or the domain event when it cannot be built.
-fn integration<E: DomainEvent>(
+pub fn integration<E: DomainEvent>(
     stored: &StoredEvent,
     event: &E,
     subject: &str,
@@ -133,7 +137,7 @@ impl Publishers {
 }
 
 /// An integration subject's documentation and the schema file of its payload.
-fn integration_doc<T: schemars::JsonSchema>(
+pub fn integration_doc<T: schemars::JsonSchema>(
     subject: &str,
     event: &str,
     direction: Direction,

@@ -11,8 +11,7 @@
 
 use crate::cloudevent::CloudEvent;
 use crate::inbound::{
-    ApprovalDecided, EnvironmentCreated, EnvironmentStateChanged, PromotionApproved, ReleaseReady,
-    ReleaseWithdrawn,
+    ApprovalDecided, EnvironmentCreated, EnvironmentStateChanged, ReleaseReady, ReleaseWithdrawn,
 };
 use crate::publish::Publishers;
 use crate::subjects::{self, kebab};
@@ -206,12 +205,36 @@ fn inbound_docs() -> Documents {
         )
     };
     let (subjects, files) = [
-        doc(subjects::PROMOTION_APPROVED, "PromotionApproved", schema_value::<PromotionApproved>(), "A promotion hands over its desired state; its approval is reused for a production apply."),
-        doc(subjects::ENVIRONMENT_CREATED, "EnvironmentCreated", schema_value::<EnvironmentCreated>(), "A new environment gets its baseline specification planned."),
-        doc(subjects::ENVIRONMENT_STATE_CHANGED, "EnvironmentStateChanged", schema_value::<EnvironmentStateChanged>(), "An environment's readiness changed (EnvironmentReady gate)."),
-        doc(subjects::APPROVAL_DECIDED, "ApprovalDecided", schema_value::<ApprovalDecided>(), "Run control decided an approval for a run or a promotion."),
-        doc(subjects::RELEASE_READY, "ReleaseReady", schema_value::<ReleaseReady>(), "A release is ready and may be promoted."),
-        doc(subjects::RELEASE_WITHDRAWN, "ReleaseWithdrawn", schema_value::<ReleaseWithdrawn>(), "A release was withdrawn; pending promotions of it are rejected."),
+        doc(
+            subjects::ENVIRONMENT_CREATED,
+            "EnvironmentCreated",
+            schema_value::<EnvironmentCreated>(),
+            "A new environment gets its baseline specification planned.",
+        ),
+        doc(
+            subjects::ENVIRONMENT_STATE_CHANGED,
+            "EnvironmentStateChanged",
+            schema_value::<EnvironmentStateChanged>(),
+            "An environment's readiness changed (EnvironmentReady gate).",
+        ),
+        doc(
+            subjects::APPROVAL_DECIDED,
+            "ApprovalDecided",
+            schema_value::<ApprovalDecided>(),
+            "Run control decided an approval for a run or a promotion.",
+        ),
+        doc(
+            subjects::RELEASE_READY,
+            "ReleaseReady",
+            schema_value::<ReleaseReady>(),
+            "A release is ready and may be promoted.",
+        ),
+        doc(
+            subjects::RELEASE_WITHDRAWN,
+            "ReleaseWithdrawn",
+            schema_value::<ReleaseWithdrawn>(),
+            "A release was withdrawn; pending promotions of it are rejected.",
+        ),
     ]
     .into_iter()
     .unzip();

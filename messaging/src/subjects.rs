@@ -7,7 +7,8 @@
 /// The stream subjects Ferry publishes on (and that its stream must cover). Only Ferry may
 /// publish into that stream: the relay's `Nats-Expected-Last-Sequence` counts every message
 /// in it, so another publisher there would stall it (subjects other services publish, e.g.
-/// `releases.promotions.>`, are stored by `FERRY_INBOUND` or their own stream).
+/// `releases.releases.>`, are stored by `FERRY_INBOUND` or their own stream). A context's
+/// own integration subjects are added by [`stream_subjects`].
 pub const STREAM_SUBJECTS: [&str; 2] = ["provisioning.>", "ferry.events.>"];
 
 /// `SpecificationDeclared` (integration).
@@ -19,8 +20,6 @@ pub const PROVISIONING_APPLIED: &str = "provisioning.runs.v1.provisioning-applie
 /// `ProvisioningFailed` (integration).
 pub const PROVISIONING_FAILED: &str = "provisioning.runs.v1.provisioning-failed";
 
-/// Inbound: a promotion hands its desired state to provisioning.
-pub const PROMOTION_APPROVED: &str = "releases.promotions.v1.promotion-approved";
 /// Inbound: the environment service created an environment.
 pub const ENVIRONMENT_CREATED: &str = "environments.v1.environment-created";
 /// Inbound: an environment's state (readiness) changed.

@@ -5,16 +5,17 @@
 //! * [`views`]: the `delivery` projection (releases, promotions, completions) and its
 //!   queries;
 //! * [`routes`]: the delivery API;
+//! * [`events`]: what promotions publish (`releases.promotions.v1.*` and domain events);
+//! * [`metrics`]: the promotion counters and lead-time histogram;
 //! * [`driver`]: the worker that queues promotions per environment and evaluates their
 //!   gates.
 //!
-//! Built so far: recording releases, requesting promotions, the queue (one promotion per
-//! environment), the five gates, the rejection of a withdrawn release's promotions, the
-//! hand-off to provisioning and health verification of promotions that need no approval.
-//! The production approval and rollback are the aggregate's (`ferry_domain::promotion`) but
-//! not yet driven here.
+//! Verification probes the environment's health URL through the window; smoke checks and
+//! SLO queries are not measured yet.
 
 pub mod driver;
+pub mod events;
+pub mod metrics;
 pub mod routes;
 pub mod views;
 
@@ -58,11 +59,9 @@ impl BoundedContext for Promotions {
     }
 
     fn publishers(&self) -> Publishers {
-        // Domain events for now; the seed's `releases.promotions.v1.*` integration payloads
-        // come with the hand-off to provisioning.
         Publishers::new()
             .with(Arc::new(DomainEvents::<Release>::new()))
-            .with(Arc::new(DomainEvents::<Promotion>::new()))
+            .with(Arc::new(events::PromotionPublisher))
     }
 
     fn scopes(&self) -> &'static [&'static str] {
@@ -70,15 +69,16 @@ impl BoundedContext for Promotions {
     }
 
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
+        if let Some(metrics) = metrics::metrics() {
+            metrics.register(process.registry)?;
+        }
         if process.config.workers {
             let policy = ferry_adapters::RegoPolicy::load(process.config.policy_dir.as_deref())?;
             Arc::new(driver::Driver::new(
                 process.db.clone(),
                 Arc::new(policy),
                 driver::DriverSettings {
-                    path: process.config.promotion_path.clone(),
-                    auto_rollback: process.config.auto_rollback,
-                    verification_window: process.config.verification_window,
+                    options: process.options.clone(),
                     approval_expiry: process.config.approval_expiry,
                     poll: process.config.poll_interval,
                 },

@@ -9,34 +9,10 @@ use crate::subjects;
 use chrono::{DateTime, Utc};
 use ferry_domain::{
     Actor, ApprovalId, EnvironmentClass, EnvironmentId, ProgramRef, ProgramVersion, ProjectId,
-    PromotionId, ProvisioningRunId, ReleaseId, Strategy, TenantId,
+    PromotionId, ProvisioningRunId, ReleaseId, TenantId,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-
-/// `releases.promotions.v1.promotion-approved`: a promotion hands over its desired state.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct PromotionApproved {
-    /// The promotion.
-    pub promotion_id: PromotionId,
-    /// The tenant.
-    pub tenant_id: TenantId,
-    /// The release to deploy.
-    pub release_id: ReleaseId,
-    /// The target environment.
-    pub environment_id: EnvironmentId,
-    /// The roll-out strategy.
-    pub strategy: Strategy,
-    /// The desired-state (deployment specification) reference handed over.
-    pub desired_state_ref: String,
-    /// The production approval, reused for the apply.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub approval_id: Option<ApprovalId>,
-    /// The project (optional; sent by Ferry's own promotions).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub project_id: Option<ProjectId>,
-}
 
 /// `environments.v1.environment-created`: a new environment gets its baseline planned.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -167,8 +143,6 @@ pub struct ReleaseWithdrawn {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "event", content = "data")]
 pub enum InboundEvent {
-    /// See [`PromotionApproved`].
-    PromotionApproved(PromotionApproved),
     /// See [`EnvironmentCreated`].
     EnvironmentCreated(EnvironmentCreated),
     /// See [`EnvironmentStateChanged`].
@@ -186,8 +160,7 @@ pub enum InboundEvent {
 }
 
 /// The inbound events: name, subject. Both are accepted as the CloudEvent `type`.
-pub const INBOUND: [(&str, &str); 8] = [
-    ("PromotionApproved", subjects::PROMOTION_APPROVED),
+pub const INBOUND: [(&str, &str); 7] = [
     ("EnvironmentCreated", subjects::ENVIRONMENT_CREATED),
     (
         "EnvironmentStateChanged",
@@ -216,7 +189,6 @@ impl InboundEvent {
     /// Decodes the `data` of event `name` (one of [`INBOUND`]) and checks its rules.
     pub fn decode(name: &str, data: Value) -> Result<Self, String> {
         let event = match name {
-            "PromotionApproved" => Self::PromotionApproved(typed(name, data)?),
             "EnvironmentCreated" => Self::EnvironmentCreated(typed(name, data)?),
             "EnvironmentStateChanged" => Self::EnvironmentStateChanged(typed(name, data)?),
             "ApprovalDecided" => Self::ApprovalDecided(typed(name, data)?),
@@ -247,7 +219,6 @@ impl InboundEvent {
     /// The event's name (`ReleaseReady`, …).
     pub fn name(&self) -> &'static str {
         match self {
-            Self::PromotionApproved(_) => "PromotionApproved",
             Self::EnvironmentCreated(_) => "EnvironmentCreated",
             Self::EnvironmentStateChanged(_) => "EnvironmentStateChanged",
             Self::ApprovalDecided(_) => "ApprovalDecided",
@@ -261,7 +232,6 @@ impl InboundEvent {
     /// The tenant named in the payload.
     pub fn tenant_id(&self) -> &TenantId {
         match self {
-            Self::PromotionApproved(e) => &e.tenant_id,
             Self::EnvironmentCreated(e) => &e.tenant_id,
             Self::EnvironmentStateChanged(e) => &e.tenant_id,
             Self::ApprovalDecided(e) => &e.tenant_id,

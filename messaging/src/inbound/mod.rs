@@ -23,7 +23,7 @@ pub mod trust;
 
 pub use events::{
     inbound_name, ApprovalDecided, ApprovalDecision, EnvironmentCreated, EnvironmentStateChanged,
-    InboundEvent, PromotionApproved, ReleaseReady, ReleaseWithdrawn, INBOUND,
+    InboundEvent, ReleaseReady, ReleaseWithdrawn, INBOUND,
 };
 pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
 pub use trust::{TrustedSources, TrustedSourcesError};

@@ -30,11 +30,12 @@
 //! * **Verification** probes the health URL through the window and keeps every
 //!   measurement; passing completes the promotion, failing fails it.
 
+use super::metrics::observe;
 use super::views;
 use chrono::Utc;
 use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
-use ferry_domain::promotion::gates::{self, PromotionPath, Readiness};
+use ferry_domain::promotion::gates::{self, Readiness};
 use ferry_domain::promotion::{
     ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion,
     PromotionCommand, VerificationOutcome,
@@ -89,12 +90,9 @@ pub struct Driver {
 /// How the driver behaves.
 #[derive(Debug, Clone)]
 pub struct DriverSettings {
-    /// The classes in promotion order.
-    pub path: PromotionPath,
-    /// Roll back automatically when verification fails (`AutoRollbackOnVerificationFailure`).
-    pub auto_rollback: bool,
-    /// How long verification watches an applied release.
-    pub verification_window: Duration,
+    /// The promotion path, verification window and automatic rollback, as they are now:
+    /// read at each use, so that a reload takes effect without a restart.
+    pub options: watch::Receiver<crate::config::Reloadable>,
     /// How long a production approval may wait (never expires when unset).
     pub approval_expiry: Option<Duration>,
     /// How often to look when nothing wakes the driver.
@@ -174,11 +172,11 @@ pub async fn start_rollback(
         )
         .await
     {
-        Ok(_)
-        | Err(CommandError::Domain(ferry_domain::promotion::PromotionError::AlreadyRequested)) => {}
+        Ok(requested) => observe(&requested.aggregate, &requested.events),
+        Err(CommandError::Domain(ferry_domain::promotion::PromotionError::AlreadyRequested)) => {}
         Err(e) => return Err(e),
     }
-    promotions
+    let started = promotions
         .execute(
             tenant,
             &original.to_string(),
@@ -194,6 +192,7 @@ pub async fn start_rollback(
             false,
         )
         .await?;
+    observe(&started.aggregate, &started.events);
     tracing::info!(promotion_id = %original, rollback = %rollback, automatic, "rollback started");
     Ok(())
 }
@@ -221,6 +220,11 @@ impl Driver {
                 .build()
                 .unwrap_or_default(),
         }
+    }
+
+    /// The verification window now.
+    fn verification_window(&self) -> Duration {
+        self.settings.options.borrow().verification_window
     }
 
     /// Runs passes until shutdown: after every commit to the store, and on the poll.
@@ -277,7 +281,10 @@ impl Driver {
             )
             .await
         {
-            Ok(_) => Ok(true),
+            Ok(executed) => {
+                observe(&executed.aggregate, &executed.events);
+                Ok(true)
+            }
             Err(CommandError::Conflict | CommandError::Domain(_) | CommandError::NotFound) => {
                 Ok(false)
             }
@@ -562,7 +569,7 @@ impl Driver {
                         _ => Vec::new(),
                     };
                     gates::prior_environment(
-                        &self.settings.path,
+                        &self.settings.options.borrow().promotion_path.clone(),
                         request.environment_class,
                         &completions,
                         request.hotfix.as_ref(),
@@ -973,8 +980,7 @@ impl Driver {
                 provisioning_run_id: run_id,
                 at: now,
                 verification_ends_at: now
-                    + chrono::Duration::from_std(self.settings.verification_window)
-                        .unwrap_or_default(),
+                    + chrono::Duration::from_std(self.verification_window()).unwrap_or_default(),
             },
             Some(false) => PromotionCommand::RecordDeploymentFailed {
                 provisioning_run_id: run_id,
@@ -1014,7 +1020,8 @@ impl Driver {
                     // Restore the release that completed here before, through a promotion
                     // of its own (same gates, no approval), unless this is a rollback.
                     Some(previous)
-                        if self.settings.auto_rollback && request.rollback_of.is_none() =>
+                        if self.settings.options.borrow().auto_rollback
+                            && request.rollback_of.is_none() =>
                     {
                         self.start_rollback(tenant, &request, previous, true, actor(), reason)
                             .await?;
@@ -1035,7 +1042,7 @@ impl Driver {
             None => {}
         }
         let ends = view.verification.window_ends_at.unwrap_or(now);
-        let every = (self.settings.verification_window / 10)
+        let every = (self.verification_window() / 10)
             .clamp(Duration::from_secs(1), Duration::from_secs(60));
         let last = view.verification.measurements.last().map(|m| m.measured_at);
         let due =

@@ -1,5 +1,6 @@
 //! The delivery API: releases, promotions, an environment's current release.
 
+use super::metrics::observe;
 use super::views::{
     self, PromotionFilter, PromotionView, ReleaseFilter, ReleaseState, ReleaseView,
 };
@@ -49,6 +50,8 @@ fn release_refusal(e: ReleaseError) -> ApiError {
                 detail: e.to_string(),
                 field: None,
             },
+            ReleaseError::ReasonRequired => ApiError::invalid_field("reason", e.to_string()),
+            ReleaseError::AlreadyLifted(_) => ApiError::WrongState(e.to_string()),
         }
     }
 }
@@ -391,7 +394,7 @@ pub async fn request_promotion(
         )
         .await;
     match result {
-        Ok(_) => {}
+        Ok(requested) => observe(&requested.aggregate, &requested.events),
         // Another request with this key created it first: answer with that promotion.
         Err(
             ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
@@ -550,6 +553,7 @@ pub async fn decide_approval(
             ferry_store::CommandError::NotFound => ApiError::NotFound(format!("no promotion {id}")),
             other => ApiError::from_command(other, promotion_refusal),
         })?;
+    observe(&done.aggregate, &done.events);
     tracing::info!(decision = ?body.decision, "promotion approval decided");
     Ok(Json(
         wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
@@ -698,6 +702,7 @@ pub async fn verdict(
             ferry_store::CommandError::NotFound => ApiError::NotFound(format!("no promotion {id}")),
             other => ApiError::from_command(other, promotion_refusal),
         })?;
+    observe(&done.aggregate, &done.events);
     tracing::info!(outcome = ?body.outcome, "held verification decided");
     Ok(Json(
         wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
@@ -743,6 +748,111 @@ pub async fn current_release(
     }))
 }
 
+/// Body of `POST /factory/delivery/releases/{releaseId}/quarantines/{environmentId}/lift`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LiftQuarantineRequest {
+    /// Why the release may go there again (required; kept as evidence).
+    pub reason: String,
+}
+
+/// A lifted quarantine.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuarantineLiftView {
+    /// The release.
+    pub release_id: ReleaseId,
+    /// The environment it may be promoted into again.
+    pub environment_id: EnvironmentId,
+    /// The rolled-back promotion whose quarantine was lifted.
+    pub promotion_id: PromotionId,
+    /// Why.
+    pub reason: String,
+    /// Who.
+    pub lifted_by: ferry_domain::Actor,
+    /// When.
+    pub lifted_at: chrono::DateTime<Utc>,
+}
+
+/// `POST /factory/delivery/releases/{releaseId}/quarantines/{environmentId}/lift`: an
+/// Operator lets a release rolled back in an environment be promoted there again. Which
+/// rollback is lifted comes from the promotions Ferry holds, never from the body.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, release = %raw.0, environment = %raw.1))]
+pub async fn lift_quarantine(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<(String, String)>,
+    ValidJson { value: body, .. }: ValidJson<LiftQuarantineRequest>,
+) -> Result<Json<QuarantineLiftView>, ApiError> {
+    caller.require_scope(OPERATE)?;
+    if !caller.has_role(Role::Operator) {
+        return Err(ApiError::Forbidden(
+            "lifting a quarantine needs the Operator role".to_string(),
+        ));
+    }
+    let release = release_id(&raw.0)?;
+    let environment =
+        EnvironmentId::parse(&raw.1).map_err(|e| ApiError::bad_field("environmentId", e))?;
+    if body.reason.trim().is_empty() {
+        return Err(ApiError::invalid_field(
+            "reason",
+            "lifting a quarantine needs a reason",
+        ));
+    }
+    let rolled_back = views::rolled_back_in(state.db(), &caller.tenant, release, &environment)
+        .await?
+        .ok_or_else(|| {
+            ApiError::WrongState(format!(
+                "release {release} is not quarantined in {environment}"
+            ))
+        })?;
+    let lifted_at = Utc::now();
+    state
+        .repository::<Release>()
+        .execute(
+            &caller.tenant,
+            &Release::aggregate_id(&caller.tenant, release),
+            ReleaseCommand::LiftQuarantine {
+                environment_id: environment.clone(),
+                promotion_id: rolled_back,
+                reason: body.reason.clone(),
+                by: caller.actor.clone(),
+                at: lifted_at,
+            },
+            &caller.metadata(ids),
+            false,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_store::CommandError::NotFound => {
+                ApiError::NotFound(format!("no release {release}"))
+            }
+            other => ApiError::from_command(other, release_refusal),
+        })?;
+    // Read your writes: a promotion requested next is no longer refused.
+    let db = state.db().clone();
+    let tenant = caller.tenant.clone();
+    let env = environment.clone();
+    state
+        .reads()
+        .wait_until(state.read_your_writes(), || async {
+            Ok(views::rolled_back_in(&db, &tenant, release, &env)
+                .await?
+                .is_none())
+        })
+        .await?;
+    tracing::info!(promotion_id = %rolled_back, "quarantine lifted");
+    Ok(Json(QuarantineLiftView {
+        release_id: release,
+        environment_id: environment,
+        promotion_id: rolled_back,
+        reason: body.reason,
+        lifted_by: caller.actor.clone(),
+        lifted_at,
+    }))
+}
+
 /// Every delivery route with its documentation.
 pub fn routes() -> ApiRouter<AppState> {
     let release_path = || json!({"type": "string", "format": "uuid"});
@@ -782,6 +892,20 @@ pub fn routes() -> ApiRouter<AppState> {
                     .path("releaseId", "The release.", release_path())
                     .response_with::<200, Json<ReleaseView>, _>(|r| r.description("The release."))
                     .errors(&[401, 403, 404])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/releases/{releaseId}/quarantines/{environmentId}/lift",
+            post_with(lift_quarantine, move |op| {
+                op.id("LiftQuarantine")
+                    .summary("Let a release rolled back in an environment be promoted there again (Operator; reason required, kept as evidence).")
+                    .scope(OPERATE)
+                    .path("releaseId", "The release.", release_path())
+                    .path("environmentId", "The environment it was rolled back in.", json!({"type": "string"}))
+                    .response_with::<200, Json<QuarantineLiftView>, _>(|r| {
+                        r.description("The lifted quarantine.")
+                    })
+                    .errors(&[400, 401, 403, 404, 409, 415, 422])
             }),
         )
         .api_route(

@@ -466,9 +466,17 @@ const TABLES: &[TableSpec] = &[
             "CREATE INDEX IF NOT EXISTS {i}_environment ON {t} (tenant_id, environment_id, position)",
         ],
     },
+    TableSpec {
+        base: "rm_quarantine_lifts",
+        ddl: &["CREATE TABLE IF NOT EXISTS {t} (
+                promotion_id text PRIMARY KEY, tenant_id text NOT NULL,
+                environment_id text NOT NULL, reason text NOT NULL, lifted_by text NOT NULL,
+                lifted_at text NOT NULL)"],
+    },
 ];
 
-/// The `delivery` projection: `rm_releases`, `rm_promotions`, `rm_release_completions`.
+/// The `delivery` projection: `rm_releases`, `rm_promotions`, `rm_release_completions`,
+/// `rm_quarantine_lifts`.
 pub struct DeliveryProjection;
 
 impl Projection for DeliveryProjection {
@@ -554,6 +562,32 @@ impl Subscriber<Release> for ReleaseRows {
                         text(&release_id),
                         int(event.position.global_position),
                         json(&view)?,
+                    ],
+                )
+                .await?;
+            }
+            ReleaseEvent::QuarantineLifted {
+                environment_id,
+                promotion_id,
+                reason,
+                lifted_by,
+                lifted_at,
+            } => {
+                let lifts = self.0.get("rm_quarantine_lifts");
+                let tenant = event.tenant_id().unwrap_or_default().to_string();
+                let sql = format!(
+                    "INSERT INTO {lifts} (promotion_id, tenant_id, environment_id, reason, lifted_by, lifted_at)
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
+                );
+                tx.execute(
+                    &sql,
+                    &[
+                        text(promotion_id),
+                        text(&tenant),
+                        text(environment_id),
+                        text(reason),
+                        text(lifted_by),
+                        text(lifted_at.to_rfc3339()),
                     ],
                 )
                 .await?;
@@ -846,7 +880,8 @@ pub async fn ended_rollbacks(db: &Database) -> Result<Vec<(String, String, Strin
     Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
 }
 
-/// Whether `release` was rolled back in `environment` (it is quarantined there).
+/// The rolled-back promotion that keeps `release` quarantined in `environment`, if one does:
+/// a rollback there whose quarantine no Operator has lifted.
 pub async fn rolled_back_in(
     db: &Database,
     tenant: &TenantId,
@@ -854,8 +889,11 @@ pub async fn rolled_back_in(
     environment: &EnvironmentId,
 ) -> Result<Option<PromotionId>, QueryError> {
     let sql = db.sql(
-        "SELECT promotion_id FROM rm_promotions WHERE tenant_id = $1 AND release_id = $2
-         AND environment_id = $3 AND state = 'RolledBack' ORDER BY position DESC LIMIT 1",
+        "SELECT p.promotion_id FROM rm_promotions p WHERE p.tenant_id = $1 AND p.release_id = $2
+         AND p.environment_id = $3 AND p.state = 'RolledBack'
+         AND NOT EXISTS (SELECT 1 FROM rm_quarantine_lifts l
+                          WHERE l.promotion_id = p.promotion_id AND l.tenant_id = p.tenant_id)
+         ORDER BY p.position DESC LIMIT 1",
     );
     let id: Option<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
         .bind(tenant.as_str()).bind(release.to_string()).bind(environment.as_str())
