@@ -11,7 +11,7 @@ use ferry_messaging::testing::Nats;
 use ferry_store::database::Backend;
 use ferry_store::testing::eventually_showing;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 
 const D_READ: &str = "factory.delivery.read";
@@ -22,6 +22,11 @@ struct Delivery {
     s: TestServer,
     health: String,
     status: Arc<AtomicU16>,
+    /// The test's endpoint server: `/healthz`, `/smoke` (200), `/smoke-broken` (500) and a
+    /// Prometheus `/api/v1/query` answering `slo` (NaN: no value); Ferry's
+    /// `FERRY_PROMETHEUS_URL`.
+    base: String,
+    slo: Arc<AtomicU64>,
     /// `<repository>#stacks/web` and its commit, in acme's folder.
     program: (String, String),
     _root: tempfile::TempDir,
@@ -63,22 +68,42 @@ async fn start_with(
     let program = (format!("{}#stacks/web", repo.display()), commit);
     let status = Arc::new(AtomicU16::new(200));
     let answer = status.clone();
-    let app = axum::Router::new().route(
-        "/healthz",
-        get(move || {
-            let answer = answer.clone();
-            async move {
-                axum::http::StatusCode::from_u16(answer.load(Ordering::SeqCst))
-                    .unwrap_or(axum::http::StatusCode::OK)
-            }
-        }),
-    );
+    let slo = Arc::new(AtomicU64::new(0.0f64.to_bits()));
+    let slo_value = slo.clone();
+    let app = axum::Router::new()
+        .route(
+            "/healthz",
+            get(move || {
+                let answer = answer.clone();
+                async move {
+                    axum::http::StatusCode::from_u16(answer.load(Ordering::SeqCst))
+                        .unwrap_or(axum::http::StatusCode::OK)
+                }
+            }),
+        )
+        .route("/smoke", get(|| async { "ok" }))
+        .route(
+            "/smoke-broken",
+            get(|| async { axum::http::StatusCode::INTERNAL_SERVER_ERROR }),
+        )
+        .route(
+            "/api/v1/query",
+            get(move || {
+                let value = f64::from_bits(slo_value.load(Ordering::SeqCst));
+                async move {
+                    axum::Json(json!({"status": "success", "data": {"resultType": "vector",
+                        "result": [{"metric": {}, "value": [1.7e9, value.to_string()]}]}}))
+                }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let health = format!("http://{}/healthz", listener.local_addr().unwrap());
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let health = format!("{base}/healthz");
     tokio::spawn(async move { axum::serve(listener, app).await });
     let data = tempfile::tempdir().unwrap();
     let mut config = config(data.path());
     config.workers = true;
+    config.prometheus_url = Some(base.clone());
     config.tenant_program_roots = Some(vec![format!("{}/{{tenant}}", root.path().display())]);
     tune(&mut config);
     if let Some(rego) = policy {
@@ -91,6 +116,8 @@ async fn start_with(
         s: TestServer::start_with(backend, config, data).await,
         health,
         status,
+        base,
+        slo,
         program,
         _root: root,
     }
@@ -183,20 +210,53 @@ impl Delivery {
         id
     }
 
+    /// A release of the repository's program whose smoke suite is one GET of `path` on the
+    /// test's endpoint server, expecting 200.
+    async fn with_smoke(&self, version: &str, path: &str) -> String {
+        let id = uuid::Uuid::new_v4().to_string();
+        let body = json!({
+            "projectId": "payments", "version": version,
+            "programRef": self.program.0, "programVersion": self.program.1,
+            "pipeline": passed(),
+            "smokeChecks": [{"name": "checkout", "url": format!("{}{path}", self.base)}]
+        });
+        let (status, body) = self
+            .put(
+                &admin("acme"),
+                &format!("/factory/delivery/releases/{id}"),
+                &body,
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+        id
+    }
+
     async fn wait(&self, promotion: &Value, state: &str) -> Value {
         self.wait_any(promotion, &[state]).await
     }
 
     async fn wait_any(&self, promotion: &Value, states: &[&str]) -> Value {
+        self.wait_until(promotion, &format!("promotion in {states:?}"), |p| {
+            states.iter().any(|state| p["state"] == *state)
+        })
+        .await
+    }
+
+    /// The promotion once `check` holds of it.
+    async fn wait_until(
+        &self,
+        promotion: &Value,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> Value {
         let path = format!(
             "/factory/delivery/promotions/{}",
             promotion["promotionId"].as_str().unwrap()
         );
-        let s = &self.s;
-        let path = &path;
-        eventually_showing(&format!("promotion in {states:?}"), 30, || async move {
+        let (s, path, check) = (&self.s, &path, &check);
+        eventually_showing(what, 30, || async move {
             let (_, p) = s.get(&promoter("acme", "alice"), path).await;
-            if states.iter().any(|state| p["state"] == *state) {
+            if check(&p) {
                 Ok(p)
             } else {
                 Err(p.to_string())
@@ -1169,5 +1229,196 @@ async fn the_promotion_path_reloads_without_a_restart_and_a_bad_file_changes_not
         !server.reload(&env).unwrap(),
         "nothing changed since the last good reload"
     );
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn smoke_checks_and_the_slo_are_measured_and_fail_or_hold_the_verification() {
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    let slo = |value: f64| d.slo.store(value.to_bits(), Ordering::SeqCst);
+    slo(0.002);
+    let (status, env) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/shop-dev",
+            &json!({"environmentClass": "development", "healthUrl": d.health,
+                    "slo": {"query": "sum(rate(errors[5m])) / sum(rate(requests[5m]))",
+                            "threshold": 0.01}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{env}");
+    assert_eq!(env["slo"]["bound"], "AtMost");
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/shop-test",
+            &json!({"environmentClass": "test", "slo": {"query": " ", "threshold": 1}}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "slo.query");
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{}", uuid::Uuid::new_v4()),
+            &json!({"projectId": "payments", "version": "0.1.0",
+                "programRef": d.program.0, "programVersion": d.program.1,
+                "pipeline": passed(),
+                "smokeChecks": [{"name": "a", "url": "ftp://x"}]}),
+        )
+        .await;
+    assert_eq!(status, 422, "a smoke check is an http(s) GET: {body}");
+
+    // Health, the smoke suite and the objective all pass: completed, every value kept.
+    let good = d.with_smoke("1.0.0", "/smoke").await;
+    let p = d.promote(&good, "shop-dev", json!({})).await;
+    let p = d.wait(&p, "Completed").await;
+    let measurements = p["verification"]["measurements"].as_array().unwrap();
+    let of = |kind: &str| {
+        measurements
+            .iter()
+            .filter(|m| m["kind"] == kind)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert!(of("Health").iter().all(|m| m["passed"] == true), "{p}");
+    let smoke = of("Smoke");
+    assert_eq!(smoke.len(), 1, "the suite runs once: {p}");
+    assert_eq!(
+        (
+            &smoke[0]["name"],
+            &smoke[0]["value"],
+            &smoke[0]["threshold"]
+        ),
+        (&json!("checkout"), &json!("200"), &json!("200"))
+    );
+    let objective = of("Slo");
+    assert!(!objective.is_empty(), "{p}");
+    assert_eq!(objective[0]["value"], "0.002");
+    assert_eq!(objective[0]["threshold"], "<= 0.01");
+
+    // The error ratio goes over the objective: verification fails and the release before
+    // is restored (its own verification passing once the ratio is back).
+    slo(0.5);
+    let bad = d.with_smoke("1.1.0", "/smoke").await;
+    let p = d.promote(&bad, "shop-dev", json!({})).await;
+    let failed = d
+        .wait_until(&p, "the SLO failing", |p| {
+            p["verification"]["outcome"] == "Failed"
+        })
+        .await;
+    assert!(
+        failed["verification"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("the SLO check"),
+        "{failed}"
+    );
+    slo(0.002);
+    let rolled = d.wait(&p, "RolledBack").await;
+    assert_eq!(rolled["rollback"]["restoredReleaseId"], good.as_str());
+
+    // A smoke check answering another status than expected fails the release too.
+    let broken = d.with_smoke("1.2.0", "/smoke-broken").await;
+    let p = d.promote(&broken, "shop-dev", json!({})).await;
+    let p = d.wait(&p, "RolledBack").await;
+    assert!(
+        p["verification"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("smoke check checkout measured 500 (must be 200)"),
+        "{p}"
+    );
+
+    // Prometheus has no value: the tooling failed, not the release. Held for an Operator.
+    slo(f64::NAN);
+    let next = d.with_smoke("1.3.0", "/smoke").await;
+    let p = d.promote(&next, "shop-dev", json!({})).await;
+    let held = d
+        .wait_until(&p, "the verification held", |p| {
+            p["verification"]["outcome"] == "Error"
+        })
+        .await;
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    assert_eq!(held["state"], "Verifying");
+    assert!(
+        held["verification"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("could not run"),
+        "{held}"
+    );
+    let carol = token(
+        "acme",
+        "carol",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let (status, body) = d
+        .s
+        .post(
+            &carol,
+            &format!("{path}/verification"),
+            &json!({"outcome": "Passed", "reason": "Prometheus was being upgraded; dashboards are green"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    d.wait(&p, "Completed").await;
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn probe_urls_stay_in_the_tenant_s_prefixes_when_the_operator_sets_them() {
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.tenant_probe_url_prefixes = Some(vec!["https://{tenant}.apps.example.com/".to_string()]);
+    })
+    .await;
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/shop-dev",
+            &json!({"environmentClass": "development", "healthUrl": "http://169.254.169.254/latest/meta-data"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "healthUrl");
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/shop-dev",
+            &json!({"environmentClass": "development", "healthUrl": "https://acme.apps.example.com/healthz"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let release = |smoke: &str| {
+        json!({"projectId": "payments", "version": "1.0.0",
+            "programRef": d.program.0, "programVersion": d.program.1, "pipeline": passed(),
+            "smokeChecks": [{"name": "ok", "url": "https://acme.apps.example.com/smoke"},
+                            {"name": "theirs", "url": smoke}]})
+    };
+    let id = uuid::Uuid::new_v4();
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{id}"),
+            &release("https://globex.apps.example.com/admin"),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "smokeChecks[1].url");
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{id}"),
+            &release("https://acme.apps.example.com/checkout"),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
     d.s.stop().await;
 }

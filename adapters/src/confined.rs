@@ -109,6 +109,7 @@ pub(crate) mod testing {
                 vault_prefix: "{tenant}/".to_string(),
                 program_url_prefixes: url_prefixes.to_vec(),
                 config_url_prefixes: url_prefixes.to_vec(),
+                probe_url_prefixes: None,
                 trusted_programs: vec![],
             })
             .unwrap_or_else(|e| panic!("{e}")),

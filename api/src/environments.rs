@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
 use ferry_domain::environment::{
-    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
+    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration, SloObjective,
 };
 use ferry_domain::{EnvironmentClass, EnvironmentId};
 use serde::{Deserialize, Serialize};
@@ -29,6 +29,11 @@ pub struct PutEnvironmentRequest {
     /// The baseline program; else the configured default of the class is used.
     #[serde(default)]
     pub baseline_program: Option<BaselineProgram>,
+    /// The service-level objective verification checks after an apply (a Prometheus query,
+    /// `FERRY_PROMETHEUS_URL`), e.g. `{"query": "<error ratio>", "threshold": 0.01}`; none
+    /// when absent.
+    #[serde(default)]
+    pub slo: Option<SloObjective>,
 }
 
 /// An environment as Ferry knows it.
@@ -49,6 +54,9 @@ pub struct EnvironmentView {
     /// The baseline program it was created with, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline_program: Option<BaselineProgram>,
+    /// Its service-level objective, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloObjective>,
 }
 
 fn view(env: &Environment) -> Option<EnvironmentView> {
@@ -60,6 +68,7 @@ fn view(env: &Environment) -> Option<EnvironmentView> {
         health_url: r.health_url.clone(),
         ready: env.is_ready(),
         baseline_program: r.baseline_program.clone(),
+        slo: r.slo.clone(),
     })
 }
 
@@ -80,12 +89,20 @@ pub async fn put_environment(
     caller.require_platform_admin()?;
     let environment = environment_id(&raw)?;
     if let Some(url) = &body.health_url {
-        if !(url.starts_with("http://") || url.starts_with("https://")) || url.len() > 2048 {
-            return Err(ApiError::invalid_field(
+        let url = ferry_domain::ProbeUrl::parse(url.clone()).map_err(|_| {
+            ApiError::invalid_field(
                 "healthUrl",
                 "must be an http(s) URL of at most 2048 characters",
-            ));
-        }
+            )
+        })?;
+        // Verification will send requests there: confined where the operator says so.
+        state
+            .confinement()
+            .check_probe(&caller.tenant, &url)
+            .map_err(|refusal| ApiError::invalid_field("healthUrl", refusal))?;
+    }
+    if let Some((field, reason)) = body.slo.as_ref().and_then(SloObjective::invalid) {
+        return Err(ApiError::invalid_field(field, reason));
     }
     if let Some(program) = &body.baseline_program {
         state
@@ -102,6 +119,7 @@ pub async fn put_environment(
         environment_class: body.environment_class,
         health_url: body.health_url,
         baseline_program: body.baseline_program,
+        slo: body.slo,
         recorded_by: caller.actor.clone(),
         recorded_at: Utc::now(),
     };

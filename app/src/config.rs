@@ -134,6 +134,8 @@ pub struct Config {
     /// Roll back automatically when verification fails
     /// (`FERRY_AUTO_ROLLBACK_ON_VERIFICATION_FAILURE`).
     pub auto_rollback: bool,
+    /// The Prometheus HTTP API that environments' SLO queries go to (`FERRY_PROMETHEUS_URL`).
+    pub prometheus_url: Option<String>,
     /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
     pub tenant_env_prefix: String,
     /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
@@ -144,6 +146,9 @@ pub struct Config {
     /// URL prefix templates of `http(s)://` configuration
     /// (`FERRY_TENANT_CONFIG_URL_PREFIXES`); none by default.
     pub tenant_config_url_prefixes: Vec<String>,
+    /// URL prefix templates of health URLs and smoke checks
+    /// (`FERRY_TENANT_PROBE_URL_PREFIXES`); `None` = not confined.
+    pub tenant_probe_url_prefixes: Option<Vec<String>>,
     /// The configuration file that was read, if any (never resolvable by a tenant).
     pub config_file: Option<PathBuf>,
 }
@@ -390,6 +395,10 @@ settings! {
     tenant_program_url_prefixes: List, shown "none";
     /// URL prefixes a tenant's `http(s)://` configuration must start with.
     tenant_config_url_prefixes: List, shown "none";
+    /// URL prefixes the URLs verification probes (environments' health URLs, releases' smoke
+    /// checks) must start with, e.g. `https://{tenant}.apps.example.com/`. Unset: not
+    /// confined (only a PlatformAdmin or a service sets them).
+    tenant_probe_url_prefixes: List, shown "unset: not confined";
     /// Environment classes in promotion order (`PromotionPath`): a release enters a class
     /// only after it completed in the one before.
     promotion_path: List, shown "`development,test,staging,production`";
@@ -400,6 +409,10 @@ settings! {
     /// Roll back to the release last completed in the environment when verification fails
     /// (`AutoRollbackOnVerificationFailure`).
     auto_rollback_on_verification_failure: Flag = true;
+    /// Prometheus (its base URL, e.g. `http://prometheus:9090`) that verification sends an
+    /// environment's SLO query to (`/api/v1/query`). Without it, an SLO cannot be checked
+    /// and its verification is held for an Operator.
+    prometheus_url: String, shown "unset";
 }
 
 /// A whole number: an integer in the file, its digits in a variable.
@@ -918,6 +931,7 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
         tenant_program_url_prefixes: c
             .opt(at!(raw.tenant_program_url_prefixes), Check::prefixes)?
             .unwrap_or_default(),
+        tenant_probe_url_prefixes: c.opt(at!(raw.tenant_probe_url_prefixes), Check::prefixes)?,
         tenant_config_url_prefixes: c
             .opt(at!(raw.tenant_config_url_prefixes), Check::prefixes)?
             .unwrap_or_default(),
@@ -925,6 +939,9 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             .opt(at!(raw.promotion_path), Check::promotion_path)?
             .unwrap_or_default(),
         auto_rollback: raw.auto_rollback_on_verification_failure.0,
+        prometheus_url: c.opt(at!(raw.prometheus_url), |c, at| {
+            c.url(at, http, "a URL starting with http:// or https://")
+        })?,
         verification_window: {
             let (key, text) = at!(raw.verification_window);
             let window = humantime::parse_duration(text.trim())
@@ -1101,6 +1118,7 @@ impl Config {
             vault_prefix: self.tenant_vault_prefix.clone(),
             program_url_prefixes: self.tenant_program_url_prefixes.clone(),
             config_url_prefixes: self.tenant_config_url_prefixes.clone(),
+            probe_url_prefixes: self.tenant_probe_url_prefixes.clone(),
             trusted_programs,
         };
         Confinement::new(settings).map_err(|e| match e {

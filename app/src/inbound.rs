@@ -113,6 +113,16 @@ impl InboundHandler for FerryInbound {
                     }),
                     _ => None,
                 };
+                // The health URL verification probes is confined where the operator says so.
+                if let Some(url) = &e.health_url {
+                    let url = ferry_domain::ProbeUrl::parse(url.clone())
+                        .map_err(|e| InboundError::Permanent(format!("healthUrl: {e}")))?;
+                    self.confinement
+                        .check_probe(&tenant, &url)
+                        .map_err(|refusal| {
+                            InboundError::Permanent(format!("healthUrl: {refusal}"))
+                        })?;
+                }
                 // The program is the tenant's reference like any other: confined.
                 if let Some(program) = &baseline_program {
                     self.confinement
@@ -121,12 +131,24 @@ impl InboundHandler for FerryInbound {
                             InboundError::Permanent(format!("programRef: {refusal}"))
                         })?;
                 }
+                // The environment service knows no objective: keep the one an administrator
+                // set (PUT /factory/environments) rather than clear it.
+                let slo = self
+                    .environments
+                    .load(
+                        &tenant,
+                        &Environment::aggregate_id(&tenant, &e.environment_id),
+                    )
+                    .await
+                    .map_err(classify)?
+                    .and_then(|(existing, _)| existing.registration().and_then(|r| r.slo.clone()));
                 let registration = EnvironmentRegistration {
                     environment_id: e.environment_id.clone(),
                     tenant_id: tenant.clone(),
                     environment_class: e.environment_class,
                     health_url: e.health_url.clone(),
                     baseline_program,
+                    slo,
                     recorded_by: envelope.actor.clone(),
                     recorded_at: Utc::now(),
                 };
@@ -300,6 +322,13 @@ impl InboundHandler for FerryInbound {
                 };
                 let version = ReleaseVersion::parse(version.clone())
                     .map_err(|e| InboundError::Permanent(format!("version: {e}")))?;
+                for (i, check) in r.smoke_checks.iter().enumerate() {
+                    self.confinement
+                        .check_probe(&tenant, &check.url)
+                        .map_err(|refusal| {
+                            InboundError::Permanent(format!("smokeChecks[{i}].url: {refusal}"))
+                        })?;
+                }
                 // The program is the tenant's reference like any other: confined.
                 self.confinement
                     .check_program(&tenant, program_ref, program_version)
@@ -314,6 +343,7 @@ impl InboundHandler for FerryInbound {
                     pipeline: r.pipeline.clone(),
                     has_agent_generated_assets: r.has_agent_generated_assets.unwrap_or(false),
                     evaluation_evidence: r.evaluation_evidence.clone(),
+                    smoke_checks: r.smoke_checks.clone(),
                     recorded_by: envelope.actor.clone(),
                     recorded_at: Utc::now(),
                 };

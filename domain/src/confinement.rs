@@ -30,7 +30,7 @@
 
 use crate::environment::BaselineProgram;
 use crate::ids::TenantId;
-use crate::values::{ConfigRef, ProgramRef, ProgramVersion, RefMap, SecretRef};
+use crate::values::{ConfigRef, ProbeUrl, ProgramRef, ProgramVersion, RefMap, SecretRef};
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
@@ -52,17 +52,21 @@ pub enum Setting {
     ProgramUrlPrefixes,
     /// URL prefixes `http(s)://` configuration must start with.
     ConfigUrlPrefixes,
+    /// URL prefixes the URLs verification probes (health URLs, smoke checks) must start
+    /// with; not confined when unset.
+    ProbeUrlPrefixes,
 }
 
 impl Setting {
     /// Every setting.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::FileRoots,
         Self::ProgramRoots,
         Self::EnvPrefix,
         Self::VaultPrefix,
         Self::ProgramUrlPrefixes,
         Self::ConfigUrlPrefixes,
+        Self::ProbeUrlPrefixes,
     ];
 
     /// The environment variable that sets it.
@@ -74,6 +78,7 @@ impl Setting {
             Self::VaultPrefix => "FERRY_TENANT_VAULT_PREFIX",
             Self::ProgramUrlPrefixes => "FERRY_TENANT_PROGRAM_URL_PREFIXES",
             Self::ConfigUrlPrefixes => "FERRY_TENANT_CONFIG_URL_PREFIXES",
+            Self::ProbeUrlPrefixes => "FERRY_TENANT_PROBE_URL_PREFIXES",
         }
     }
 
@@ -86,6 +91,7 @@ impl Setting {
             Self::VaultPrefix => "tenant_vault_prefix",
             Self::ProgramUrlPrefixes => "tenant_program_url_prefixes",
             Self::ConfigUrlPrefixes => "tenant_config_url_prefixes",
+            Self::ProbeUrlPrefixes => "tenant_probe_url_prefixes",
         }
     }
 }
@@ -252,6 +258,9 @@ pub struct ConfinementSettings {
     pub program_url_prefixes: Vec<String>,
     /// [`Setting::ConfigUrlPrefixes`]: `https://` or `http://` templates.
     pub config_url_prefixes: Vec<String>,
+    /// [`Setting::ProbeUrlPrefixes`]: `https://` or `http://` templates; `None` = probe URLs
+    /// are not confined.
+    pub probe_url_prefixes: Option<Vec<String>>,
     /// Operator-configured baseline programs, trusted as they are.
     pub trusted_programs: Vec<(ProgramRef, ProgramVersion)>,
 }
@@ -510,6 +519,7 @@ pub struct Confinement {
     vault_prefix: Template,
     program_url_prefixes: Vec<Template>,
     config_url_prefixes: Vec<Template>,
+    probe_url_prefixes: Option<Vec<Template>>,
     trusted_programs: Vec<(ProgramRef, ProgramVersion)>,
     protected: Vec<Protected>,
 }
@@ -535,6 +545,11 @@ impl Confinement {
             &settings.config_url_prefixes,
             &["https", "http"],
         )?;
+        let probe_url_prefixes = settings
+            .probe_url_prefixes
+            .as_deref()
+            .map(|raw| url_prefixes(Setting::ProbeUrlPrefixes, raw, &["https", "http"]))
+            .transpose()?;
         Ok(Self {
             file_roots,
             program_roots,
@@ -542,6 +557,7 @@ impl Confinement {
             vault_prefix,
             program_url_prefixes,
             config_url_prefixes,
+            probe_url_prefixes,
             trusted_programs: settings.trusted_programs,
             protected,
         })
@@ -570,8 +586,9 @@ impl Confinement {
     }
 
     fn url_prefixes(&self, tenant: &TenantId, setting: Setting) -> Vec<String> {
-        let templates = match setting {
+        let templates: &[Template] = match setting {
             Setting::ConfigUrlPrefixes => &self.config_url_prefixes,
+            Setting::ProbeUrlPrefixes => self.probe_url_prefixes.as_deref().unwrap_or_default(),
             _ => &self.program_url_prefixes,
         };
         templates
@@ -680,6 +697,15 @@ impl Confinement {
                 prefixes,
             })
         }
+    }
+
+    /// Checks a URL verification would probe for a tenant (a health URL, a smoke check):
+    /// under the tenant's probe URL prefixes when the operator set them.
+    pub fn check_probe(&self, tenant: &TenantId, url: &ProbeUrl) -> Result<(), Refusal> {
+        if self.probe_url_prefixes.is_none() {
+            return Ok(());
+        }
+        self.check_url(tenant, url.as_str(), Setting::ProbeUrlPrefixes)
     }
 
     /// Checks a secret reference for a tenant.

@@ -27,6 +27,62 @@ pub struct BaselineProgram {
     pub program_version: ProgramVersion,
 }
 
+/// A service-level objective: a Prometheus query (`/api/v1/query`, one series or a scalar)
+/// whose value must stay within `threshold` while a release is verified.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SloObjective {
+    /// The PromQL expression, e.g. an error ratio.
+    pub query: String,
+    /// The bound.
+    pub threshold: f64,
+    /// Whether the value must stay at most (default, e.g. an error ratio) or at least
+    /// (e.g. availability) the threshold.
+    #[serde(default)]
+    pub bound: SloBound,
+}
+
+/// Which side of the threshold an objective's value must stay on.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub enum SloBound {
+    /// `value <= threshold`.
+    #[default]
+    AtMost,
+    /// `value >= threshold`.
+    AtLeast,
+}
+
+impl SloObjective {
+    /// Why the objective cannot be checked, naming the field; `None` when it can.
+    pub fn invalid(&self) -> Option<(&'static str, &'static str)> {
+        if self.query.trim().is_empty() || self.query.chars().count() > 4096 {
+            return Some(("slo.query", "must be 1 to 4096 characters"));
+        }
+        if !self.threshold.is_finite() {
+            return Some(("slo.threshold", "must be a finite number"));
+        }
+        None
+    }
+
+    /// Whether `value` meets the objective.
+    pub fn met_by(&self, value: f64) -> bool {
+        match self.bound {
+            SloBound::AtMost => value <= self.threshold,
+            SloBound::AtLeast => value >= self.threshold,
+        }
+    }
+
+    /// The condition, for a measurement's threshold (`<= 0.01`).
+    pub fn condition(&self) -> String {
+        match self.bound {
+            SloBound::AtMost => format!("<= {}", self.threshold),
+            SloBound::AtLeast => format!(">= {}", self.threshold),
+        }
+    }
+}
+
 /// The payload of `EnvironmentRegistered`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -43,6 +99,9 @@ pub struct EnvironmentRegistration {
     /// The baseline program the creation carried, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline_program: Option<BaselineProgram>,
+    /// The service-level objective verification checks after an apply, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloObjective>,
     /// Who recorded it (a token's subject, or `system:inbound`).
     pub recorded_by: Actor,
     /// When.
@@ -112,6 +171,17 @@ pub enum EnvironmentEvent {
         /// When.
         lowered_at: DateTime<Utc>,
     },
+    /// The service-level objective was set, changed or removed.
+    #[serde(rename_all = "camelCase")]
+    EnvironmentSloChanged {
+        /// The objective now (none: removed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slo: Option<SloObjective>,
+        /// Who.
+        changed_by: Actor,
+        /// When.
+        changed_at: DateTime<Utc>,
+    },
     /// Readiness changed.
     #[serde(rename_all = "camelCase")]
     EnvironmentStateChanged {
@@ -134,6 +204,7 @@ impl EnvironmentEvent {
             Self::EnvironmentUpdated { .. } => EventType::first("EnvironmentUpdated"),
             Self::EnvironmentClassLowered { .. } => EventType::first("EnvironmentClassLowered"),
             Self::EnvironmentStateChanged { .. } => EventType::first("EnvironmentStateChanged"),
+            Self::EnvironmentSloChanged { .. } => EventType::first("EnvironmentSloChanged"),
         }
     }
 }
@@ -216,13 +287,28 @@ impl Aggregate for Environment {
         sink: &EventSink<Self>,
     ) -> Result<(), Self::Error> {
         let event = match command {
-            EnvironmentCommand::Register(r) => match &self.registration {
+            // A copy: the objective's event is written (which borrows the aggregate) before
+            // the rest is decided.
+            EnvironmentCommand::Register(r) => match self.registration.clone() {
                 None => EnvironmentEvent::EnvironmentRegistered(r),
                 Some(existing) => {
                     if existing.environment_id != r.environment_id
                         || existing.tenant_id != r.tenant_id
                     {
                         return Err(EnvironmentError::IdentityMismatch);
+                    }
+                    // The objective changes in an event of its own, with the rest in the
+                    // same commit.
+                    if existing.slo != r.slo {
+                        sink.write(
+                            EnvironmentEvent::EnvironmentSloChanged {
+                                slo: r.slo.clone(),
+                                changed_by: r.recorded_by.clone(),
+                                changed_at: r.recorded_at,
+                            },
+                            self,
+                        )
+                        .await;
                     }
                     if existing.environment_class == r.environment_class
                         && existing.health_url == r.health_url
@@ -293,6 +379,11 @@ impl Aggregate for Environment {
                     r.health_url = health_url;
                 }
             }
+            EnvironmentEvent::EnvironmentSloChanged { slo, .. } => {
+                if let Some(r) = self.registration.as_mut() {
+                    r.slo = slo;
+                }
+            }
             EnvironmentEvent::EnvironmentStateChanged {
                 ready,
                 state,
@@ -319,6 +410,7 @@ mod tests {
             environment_class: class,
             health_url: None,
             baseline_program: None,
+            slo: None,
             recorded_by: Actor::parse("admin").unwrap(),
             recorded_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
         }
@@ -351,6 +443,53 @@ mod tests {
                 recorded_by: changed.recorded_by,
                 recorded_at: changed.recorded_at,
             }]);
+    }
+
+    #[test]
+    fn the_objective_changes_in_an_event_of_its_own_committed_with_the_rest() {
+        let r = registration(EnvironmentClass::Staging);
+        let given = vec![EnvironmentEvent::EnvironmentRegistered(Box::new(r.clone()))];
+        let objective = SloObjective {
+            query: "sum(rate(errors[5m])) / sum(rate(requests[5m]))".to_string(),
+            threshold: 0.01,
+            bound: SloBound::AtMost,
+        };
+        let mut with_slo = r.clone();
+        with_slo.slo = Some(objective.clone());
+        TestFramework::<Environment>::with(())
+            .given(given.clone())
+            .when(EnvironmentCommand::Register(Box::new(with_slo.clone())))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentSloChanged {
+                slo: Some(objective.clone()),
+                changed_by: r.recorded_by.clone(),
+                changed_at: r.recorded_at,
+            }]);
+        let mut both = registration(EnvironmentClass::Production);
+        both.slo = Some(objective.clone());
+        TestFramework::<Environment>::with(())
+            .given(given)
+            .when(EnvironmentCommand::Register(Box::new(both.clone())))
+            .then_expect_events(vec![
+                EnvironmentEvent::EnvironmentSloChanged {
+                    slo: Some(objective.clone()),
+                    changed_by: both.recorded_by.clone(),
+                    changed_at: both.recorded_at,
+                },
+                EnvironmentEvent::EnvironmentUpdated {
+                    environment_class: EnvironmentClass::Production,
+                    health_url: None,
+                    recorded_by: both.recorded_by.clone(),
+                    recorded_at: both.recorded_at,
+                },
+            ]);
+        assert!(objective.met_by(0.01) && !objective.met_by(0.02));
+        let availability = SloObjective {
+            bound: SloBound::AtLeast,
+            threshold: 0.99,
+            ..objective
+        };
+        assert!(availability.met_by(0.995) && !availability.met_by(0.9));
+        assert_eq!(availability.condition(), ">= 0.99");
     }
 
     #[test]

@@ -278,6 +278,17 @@ pub enum CheckKind {
     Slo,
 }
 
+impl CheckKind {
+    /// Its name in words, for reasons.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Health => "health",
+            Self::Smoke => "smoke",
+            Self::Slo => "SLO",
+        }
+    }
+}
+
 /// One measurement, kept with its threshold and time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -6,7 +6,7 @@
 //! same id is refused (a new build is a new release). A withdrawn release stays withdrawn.
 
 use crate::ids::{Actor, EnvironmentId, ProjectId, PromotionId, ReleaseId, TenantId};
-use crate::values::{ProgramRef, ProgramVersion, ValueError};
+use crate::values::{ProbeUrl, ProgramRef, ProgramVersion, ValueError};
 use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
@@ -120,13 +120,64 @@ pub struct ReleaseRecord {
     /// The evaluation of those assets, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation_evidence: Option<EvaluationEvidence>,
+    /// The release's smoke suite, run by verification after each apply (none when absent:
+    /// an optional field added after the first events, which read as none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub smoke_checks: Vec<SmokeCheck>,
     /// Who recorded it (a token's subject, or `system:inbound`).
     pub recorded_by: Actor,
     /// When.
     pub recorded_at: DateTime<Utc>,
 }
 
+/// One smoke check of a release's suite: verification sends a GET to `url` after the apply
+/// and expects `expectedStatus`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SmokeCheck {
+    /// What it checks (1 to 100 characters, unique in the suite).
+    pub name: String,
+    /// Where.
+    pub url: ProbeUrl,
+    /// The status it must answer (default 200).
+    #[serde(default = "ok_status")]
+    pub expected_status: u16,
+}
+
+fn ok_status() -> u16 {
+    200
+}
+
+/// At most this many smoke checks per release.
+pub const MAX_SMOKE_CHECKS: usize = 20;
+
 impl ReleaseRecord {
+    /// The first smoke check that is not usable, by index, and why.
+    fn invalid_smoke_check(&self) -> Option<(usize, String)> {
+        if self.smoke_checks.len() > MAX_SMOKE_CHECKS {
+            return Some((
+                MAX_SMOKE_CHECKS,
+                format!("at most {MAX_SMOKE_CHECKS} smoke checks"),
+            ));
+        }
+        for (i, check) in self.smoke_checks.iter().enumerate() {
+            let name = check.name.trim();
+            if name.is_empty() || name.chars().count() > 100 {
+                return Some((i, "name must be 1 to 100 characters".to_string()));
+            }
+            if self.smoke_checks[..i].iter().any(|c| c.name.trim() == name) {
+                return Some((i, format!("name {name:?} is used twice")));
+            }
+            if !(100..=599).contains(&check.expected_status) {
+                return Some((
+                    i,
+                    "expectedStatus must be an HTTP status (100 to 599)".to_string(),
+                ));
+            }
+        }
+        None
+    }
+
     /// The same release, apart from who reported it and when.
     fn same_release(&self, other: &Self) -> bool {
         let mut this = self.clone();
@@ -236,6 +287,14 @@ pub enum ReleaseError {
     /// A quarantine is lifted only with a reason.
     #[error("a reason is required to lift a quarantine")]
     ReasonRequired,
+    /// A smoke check that cannot run.
+    #[error("smokeChecks[{index}]: {reason}")]
+    InvalidSmokeCheck {
+        /// Which.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
     /// That rollback's quarantine was lifted already.
     #[error("the quarantine from promotion {0} was lifted already")]
     AlreadyLifted(PromotionId),
@@ -296,7 +355,12 @@ impl Aggregate for Release {
     ) -> Result<(), Self::Error> {
         let event = match command {
             ReleaseCommand::Record(record) => match &self.record {
-                None => ReleaseEvent::ReleaseRecorded(record),
+                None => {
+                    if let Some((index, reason)) = record.invalid_smoke_check() {
+                        return Err(ReleaseError::InvalidSmokeCheck { index, reason });
+                    }
+                    ReleaseEvent::ReleaseRecorded(record)
+                }
                 Some(existing) => {
                     if existing.release_id != record.release_id
                         || existing.tenant_id != record.tenant_id
@@ -392,6 +456,7 @@ mod tests {
             }],
             has_agent_generated_assets: false,
             evaluation_evidence: None,
+            smoke_checks: Vec::new(),
             recorded_by: Actor::parse(by).unwrap(),
             recorded_at: at(seconds),
         }
@@ -532,6 +597,57 @@ mod tests {
             .given_no_previous_events()
             .when(lift(9, "x"))
             .then_expect_error(ReleaseError::NotRecorded);
+    }
+
+    #[test]
+    fn smoke_checks_are_checked_when_recorded() {
+        let check = |name: &str, status: u16| SmokeCheck {
+            name: name.to_string(),
+            url: ProbeUrl::parse("https://payments.example.com/smoke").unwrap(),
+            expected_status: status,
+        };
+        let mut good = record("system:inbound", 0);
+        good.smoke_checks = vec![check("checkout", 200), check("login", 302)];
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(ReleaseCommand::Record(Box::new(good.clone())))
+            .then_expect_events(vec![ReleaseEvent::ReleaseRecorded(Box::new(good))]);
+        for (checks, index, reason) in [
+            (vec![check(" ", 200)], 0, "name must be 1 to 100 characters"),
+            (
+                vec![check("a", 200), check("a", 204)],
+                1,
+                "name \"a\" is used twice",
+            ),
+            (
+                vec![check("a", 42)],
+                0,
+                "expectedStatus must be an HTTP status (100 to 599)",
+            ),
+        ] {
+            let mut bad = record("system:inbound", 0);
+            bad.smoke_checks = checks;
+            Fixture::with(())
+                .given_no_previous_events()
+                .when(ReleaseCommand::Record(Box::new(bad)))
+                .then_expect_error(ReleaseError::InvalidSmokeCheck {
+                    index,
+                    reason: reason.to_string(),
+                });
+        }
+        assert!(ProbeUrl::parse("ftp://x").is_err());
+        assert!(ProbeUrl::parse("http://a b").is_err());
+        // Events recorded before smoke checks existed read as none.
+        let old = serde_json::json!({"ReleaseRecorded": {
+            "releaseId": "00000000-0000-0000-0000-000000000005", "tenantId": "acme",
+            "projectId": "payments", "version": "2.3.0",
+            "programRef": "https://git.example.com/payments.git#infra",
+            "programVersion": "3f2a9c1", "pipeline": [], "hasAgentGeneratedAssets": false,
+            "recordedBy": "system:inbound", "recordedAt": "2023-11-14T22:13:20Z"}});
+        let ReleaseEvent::ReleaseRecorded(r) = serde_json::from_value(old).unwrap() else {
+            panic!("a release record");
+        };
+        assert!(r.smoke_checks.is_empty());
     }
 
     #[test]

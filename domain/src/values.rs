@@ -287,6 +287,19 @@ text_value!(
     |v| check_token(v, 64)
 );
 
+text_value!(
+    /// An `http://` or `https://` URL verification sends a GET to (a health URL, a smoke
+    /// check). Set only by a PlatformAdmin or a service (release and environment records).
+    ProbeUrl,
+    |v| {
+        check_token(v, 2048)?;
+        if !(v.starts_with("http://") || v.starts_with("https://")) || !v.contains("//") {
+            return Err(ValueError::MalformedReference("must be an http:// or https:// URL"));
+        }
+        Ok(())
+    }
+);
+
 const SECRET_SCHEMES: &str = "env://NAME, file:///path or vault://mount/path#key";
 const CONFIG_SCHEMES: &str = "file:///path, http://… or https://…";
 

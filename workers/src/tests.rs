@@ -949,6 +949,7 @@ async fn a_new_environment_gets_its_baseline_planned() {
         environment_class: EnvironmentClass::Staging,
         health_url: None,
         baseline_program: None,
+        slo: None,
         recorded_by: Actor::parse("admin").unwrap(),
         recorded_at: Utc::now(),
     }));

@@ -7,16 +7,16 @@
 //! * [`routes`]: the delivery API;
 //! * [`events`]: what promotions publish (`releases.promotions.v1.*` and domain events);
 //! * [`metrics`]: the promotion counters and lead-time histogram;
+//! * [`verification`]: the health, smoke and SLO checks after an apply;
 //! * [`driver`]: the worker that queues promotions per environment and evaluates their
 //!   gates.
 //!
-//! Verification probes the environment's health URL through the window; smoke checks and
-//! SLO queries are not measured yet.
 
 pub mod driver;
 pub mod events;
 pub mod metrics;
 pub mod routes;
+pub mod verification;
 pub mod views;
 
 use super::{BoundedContext, Process};
@@ -79,6 +79,8 @@ impl BoundedContext for Promotions {
                 Arc::new(policy),
                 driver::DriverSettings {
                     options: process.options.clone(),
+                    prometheus_url: process.config.prometheus_url.clone(),
+                    confinement: Arc::new(process.config.confinement()?),
                     approval_expiry: process.config.approval_expiry,
                     poll: process.config.poll_interval,
                 },

@@ -25,6 +25,7 @@ fn settings() -> ConfinementSettings {
         vault_prefix: "{tenant}/".into(),
         program_url_prefixes: strings(&["https://git.example.com/{tenant}/"]),
         config_url_prefixes: strings(&["https://config.example.com/{tenant}"]),
+        probe_url_prefixes: None,
         trusted_programs: vec![(
             ProgramRef::parse("/opt/baselines#base").unwrap_or_else(|e| panic!("{e}")),
             ProgramVersion::parse("abcdef1").unwrap_or_else(|e| panic!("{e}")),
@@ -509,4 +510,42 @@ fn odd_tenant_ids_stay_in_their_folders() {
     assert!(rules
         .check_secret(&dots, &secret("file:///srv/tenants/acme/db"))
         .is_err());
+}
+
+#[test]
+fn probe_urls_are_free_until_the_operator_sets_prefixes_then_stay_in_the_tenant_s() {
+    let url = |s: &str| ProbeUrl::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+    assert!(rules()
+        .check_probe(&tenant("acme"), &url("http://10.0.0.7:9000/admin"))
+        .is_ok());
+    let mut s = settings();
+    s.probe_url_prefixes = Some(strings(&["https://{tenant}.apps.example.com/"]));
+    let rules = Confinement::new(s).unwrap_or_else(|e| panic!("{e}"));
+    assert!(rules
+        .check_probe(
+            &tenant("acme"),
+            &url("https://acme.apps.example.com/healthz")
+        )
+        .is_ok());
+    for (who, probe) in [
+        ("acme", "https://globex.apps.example.com/healthz"),
+        ("acme", "http://10.0.0.7:9000/admin"),
+        ("acme", "https://acme.apps.example.com.evil.io/healthz"),
+        ("acme", "https://acme.apps.example.com/a/../../x"),
+        ("globex", "https://acme.apps.example.com/healthz"),
+    ] {
+        assert!(
+            rules.check_probe(&tenant(who), &url(probe)).is_err(),
+            "{who} may not probe {probe}"
+        );
+    }
+    let mut bad = settings();
+    bad.probe_url_prefixes = Some(strings(&["ftp://x/"]));
+    assert!(matches!(
+        Confinement::new(bad),
+        Err(ConfinementError::Setting {
+            setting: Setting::ProbeUrlPrefixes,
+            ..
+        })
+    ));
 }

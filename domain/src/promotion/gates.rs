@@ -438,6 +438,7 @@ mod tests {
                 .collect(),
             has_agent_generated_assets: false,
             evaluation_evidence: None,
+            smoke_checks: Vec::new(),
             recorded_by: Actor::parse("ci").unwrap(),
             recorded_at: at(),
         }

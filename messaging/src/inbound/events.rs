@@ -122,6 +122,9 @@ pub struct ReleaseReady {
     /// The evaluation of its agent-generated assets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation_evidence: Option<ferry_domain::release::EvaluationEvidence>,
+    /// Its smoke suite (from the pipeline), run by verification after each apply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub smoke_checks: Vec<ferry_domain::release::SmokeCheck>,
 }
 
 /// `releases.releases.v1.release-withdrawn`: pending promotions of it are rejected.

@@ -31,14 +31,14 @@
 //!   measurement; passing completes the promotion, failing fails it.
 
 use super::metrics::observe;
-use super::views;
+use super::{verification, views};
 use chrono::Utc;
 use ferry_domain::environment::Environment;
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, Readiness};
 use ferry_domain::promotion::{
-    ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion,
-    PromotionCommand, VerificationOutcome,
+    ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Promotion, PromotionCommand,
+    VerificationOutcome,
 };
 use ferry_domain::release::Release;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunEvent, RunRequest};
@@ -93,6 +93,10 @@ pub struct DriverSettings {
     /// The promotion path, verification window and automatic rollback, as they are now:
     /// read at each use, so that a reload takes effect without a restart.
     pub options: watch::Receiver<crate::config::Reloadable>,
+    /// The Prometheus HTTP API environments' SLO queries go to (`FERRY_PROMETHEUS_URL`).
+    pub prometheus_url: Option<String>,
+    /// What each tenant's probe URLs may reach.
+    pub confinement: Arc<ferry_domain::confinement::Confinement>,
     /// How long a production approval may wait (never expires when unset).
     pub approval_expiry: Option<Duration>,
     /// How often to look when nothing wakes the driver.
@@ -999,7 +1003,15 @@ impl Driver {
     /// concludes: a failed probe fails verification, a window of passing probes completes
     /// the promotion. No health URL to probe holds it for an Operator (inconclusive).
     async fn verify(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
-        let Some(view) = views::get_promotion(&self.db, tenant, promotion).await? else {
+        // From the aggregate, not the read model: a pass woken by this driver's own last
+        // measurement must see it, or it would measure (and run the smoke suite) again.
+        let Some(view) = self
+            .promotions
+            .load_events(tenant, &promotion.to_string())
+            .await
+            .map_err(command_error)?
+            .and_then(|events| views::PromotionView::from_events(&events))
+        else {
             return Ok(());
         };
         let now = Utc::now();
@@ -1053,86 +1065,145 @@ impl Driver {
             by: None,
             at: now,
         };
+        let mut taken = 0;
         if due {
-            let loaded = self
-                .environments
-                .load(
-                    tenant,
-                    &Environment::aggregate_id(tenant, &view.environment_id),
-                )
-                .await
-                .map_err(command_error)?;
-            let url = loaded.and_then(|(e, _)| e.registration().and_then(|r| r.health_url.clone()));
-            let Some(url) = url else {
+            let checks = self.checks(tenant, &view).await?;
+            if checks.is_empty() {
                 self.command(
                     tenant,
                     promotion,
                     conclude(
                         VerificationOutcome::Inconclusive,
-                        "the environment has no health URL to probe; an Operator decides"
+                        "nothing to check: the environment has no health URL or SLO and the release no smoke checks; an Operator decides"
                             .to_string(),
                     ),
                     None,
                 )
                 .await?;
                 return Ok(());
-            };
-            let (value, passed) = match self.http.get(&url).send().await {
-                Ok(r) => (r.status().as_u16().to_string(), r.status().is_success()),
-                Err(e) => (format!("no answer: {e}"), false),
-            };
-            let measurement = Measurement {
-                kind: CheckKind::Health,
-                name: url.clone(),
-                value: value.clone(),
-                threshold: Some("2xx".to_string()),
-                passed: Some(passed),
-                measured_at: now,
-            };
-            if !self
-                .command(
-                    tenant,
-                    promotion,
-                    PromotionCommand::Measure(Box::new(measurement)),
-                    None,
-                )
-                .await?
-            {
-                return Ok(());
             }
-            if !passed {
-                self.command(
-                    tenant,
-                    promotion,
-                    conclude(
-                        VerificationOutcome::Failed,
-                        format!("the health URL {url} answered {value}"),
-                    ),
-                    None,
+            let first_round = view.verification.measurements.is_empty();
+            let measurements = checks
+                .measure(
+                    &self.http,
+                    self.settings.prometheus_url.as_deref(),
+                    first_round,
+                    now,
                 )
-                .await?;
+                .await;
+            for measurement in &measurements {
+                if !self
+                    .command(
+                        tenant,
+                        promotion,
+                        PromotionCommand::Measure(Box::new(measurement.clone())),
+                        None,
+                    )
+                    .await?
+                {
+                    return Ok(());
+                }
+                taken += 1;
+            }
+            // The release's fault first; then a check that could not run holds it.
+            let failed = measurements.iter().find(|m| m.passed == Some(false));
+            let broken = measurements.iter().find(|m| m.passed.is_none());
+            let verdict = match (failed, broken) {
+                (Some(m), _) => Some((
+                    VerificationOutcome::Failed,
+                    format!(
+                        "the {} check {} measured {} (must be {})",
+                        m.kind.as_str(),
+                        m.name,
+                        m.value,
+                        m.threshold.as_deref().unwrap_or("met")
+                    ),
+                )),
+                (None, Some(m)) => Some((
+                    VerificationOutcome::Error,
+                    format!(
+                        "the {} check {} could not run ({}); an Operator decides",
+                        m.kind.as_str(),
+                        m.name,
+                        m.value
+                    ),
+                )),
+                (None, None) => None,
+            };
+            if let Some((outcome, reason)) = verdict {
+                self.command(tenant, promotion, conclude(outcome, reason), None)
+                    .await?;
                 return Ok(());
             }
         }
-        let measured = !view.verification.measurements.is_empty() || due;
-        if now >= ends && measured {
-            let count = view.verification.measurements.len() + usize::from(due);
-            if self
-                .command(
-                    tenant,
-                    promotion,
-                    conclude(
-                        VerificationOutcome::Passed,
-                        format!("{count} health probes passed through the window"),
-                    ),
-                    None,
-                )
-                .await?
-            {
-                tracing::info!(promotion_id = %promotion, "verified; promotion completed");
-            }
+        let count = view.verification.measurements.len() + taken;
+        if now < ends || count == 0 {
+            return Ok(());
+        }
+        let passed = conclude(
+            VerificationOutcome::Passed,
+            format!("{count} measurements passed through the window"),
+        );
+        if self.command(tenant, promotion, passed, None).await? {
+            tracing::info!(promotion_id = %promotion, "verified; promotion completed");
         }
         Ok(())
+    }
+
+    /// What verification checks for `view`: the environment's health URL and objective, the
+    /// release's smoke suite.
+    async fn checks(
+        &self,
+        tenant: &TenantId,
+        view: &views::PromotionView,
+    ) -> Result<verification::Checks, DriverError> {
+        let environment = self
+            .environments
+            .load(
+                tenant,
+                &Environment::aggregate_id(tenant, &view.environment_id),
+            )
+            .await
+            .map_err(command_error)?;
+        let registration = environment.as_ref().and_then(|(e, _)| e.registration());
+        let release = self
+            .releases
+            .load(tenant, &Release::aggregate_id(tenant, view.release_id))
+            .await
+            .map_err(command_error)?;
+        let mut checks = verification::Checks {
+            slo: registration.and_then(|r| r.slo.clone()),
+            ..Default::default()
+        };
+        // Checked again before each request: the prefixes may have narrowed since.
+        let confined = |url: &str| {
+            ferry_domain::ProbeUrl::parse(url.to_string())
+                .map_err(|e| e.to_string())
+                .and_then(|u| {
+                    self.settings
+                        .confinement
+                        .check_probe(tenant, &u)
+                        .map_err(|r| r.to_string())
+                })
+        };
+        if let Some(url) = registration.and_then(|r| r.health_url.clone()) {
+            match confined(&url) {
+                Ok(()) => checks.health_url = Some(url),
+                Err(reason) => checks.refused.push((CheckKind::Health, url, reason)),
+            }
+        }
+        let smoke = release
+            .as_ref()
+            .and_then(|(r, _)| r.record())
+            .map(|r| r.smoke_checks.clone())
+            .unwrap_or_default();
+        for check in smoke {
+            match confined(check.url.as_str()) {
+                Ok(()) => checks.smoke.push(check),
+                Err(reason) => checks.refused.push((CheckKind::Smoke, check.name, reason)),
+            }
+        }
+        Ok(checks)
     }
 
     /// The environment's readiness: the environment service's last report, else a probe

@@ -51,6 +51,9 @@ fn release_refusal(e: ReleaseError) -> ApiError {
                 field: None,
             },
             ReleaseError::ReasonRequired => ApiError::invalid_field("reason", e.to_string()),
+            ReleaseError::InvalidSmokeCheck { index, ref reason } => {
+                ApiError::invalid_field(&format!("smokeChecks[{index}]"), reason.clone())
+            }
             ReleaseError::AlreadyLifted(_) => ApiError::WrongState(e.to_string()),
         }
     }
@@ -93,6 +96,10 @@ pub struct PutReleaseRequest {
     /// The evaluation of those assets.
     #[serde(default)]
     pub evaluation_evidence: Option<EvaluationEvidence>,
+    /// The smoke suite verification runs after each apply: `{"name", "url",
+    /// "expectedStatus"}` (default 200), at most 20.
+    #[serde(default)]
+    pub smoke_checks: Vec<ferry_domain::release::SmokeCheck>,
 }
 
 fn release_id(raw: &str) -> Result<ReleaseId, ApiError> {
@@ -143,6 +150,15 @@ pub async fn put_release(
                 refusal,
             }])
         })?;
+    // Verification will send the smoke checks' requests: confined where the operator says so.
+    for (i, check) in body.smoke_checks.iter().enumerate() {
+        state
+            .confinement()
+            .check_probe(&caller.tenant, &check.url)
+            .map_err(|refusal| {
+                ApiError::invalid_field(&format!("smokeChecks[{i}].url"), refusal)
+            })?;
+    }
     let record = ReleaseRecord {
         release_id: id,
         tenant_id: caller.tenant.clone(),
@@ -153,6 +169,7 @@ pub async fn put_release(
         pipeline: body.pipeline,
         has_agent_generated_assets: body.has_agent_generated_assets,
         evaluation_evidence: body.evaluation_evidence,
+        smoke_checks: body.smoke_checks,
         recorded_by: caller.actor.clone(),
         recorded_at: Utc::now(),
     };

@@ -1,0 +1,231 @@
+//! The checks verification runs after an apply, each giving one [`Measurement`] (value,
+//! threshold, time):
+//!
+//! * **health**: a GET of the environment's health URL, every round; it must answer 2xx;
+//! * **smoke**: the release's smoke suite, each check a GET that must answer its expected
+//!   status, in the first round (a suite is run once per deployment);
+//! * **SLO**: the environment's objective, a Prometheus instant query
+//!   (`<FERRY_PROMETHEUS_URL>/api/v1/query`), every round; its value must stay within the
+//!   threshold.
+//!
+//! A check that answers wrongly fails the release (`passed: false`). A check that cannot
+//! run (no Prometheus configured, Prometheus down or answering no single value) says
+//! nothing about the release (`passed: None`): verification is then held for an Operator.
+//! An endpoint of the release that does not answer at all is the release's fault.
+
+use chrono::{DateTime, Utc};
+use ferry_domain::environment::SloObjective;
+use ferry_domain::promotion::{CheckKind, Measurement};
+use ferry_domain::release::SmokeCheck;
+use serde_json::Value;
+
+/// What one promotion's verification checks.
+#[derive(Debug, Clone, Default)]
+pub struct Checks {
+    /// The environment's health URL.
+    pub health_url: Option<String>,
+    /// The release's smoke suite.
+    pub smoke: Vec<SmokeCheck>,
+    /// The environment's objective.
+    pub slo: Option<SloObjective>,
+    /// Checks not run because their URL is outside the tenant's probe URL prefixes: kind,
+    /// name and why (the operator narrowed the prefixes after they were recorded).
+    pub refused: Vec<(CheckKind, String, String)>,
+}
+
+impl Checks {
+    /// Nothing to check: verification cannot decide on its own.
+    pub fn is_empty(&self) -> bool {
+        self.health_url.is_none()
+            && self.smoke.is_empty()
+            && self.slo.is_none()
+            && self.refused.is_empty()
+    }
+
+    /// One round: health and the SLO, and the smoke suite when `first_round`.
+    pub async fn measure(
+        &self,
+        http: &reqwest::Client,
+        prometheus: Option<&str>,
+        first_round: bool,
+        now: DateTime<Utc>,
+    ) -> Vec<Measurement> {
+        let mut measurements: Vec<Measurement> = self
+            .refused
+            .iter()
+            .map(|(kind, name, reason)| Measurement {
+                kind: *kind,
+                name: name.clone(),
+                value: format!("not probed: {reason}"),
+                threshold: None,
+                passed: None,
+                measured_at: now,
+            })
+            .collect();
+        if let Some(url) = &self.health_url {
+            measurements.push(health(http, url, now).await);
+        }
+        if first_round {
+            for check in &self.smoke {
+                measurements.push(smoke(http, check, now).await);
+            }
+        }
+        if let Some(objective) = &self.slo {
+            measurements.push(slo(http, prometheus, objective, now).await);
+        }
+        measurements
+    }
+}
+
+async fn health(http: &reqwest::Client, url: &str, now: DateTime<Utc>) -> Measurement {
+    let (value, passed) = match http.get(url).send().await {
+        Ok(r) => (r.status().as_u16().to_string(), r.status().is_success()),
+        Err(e) => (format!("no answer: {e}"), false),
+    };
+    Measurement {
+        kind: CheckKind::Health,
+        name: url.to_string(),
+        value,
+        threshold: Some("2xx".to_string()),
+        passed: Some(passed),
+        measured_at: now,
+    }
+}
+
+async fn smoke(http: &reqwest::Client, check: &SmokeCheck, now: DateTime<Utc>) -> Measurement {
+    let (value, passed) = match http.get(check.url.as_str()).send().await {
+        Ok(r) => (
+            r.status().as_u16().to_string(),
+            r.status().as_u16() == check.expected_status,
+        ),
+        Err(e) => (format!("no answer from {}: {e}", check.url), false),
+    };
+    Measurement {
+        kind: CheckKind::Smoke,
+        name: check.name.clone(),
+        value,
+        threshold: Some(check.expected_status.to_string()),
+        passed: Some(passed),
+        measured_at: now,
+    }
+}
+
+async fn slo(
+    http: &reqwest::Client,
+    prometheus: Option<&str>,
+    objective: &SloObjective,
+    now: DateTime<Utc>,
+) -> Measurement {
+    let value = match prometheus {
+        None => Err("no Prometheus is configured (FERRY_PROMETHEUS_URL)".to_string()),
+        Some(base) => query(http, base, &objective.query).await,
+    };
+    let (value, passed) = match value {
+        Ok(v) => (v.to_string(), Some(objective.met_by(v))),
+        Err(reason) => (format!("not measured: {reason}"), None),
+    };
+    Measurement {
+        kind: CheckKind::Slo,
+        name: objective.query.clone(),
+        value,
+        threshold: Some(objective.condition()),
+        passed,
+        measured_at: now,
+    }
+}
+
+/// The value of `expression` now, from Prometheus at `base`.
+async fn query(http: &reqwest::Client, base: &str, expression: &str) -> Result<f64, String> {
+    let url = format!("{}/api/v1/query", base.trim_end_matches('/'));
+    let response = http
+        .get(&url)
+        .query(&[("query", expression)])
+        .send()
+        .await
+        .map_err(|e| format!("Prometheus did not answer: {e}"))?;
+    let status = response.status();
+    let body: Value = response
+        .json()
+        .await
+        .map_err(|e| format!("Prometheus answered {status} without JSON: {e}"))?;
+    prometheus_value(&body)
+}
+
+/// The one value of an instant query's answer: a scalar, or a vector of exactly one series.
+pub fn prometheus_value(body: &Value) -> Result<f64, String> {
+    if body["status"] != "success" {
+        return Err(format!(
+            "Prometheus refused the query: {}",
+            body["error"].as_str().unwrap_or("no reason given")
+        ));
+    }
+    let data = &body["data"];
+    let sample = match data["resultType"].as_str() {
+        Some("scalar") => &data["result"],
+        Some("vector") => match data["result"].as_array().map(Vec::as_slice) {
+            Some([one]) => &one["value"],
+            Some([]) => return Err("the query returned no series (no data yet?)".to_string()),
+            Some(many) => {
+                return Err(format!(
+                    "the query returned {} series; an objective needs exactly one",
+                    many.len()
+                ))
+            }
+            None => return Err("the answer has no result list".to_string()),
+        },
+        other => {
+            return Err(format!(
+                "the query returned {}; an objective needs a scalar or one series",
+                other.unwrap_or("nothing")
+            ))
+        }
+    };
+    let text = sample[1]
+        .as_str()
+        .ok_or_else(|| "the sample has no value".to_string())?;
+    let value: f64 = text
+        .parse()
+        .map_err(|_| format!("the sample {text:?} is not a number"))?;
+    if value.is_finite() {
+        Ok(value)
+    } else {
+        Err(format!("the value is {text}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn one_value_from_a_scalar_or_a_single_series() {
+        let scalar = json!({"status": "success", "data": {"resultType": "scalar",
+            "result": [1_700_000_000.0, "0.004"]}});
+        assert_eq!(prometheus_value(&scalar), Ok(0.004));
+        let vector = json!({"status": "success", "data": {"resultType": "vector",
+            "result": [{"metric": {"job": "payments"}, "value": [1_700_000_000.0, "0.25"]}]}});
+        assert_eq!(prometheus_value(&vector), Ok(0.25));
+    }
+
+    #[test]
+    fn no_single_value_is_an_error_not_a_pass() {
+        let none = json!({"status": "success", "data": {"resultType": "vector", "result": []}});
+        assert!(prometheus_value(&none).unwrap_err().contains("no series"));
+        let two = json!({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {"pod": "a"}, "value": [0, "1"]},
+            {"metric": {"pod": "b"}, "value": [0, "2"]}]}});
+        assert!(prometheus_value(&two).unwrap_err().contains("2 series"));
+        let refused = json!({"status": "error", "errorType": "bad_data",
+            "error": "parse error at char 5"});
+        assert!(prometheus_value(&refused)
+            .unwrap_err()
+            .contains("parse error at char 5"));
+        let nan = json!({"status": "success", "data": {"resultType": "scalar",
+            "result": [0, "NaN"]}});
+        assert!(prometheus_value(&nan).is_err());
+        let matrix = json!({"status": "success", "data": {"resultType": "matrix",
+            "result": []}});
+        assert!(prometheus_value(&matrix).unwrap_err().contains("matrix"));
+    }
+}
