@@ -55,6 +55,16 @@ enum Command {
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
     },
+    /// Re-plan environments now: a Reconciliation run of each applied specification (the
+    /// workers of a running `ferry serve` plan them); prints the runs and what was skipped.
+    Reconcile {
+        /// Only this tenant's environments (every tenant's when absent).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only this environment (needs --tenant).
+        #[arg(long)]
+        environment: Option<String>,
+    },
     /// Operate the NATS relay.
     Relay {
         #[command(subcommand)]
@@ -151,6 +161,37 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 "the relay to {} will publish {} events again",
                 config.nats_stream, events?
             ))?;
+        }
+        Command::Reconcile {
+            tenant,
+            environment,
+        } => {
+            use ferry_app::contexts::provisioning::reconcile;
+            let tenant = tenant
+                .map(ferry_domain::TenantId::parse)
+                .transpose()
+                .context("--tenant")?;
+            let environment = environment
+                .map(ferry_domain::EnvironmentId::parse)
+                .transpose()
+                .context("--environment")?;
+            if environment.is_some() && tenant.is_none() {
+                bail!("--environment names an environment of a tenant: give --tenant too");
+            }
+            let by = ferry_domain::Actor::parse("system:ferry-reconcile").context("actor")?;
+            let db = open_database(&config).await?;
+            let done = reconcile::reconcile(
+                &db,
+                &reconcile::Scope {
+                    tenant,
+                    environment,
+                },
+                &reconcile::manual_window(),
+                &by,
+            )
+            .await;
+            db.close().await;
+            out(&serde_json::to_string_pretty(&done?)?)?;
         }
         Command::Projections { command } => {
             let db = open_database(&config).await?;

@@ -902,15 +902,7 @@ async fn a_release_goes_through_the_path(backend: Backend, nats: Option<&Nats>) 
     let again = d.promote(&bad, "payments-dev", json!({})).await;
     d.wait(&again, "Completed").await;
 
-    let metrics =
-        d.s.client
-            .get(d.s.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+    let metrics = d.s.metrics().await;
     for family in [
         r#"connectsoft_factory_delivery_promotions_total{environmentClass="production",state="Completed",tenant="acme"}"#,
         r#"connectsoft_factory_delivery_promotions_total{environmentClass="development",state="RolledBack",tenant="acme"}"#,

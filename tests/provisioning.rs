@@ -933,3 +933,212 @@ async fn the_operators_baseline_program_works_outside_the_tenant_roots() {
     }
     f.stop().await;
 }
+
+/// The simulated cloud's state of `env` (acme's), edited by hand: drift made outside Ferry.
+fn edit_cloud(f: &Fixture, env: &str, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+    let path =
+        f.s.data_dir
+            .path()
+            .join("simulated-cloud/acme")
+            .join(env)
+            .join("state.json");
+    let mut state: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(state["resources"].as_object_mut().unwrap());
+    std::fs::write(&path, state.to_string()).unwrap();
+}
+
+/// The URN of the resource whose name ends the URN with `::name`.
+fn urn(resources: &serde_json::Map<String, Value>, name: &str) -> String {
+    resources
+        .keys()
+        .find(|u| u.ends_with(&format!("::{name}")))
+        .unwrap_or_else(|| panic!("no {name} in {resources:?}"))
+        .clone()
+}
+
+impl Fixture {
+    /// Waits until the environment's read model shows a specification applied there (what
+    /// the reconciler re-plans), after the run's own view says Applied.
+    async fn wait_applied(&self, env: &str) {
+        let alice = operator("acme", "alice");
+        let path = format!("/factory/provisioning/environments/{env}/current-specification");
+        let (alice, path) = (&alice, &path);
+        eventually_showing(
+            &format!("{env}'s applied specification"),
+            20,
+            || async move {
+                let (_, current) = self.s.get(alice, path).await;
+                if current["specifications"][0]["applied"].is_object() {
+                    Ok(())
+                } else {
+                    Err(current.to_string())
+                }
+            },
+        )
+        .await;
+    }
+
+    /// `POST /factory/provisioning/reconcile` for `env` as alice; the one run it started.
+    async fn reconcile(&self, env: &str) -> String {
+        let (status, body) = self
+            .s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/reconcile",
+                &json!({"environmentId": env}),
+            )
+            .await;
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(body["runs"].as_array().unwrap().len(), 1, "{body}");
+        assert_eq!(body["runs"][0]["started"], true, "{body}");
+        body["runs"][0]["provisioningRunId"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+}
+
+#[tokio::test]
+async fn reconciliation_repairs_harmless_drift_and_proposes_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(&file, "auto_apply_non_destructive = true\n").unwrap();
+    let config_file = file.clone();
+    let f = start_tuned(Backend::Sqlite, move |c| c.config_file = Some(config_file)).await;
+    f.environment("payments-dev", "development").await;
+    f.environment("payments-prod", "production").await;
+    let dev = f.run("payments-dev", &f.good).await;
+    f.wait(&dev, "Applied").await;
+    f.wait_applied("payments-dev").await;
+
+    // Nothing changed outside Ferry: the run says so, and is never applied.
+    let run = f.reconcile("payments-dev").await;
+    let run = f.wait(&run, "InSync").await;
+    assert_eq!(run["kind"], "Reconciliation");
+    assert_eq!(run["specificationVersion"], 1);
+    let (_, page) =
+        f.s.get(
+            &operator("acme", "alice"),
+            "/factory/provisioning/runs?state=InSync&environmentId=payments-dev",
+        )
+        .await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+
+    // A property changed by hand in development is put back, no one asked.
+    edit_cloud(&f, "payments-dev", |r| {
+        let site = urn(r, "site");
+        r[&site]["inputs"]["bucketPrefix"] = json!("changed-by-hand");
+    });
+    let run = f.reconcile("payments-dev").await;
+    let run = f.wait(&run, "Applied").await;
+    assert_eq!(run["planReceipt"]["changes"], 1, "{run}");
+    let again = f.reconcile("payments-dev").await;
+    f.wait(&again, "InSync").await;
+
+    // A resource created by hand (the plan would delete it) is a proposal, applied only as
+    // planned and only when someone other than the requester approves.
+    edit_cloud(&f, "payments-dev", |r| {
+        let site = r[&urn(r, "site")].clone();
+        let stray = urn(r, "site").replace("::site", "::stray");
+        r.insert(stray, site);
+    });
+    let run = f.reconcile("payments-dev").await;
+    let proposal = f.wait(&run, "AwaitingApproval").await;
+    assert_eq!(proposal["planReceipt"]["deletes"], 1, "{proposal}");
+    assert!(proposal["approval"]["requiredReason"]
+        .as_str()
+        .unwrap()
+        .contains("deletes or replaces"));
+    let approval = format!("/factory/provisioning/runs/{run}/approval");
+    let (status, _) =
+        f.s.post(
+            &operator("acme", "alice"),
+            &approval,
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(
+        status, 403,
+        "the requester of the reconciliation cannot approve it"
+    );
+    let (status, body) =
+        f.s.post(
+            &operator("acme", "bob"),
+            &approval,
+            &json!({"decision": "approve", "reason": "the stray bucket is not ours"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    f.wait(&run, "Applied").await;
+
+    // AutoApplyNonDestructive turned off at run time: the next drift is a proposal too.
+    std::fs::write(&file, "auto_apply_non_destructive = false\n").unwrap();
+    assert!(f
+        .s
+        .server
+        .as_ref()
+        .unwrap()
+        .reload(&std::collections::HashMap::new())
+        .unwrap());
+    edit_cloud(&f, "payments-dev", |r| {
+        let site = urn(r, "site");
+        r[&site]["inputs"]["bucketPrefix"] = json!("changed-again");
+    });
+    let run = f.reconcile("payments-dev").await;
+    let proposal = f.wait(&run, "AwaitingApproval").await;
+    assert!(proposal["approval"]["requiredReason"]
+        .as_str()
+        .unwrap()
+        .contains("AutoApplyNonDestructive is off"));
+
+    // Drift in production is always a proposal, even a harmless one.
+    let prod = f.run("payments-prod", &f.good).await;
+    f.wait(&prod, "AwaitingApproval").await;
+    let (status, _) =
+        f.s.post(
+            &operator("acme", "bob"),
+            &format!("/factory/provisioning/runs/{prod}/approval"),
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    f.wait(&prod, "Applied").await;
+    f.wait_applied("payments-prod").await;
+    edit_cloud(&f, "payments-prod", |r| {
+        let site = urn(r, "site");
+        r[&site]["inputs"]["bucketPrefix"] = json!("changed-in-prod");
+    });
+    let run = f.reconcile("payments-prod").await;
+    // (The domain's rule; here the built-in policy asks for approval in production first.)
+    let proposal = f.wait(&run, "AwaitingApproval").await;
+    assert_eq!(proposal["planReceipt"]["changes"], 1, "{proposal}");
+
+    // Nothing applied there yet: 404 names it; another tenant reconciles nothing of acme's.
+    f.environment("payments-test", "test").await;
+    let (status, body) =
+        f.s.post(
+            &operator("acme", "alice"),
+            "/factory/provisioning/reconcile",
+            &json!({"environmentId": "payments-test"}),
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) =
+        f.s.post(
+            &operator("globex", "mallory"),
+            "/factory/provisioning/reconcile",
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["runs"], json!([]), "{body}");
+    let metrics = f.s.metrics().await;
+    for line in [
+        r#"connectsoft_factory_provisioning_reconciliation_diffs_total{destructive="false",tenant="acme"} 3"#,
+        r#"connectsoft_factory_provisioning_reconciliation_diffs_total{destructive="true",tenant="acme"} 1"#,
+        r#"connectsoft_factory_provisioning_runs_total{tenant="acme",kind="Reconciliation",state="InSync"} 2"#,
+    ] {
+        assert!(metrics.contains(line), "{line} missing from\n{metrics}");
+    }
+    f.stop().await;
+}

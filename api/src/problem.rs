@@ -263,6 +263,7 @@ impl From<RunError> for ApiError {
             | RunError::PlanReceiptAlreadyRecorded
             | RunError::ApplyReceiptAlreadyRecorded
             | RunError::ApprovalRequired(_)
+            | RunError::NotInSync
             | RunError::PolicyDenied(_) => Self::WrongState(e.to_string()),
             RunError::ApproverIsRequester(_) | RunError::PromotionApprovalRequired(_) => {
                 Self::Forbidden(e.to_string())

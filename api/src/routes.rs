@@ -245,7 +245,7 @@ pub async fn list_runs(
         state: q.parse(
             "state",
             enum_from_str,
-            "one of Requested, Planned, AwaitingApproval, Applying, Applied, Failed, Rejected, Cancelled, Superseded",
+            "one of Requested, Planned, AwaitingApproval, Applying, Applied, Failed, Rejected, Cancelled, Superseded, InSync",
         )?,
     };
     let (limit, cursor) = q.page()?;

@@ -136,6 +136,12 @@ pub struct Config {
     pub auto_rollback: bool,
     /// The Prometheus HTTP API that environments' SLO queries go to (`FERRY_PROMETHEUS_URL`).
     pub prometheus_url: Option<String>,
+    /// Reconciliation applies adds and in-place changes outside production
+    /// (`FERRY_AUTO_APPLY_NON_DESTRUCTIVE`).
+    pub auto_apply_non_destructive: bool,
+    /// When the reconciler re-plans every environment, cron syntax in UTC; `None` = only on
+    /// demand (`FERRY_RECONCILE_SCHEDULE=off`).
+    pub reconcile_schedule: Option<String>,
     /// Prefix template of the variables `env://` may name (`FERRY_TENANT_ENV_PREFIX`).
     pub tenant_env_prefix: String,
     /// Prefix template of the Vault paths `vault://` may name (`FERRY_TENANT_VAULT_PREFIX`).
@@ -413,6 +419,12 @@ settings! {
     /// environment's SLO query to (`/api/v1/query`). Without it, an SLO cannot be checked
     /// and its verification is held for an Operator.
     prometheus_url: String, shown "unset";
+    /// Reconciliation applies adds and in-place changes outside production without a
+    /// proposal (`AutoApplyNonDestructive`); off, every difference is a proposal. Reloadable.
+    auto_apply_non_destructive: Flag = true;
+    /// When the reconciler re-plans every environment's applied specifications, cron syntax
+    /// in UTC (five fields); `off` = only on demand.
+    reconcile_schedule: String = "0 */4 * * *";
 }
 
 /// A whole number: an integer in the file, its digits in a variable.
@@ -939,6 +951,24 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             .opt(at!(raw.promotion_path), Check::promotion_path)?
             .unwrap_or_default(),
         auto_rollback: raw.auto_rollback_on_verification_failure.0,
+        auto_apply_non_destructive: raw.auto_apply_non_destructive.0,
+        reconcile_schedule: {
+            let (key, pattern) = at!(raw.reconcile_schedule);
+            let pattern = pattern.trim().to_string();
+            if pattern == "off" {
+                None
+            } else {
+                crate::contexts::provisioning::reconcile::Schedule::parse(&pattern).map_err(
+                    |e| {
+                        c.refuse(
+                            key,
+                            format!("must be cron syntax (e.g. `0 */4 * * *`) or `off`: {e}"),
+                        )
+                    },
+                )?;
+                Some(pattern)
+            }
+        },
         prometheus_url: c.opt(at!(raw.prometheus_url), |c, at| {
             c.url(at, http, "a URL starting with http:// or https://")
         })?,
@@ -1014,6 +1044,8 @@ pub struct Reloadable {
     pub verification_window: Duration,
     /// `FERRY_AUTO_ROLLBACK_ON_VERIFICATION_FAILURE`.
     pub auto_rollback: bool,
+    /// `FERRY_AUTO_APPLY_NON_DESTRUCTIVE`.
+    pub auto_apply_non_destructive: bool,
 }
 
 impl Config {
@@ -1023,6 +1055,7 @@ impl Config {
             promotion_path: self.promotion_path.clone(),
             verification_window: self.verification_window,
             auto_rollback: self.auto_rollback,
+            auto_apply_non_destructive: self.auto_apply_non_destructive,
         }
     }
 
@@ -1033,6 +1066,7 @@ impl Config {
         same.promotion_path = self.promotion_path.clone();
         same.verification_window = self.verification_window;
         same.auto_rollback = self.auto_rollback;
+        same.auto_apply_non_destructive = self.auto_apply_non_destructive;
         same != *self
     }
 

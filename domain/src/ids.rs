@@ -242,6 +242,18 @@ impl ProvisioningRunId {
         let name = format!("run/promotion/{promotion}/{attempt}");
         Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
     }
+
+    /// The `Reconciliation` run of one specification of a tenant in one window: every
+    /// instance and every restart that reconciles that window names the same run, so it is
+    /// planned once.
+    pub fn for_reconciliation(
+        tenant: &TenantId,
+        specification: SpecificationId,
+        window: &str,
+    ) -> Self {
+        let name = format!("run/reconcile/{tenant}/{specification}/{window}");
+        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    }
 }
 
 impl PromotionId {

@@ -91,6 +91,11 @@ impl PlanReceipt {
     pub fn is_destructive(&self) -> bool {
         self.deletes > 0 || self.replaces > 0
     }
+
+    /// How many resources it would create, update, delete or replace (0: nothing to do).
+    pub fn change_count(&self) -> u32 {
+        self.adds + self.changes + self.deletes + self.replaces
+    }
 }
 
 /// How an apply ended.

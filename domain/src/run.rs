@@ -6,6 +6,7 @@
 //!     │                │                             └─reject─▶ Rejected
 //!     └─fail planning─▶ Failed     cancel (before apply) ─▶ Cancelled
 //!                                  supersede (stale plan) ─▶ Superseded
+//!  Planned (a reconciliation whose plan changes nothing) ─▶ InSync
 //! ```
 //!
 //! Rules kept here: a plan is recorded before any apply; receipts are written once; a
@@ -281,6 +282,11 @@ pub enum RunCommand {
         /// When.
         at: DateTime<Utc>,
     },
+    /// A reconciliation's plan changes nothing: the run ends `InSync`, never applied.
+    RecordInSync {
+        /// When.
+        at: DateTime<Utc>,
+    },
 }
 
 impl RunCommand {
@@ -300,6 +306,7 @@ impl RunCommand {
             Self::Cancel { .. } => "Cancel",
             Self::RejectByPolicy { .. } => "RejectByPolicy",
             Self::Supersede { .. } => "Supersede",
+            Self::RecordInSync { .. } => "RecordInSync",
         }
     }
 }
@@ -396,6 +403,12 @@ pub enum RunEvent {
         /// When.
         superseded_at: DateTime<Utc>,
     },
+    /// A reconciliation found the environment as declared: `InSync`.
+    #[serde(rename_all = "camelCase")]
+    ReconciliationInSync {
+        /// When.
+        in_sync_at: DateTime<Utc>,
+    },
 }
 
 impl RunEvent {
@@ -414,6 +427,7 @@ impl RunEvent {
             Self::ProvisioningCancelled { .. } => EventType::first("ProvisioningCancelled"),
             Self::ProvisioningSuperseded { .. } => EventType::first("ProvisioningSuperseded"),
             Self::PolicyDenied { .. } => EventType::first("PolicyDenied"),
+            Self::ReconciliationInSync { .. } => EventType::first("ReconciliationInSync"),
         }
     }
 }
@@ -479,6 +493,9 @@ pub enum RunError {
     /// The verified approval is for another tenant, environment, promotion or approval.
     #[error("the promotion's approval does not match the run: {0}")]
     PromotionApprovalMismatch(&'static str),
+    /// Only a reconciliation whose plan changes nothing ends in sync.
+    #[error("only a reconciliation whose plan changes nothing is in sync")]
+    NotInSync,
 }
 
 /// The run's state, rebuilt from its events.
@@ -572,11 +589,22 @@ impl ProvisioningRun {
                 "policy requires approval for this plan".to_string(),
             ));
         }
+        // Drift that deletes or replaces is never repaired behind anyone's back, in any class.
+        if request.kind == ProvisioningKind::Reconciliation && plan.is_destructive() {
+            return Err(RunError::ApprovalRequired(
+                "a reconciliation that deletes or replaces resources is a proposal: an Operator approves exactly this plan"
+                    .to_string(),
+            ));
+        }
         if !is_production(request.environment_class) {
             return Ok(ApplyAuthorization::NotRequired);
         }
         match request.kind {
-            ProvisioningKind::Baseline | ProvisioningKind::Reconciliation => match policy {
+            ProvisioningKind::Reconciliation => Err(RunError::ApprovalRequired(
+                "drift in production is a proposal: an Operator approves exactly this plan"
+                    .to_string(),
+            )),
+            ProvisioningKind::Baseline => match policy {
                 Some(p) if p.decision == PolicyOutcome::Allow && !p.evidence.is_empty() => {
                     if plan.is_destructive() {
                         Err(RunError::ApprovalRequired(
@@ -868,6 +896,14 @@ impl Aggregate for ProvisioningRun {
                     superseded_at: *at,
                 }
             }
+            RunCommand::RecordInSync { at } => {
+                let (request, _) = self.expect_state(&command, &[S::Planned])?;
+                let changes = self.plan_receipt.as_ref().map(PlanReceipt::change_count);
+                if request.kind != ProvisioningKind::Reconciliation || changes != Some(0) {
+                    return Err(RunError::NotInSync);
+                }
+                RunEvent::ReconciliationInSync { in_sync_at: *at }
+            }
         };
         sink.write(event, self).await;
         Ok(())
@@ -912,6 +948,7 @@ impl Aggregate for ProvisioningRun {
             RunEvent::ProvisioningCancelled { .. } => self.state = Some(S::Cancelled),
             RunEvent::ProvisioningSuperseded { .. } => self.state = Some(S::Superseded),
             RunEvent::PolicyDenied { .. } => self.state = Some(S::Rejected),
+            RunEvent::ReconciliationInSync { .. } => self.state = Some(S::InSync),
         }
     }
 }

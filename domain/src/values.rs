@@ -126,11 +126,13 @@ pub enum ProvisioningState {
     Cancelled,
     /// The plan went stale before apply and will never be applied.
     Superseded,
+    /// A reconciliation found nothing to change: the environment is as declared.
+    InSync,
 }
 
 impl ProvisioningState {
     /// Every state, for filters and documentation.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Requested,
         Self::Planned,
         Self::AwaitingApproval,
@@ -140,6 +142,7 @@ impl ProvisioningState {
         Self::Rejected,
         Self::Cancelled,
         Self::Superseded,
+        Self::InSync,
     ];
 
     /// The stable name used in storage and filters.
@@ -154,6 +157,7 @@ impl ProvisioningState {
             Self::Rejected => "Rejected",
             Self::Cancelled => "Cancelled",
             Self::Superseded => "Superseded",
+            Self::InSync => "InSync",
         }
     }
 
@@ -161,7 +165,12 @@ impl ProvisioningState {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            Self::Applied | Self::Failed | Self::Rejected | Self::Cancelled | Self::Superseded
+            Self::Applied
+                | Self::Failed
+                | Self::Rejected
+                | Self::Cancelled
+                | Self::Superseded
+                | Self::InSync
         )
     }
 }

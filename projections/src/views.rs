@@ -283,6 +283,10 @@ impl RunView {
                 self.superseded_reason = Some(reason.clone());
                 *superseded_at
             }
+            RunEvent::ReconciliationInSync { in_sync_at } => {
+                self.state = ProvisioningState::InSync;
+                *in_sync_at
+            }
         };
         self.updated_at = at;
         if self.state.is_terminal() {

@@ -70,6 +70,12 @@ impl TestServer {
         }
     }
 
+    /// `GET /metrics` as text.
+    pub async fn metrics(&self) -> String {
+        let r = self.client.get(self.url("/metrics")).send().await.unwrap();
+        r.text().await.unwrap()
+    }
+
     pub async fn stop(mut self) {
         if let Some(s) = self.server.take() {
             s.stop().await;

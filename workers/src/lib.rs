@@ -115,6 +115,9 @@ pub struct Settings {
     pub poll: Duration,
     /// This process's name in `claimed_by`.
     pub instance: String,
+    /// `AutoApplyNonDestructive`: a reconciliation's adds and in-place changes outside
+    /// production apply without a proposal. Read at each plan (reloadable).
+    pub auto_apply_non_destructive: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Settings {
@@ -136,6 +139,7 @@ impl Settings {
             concurrency: 4,
             poll: Duration::from_millis(500),
             instance: format!("ferry-{}", uuid::Uuid::new_v4().simple()),
+            auto_apply_non_destructive: tokio::sync::watch::channel(true).1,
         }
     }
 }

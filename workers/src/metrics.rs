@@ -1,7 +1,8 @@
 //! The provisioning metrics, kept in the `prometheus` library's counters and histograms and
 //! served at `/metrics` through the process's registry:
 //! `connectsoft_factory_provisioning_runs_total` (tenant, kind, state) and
-//! `connectsoft_factory_provisioning_apply_duration_seconds` (kind). Each instance counts
+//! `connectsoft_factory_provisioning_apply_duration_seconds` (kind) and
+//! `connectsoft_factory_provisioning_reconciliation_diffs_total` (tenant, destructive). Each instance counts
 //! the transitions it made; Prometheus sums instances.
 
 use prometheus::core::{Collector, Desc};
@@ -21,6 +22,7 @@ const RUN_LABELS: [&str; 3] = ["tenant", "kind", "state"];
 pub struct Metrics {
     runs: IntCounterVec,
     apply: HistogramVec,
+    diffs: IntCounterVec,
 }
 
 impl Metrics {
@@ -42,7 +44,25 @@ impl Metrics {
                 .buckets(BUCKETS.to_vec()),
                 &["kind"],
             )?,
+            diffs: IntCounterVec::new(
+                Opts::new(
+                    "connectsoft_factory_provisioning_reconciliation_diffs_total",
+                    "Differences found by reconciliation.",
+                ),
+                &["tenant", "destructive"],
+            )?,
         })
+    }
+
+    /// A reconciliation's plan found `count` differences (`destructive`: deletes and
+    /// replaces; the others: creates and in-place updates).
+    pub fn diffs_found(&self, tenant: &str, destructive: bool, count: u32) {
+        if count > 0 {
+            let label = if destructive { "true" } else { "false" };
+            self.diffs
+                .with_label_values(&[tenant, label])
+                .inc_by(u64::from(count));
+        }
     }
 
     /// Registers both families in `registry` (the process's, served at `/metrics`).
@@ -82,6 +102,7 @@ impl Collector for Metrics {
     fn desc(&self) -> Vec<&Desc> {
         let mut descs = self.runs.desc();
         descs.extend(self.apply.desc());
+        descs.extend(self.diffs.desc());
         descs
     }
 
@@ -97,6 +118,7 @@ impl Collector for Metrics {
             }
         }
         runs.extend(self.apply.collect());
+        runs.extend(self.diffs.collect());
         runs
     }
 }

@@ -228,6 +228,7 @@ impl Workers {
             Ok(d) => d,
             Err(e) => return self.fail_planning(item, tenant, e.to_string()).await,
         };
+        let plan_changes = plan.adds + plan.changes + plan.deletes + plan.replaces;
         let receipt = PlanReceipt {
             adds: plan.adds,
             changes: plan.changes,
@@ -254,9 +255,27 @@ impl Workers {
             )
             .await?;
         tracing::info!(adds = plan.adds, changes = plan.changes, deletes = plan.deletes, decision = ?decision.decision, "planned");
+        let reconciliation = planned
+            .request()
+            .is_some_and(|r| r.kind == ProvisioningKind::Reconciliation);
+        if reconciliation {
+            let tenant = tenant.as_str();
+            self.metrics
+                .diffs_found(tenant, false, plan.adds + plan.changes);
+            self.metrics
+                .diffs_found(tenant, true, plan.deletes + plan.replaces);
+        }
         let next = if decision.decision == PolicyOutcome::Deny {
             RunCommand::RejectByPolicy {
                 evidence: decision.evidence,
+                at: Utc::now(),
+            }
+        } else if reconciliation && plan_changes == 0 {
+            RunCommand::RecordInSync { at: Utc::now() }
+        } else if reconciliation && !*self.settings.auto_apply_non_destructive.borrow() {
+            RunCommand::RequireApproval {
+                reason: "AutoApplyNonDestructive is off: every difference is a proposal"
+                    .to_string(),
                 at: Utc::now(),
             }
         } else {

@@ -1,6 +1,9 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
 //! runs. Its parts predate the registration and live in the layer crates (domain, api,
-//! projections, workers, messaging); this module is where the process collects them.
+//! projections, workers, messaging); this module is where the process collects them, and
+//! holds what came after: [`reconcile`], the GitOps reconciler.
+
+pub mod reconcile;
 
 use super::{BoundedContext, Process};
 use crate::server::{worker_settings, StartError};
@@ -29,7 +32,7 @@ impl BoundedContext for Provisioning {
     }
 
     fn routes(&self) -> ApiRouter<AppState> {
-        ferry_api::provisioning_routes()
+        ferry_api::provisioning_routes().merge(reconcile::routes())
     }
 
     fn projections(&self) -> Vec<Arc<dyn Projection>> {
@@ -42,14 +45,47 @@ impl BoundedContext for Provisioning {
 
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
         if process.config.workers {
+            let mut settings = worker_settings(process.config);
+            settings.auto_apply_non_destructive =
+                follow(process.options, |o| o.auto_apply_non_destructive);
             ferry_workers::Workers::new(
                 process.db.clone(),
                 process.ports.clone(),
-                worker_settings(process.config),
+                settings,
                 process.metrics.clone(),
             )
             .start(process.shutdown.clone());
+            if let Some(pattern) = &process.config.reconcile_schedule {
+                // Checked when the configuration loaded.
+                let schedule =
+                    reconcile::Schedule::parse(pattern).map_err(|reason| crate::ConfigError {
+                        setting: "FERRY_RECONCILE_SCHEDULE".to_string(),
+                        source_name: "configuration".to_string(),
+                        reason,
+                    })?;
+                reconcile::spawn_schedule(process.db.clone(), schedule, process.shutdown.clone());
+            }
         }
         Ok(())
     }
+}
+
+/// A channel of one reloadable setting, following the process's reloadable settings (for
+/// parts that know only that setting).
+fn follow<T: Clone + PartialEq + Send + Sync + 'static>(
+    options: &tokio::sync::watch::Receiver<crate::config::Reloadable>,
+    pick: fn(&crate::config::Reloadable) -> T,
+) -> tokio::sync::watch::Receiver<T> {
+    let mut options = options.clone();
+    let (tx, rx) = tokio::sync::watch::channel(pick(&options.borrow()));
+    tokio::spawn(async move {
+        // Ends when the server (the sender) or every reader is gone.
+        while options.changed().await.is_ok() {
+            let value = pick(&options.borrow_and_update());
+            if tx.send(value).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }

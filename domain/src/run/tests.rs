@@ -225,7 +225,80 @@ fn history(state: ProvisioningState) -> Vec<RunEvent> {
             }],
         ]
         .concat(),
+        S::InSync => vec![
+            requested(reconciliation(EnvironmentClass::Development)),
+            planned(no_change()),
+            RunEvent::ReconciliationInSync { in_sync_at: at(2) },
+        ],
     }
+}
+
+fn reconciliation(class: EnvironmentClass) -> RunRequest {
+    request(Some(class), ProvisioningKind::Reconciliation)
+}
+
+fn no_change() -> PlanReceipt {
+    PlanReceipt {
+        adds: 0,
+        resources: Vec::new(),
+        ..receipt(0, None)
+    }
+}
+
+#[test]
+fn a_reconciliation_whose_plan_changes_nothing_is_in_sync_and_nothing_else_is() {
+    let dev = EnvironmentClass::Development;
+    Fixture::with(())
+        .given(vec![requested(reconciliation(dev)), planned(no_change())])
+        .when(RunCommand::RecordInSync { at: at(2) })
+        .then_expect_events(vec![RunEvent::ReconciliationInSync { in_sync_at: at(2) }]);
+    // A plan with a difference, or a run of another kind, is not "in sync".
+    Fixture::with(())
+        .given(vec![
+            requested(reconciliation(dev)),
+            planned(receipt(0, None)),
+        ])
+        .when(RunCommand::RecordInSync { at: at(2) })
+        .then_expect_error(RunError::NotInSync);
+    Fixture::with(())
+        .given(vec![
+            requested(request(Some(dev), ProvisioningKind::Baseline)),
+            planned(no_change()),
+        ])
+        .when(RunCommand::RecordInSync { at: at(2) })
+        .then_expect_error(RunError::NotInSync);
+    // Nothing happens to a run in sync.
+    Fixture::with(())
+        .given(history(S::InSync))
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_error(RunError::InvalidTransition {
+            command: "StartApply",
+            state: S::InSync,
+        });
+}
+
+#[test]
+fn reconciliation_drift_that_deletes_or_replaces_is_a_proposal_in_every_class() {
+    for class in [EnvironmentClass::Development, EnvironmentClass::Production] {
+        Fixture::with(())
+            .given(vec![
+                requested(reconciliation(class)),
+                planned(receipt(1, allow(&["baseline drift"]))),
+            ])
+            .when(RunCommand::StartApply { at: at(3) })
+            .then_expect_error(RunError::ApprovalRequired(
+                "a reconciliation that deletes or replaces resources is a proposal: an Operator approves exactly this plan"
+                    .to_string(),
+            ));
+    }
+    // Adds and in-place changes outside production apply.
+    Fixture::with(())
+        .given(vec![
+            requested(reconciliation(EnvironmentClass::Development)),
+            planned(receipt(0, None)),
+        ])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_events(vec![started(ApplyAuthorization::NotRequired)]);
 }
 
 #[test]
@@ -485,8 +558,21 @@ fn a_destructive_production_reconciliation_is_never_applied_automatically() {
         ])
         .when(RunCommand::StartApply { at: at(3) })
         .then_expect_error(RunError::ApprovalRequired(
-            "a production plan that deletes or replaces resources is never applied automatically"
+            "a reconciliation that deletes or replaces resources is a proposal: an Operator approves exactly this plan"
                 .to_string(),
+        ));
+    // Not even a policy allow applies drift in production: it is a proposal.
+    Fixture::with(())
+        .given(vec![
+            requested(request(
+                Some(EnvironmentClass::Production),
+                ProvisioningKind::Reconciliation,
+            )),
+            planned(receipt(0, allow(&["drift"]))),
+        ])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_error(RunError::ApprovalRequired(
+            "drift in production is a proposal: an Operator approves exactly this plan".to_string(),
         ));
 }
 

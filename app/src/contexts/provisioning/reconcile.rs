@@ -1,0 +1,394 @@
+//! The GitOps reconciler: re-plans each environment's applied specifications as
+//! `Reconciliation` runs, on the schedule (`FERRY_RECONCILE_SCHEDULE`, cron syntax) and on
+//! demand (`POST /factory/provisioning/reconcile`, `ferry reconcile`).
+//!
+//! A run is named after its tenant, specification and window
+//! ([`ProvisioningRunId::for_reconciliation`]), so every instance and every restart that
+//! reconciles a scheduled window lands on the same run: it is planned once. The workers
+//! plan it like any run (the simulated runner's cloud, or `pulumi preview`, shows drift
+//! made outside Ferry); what happens then is the run's rule (`ferry_domain::run`): no
+//! difference ends it `InSync`; deletes and replaces, and anything in production, wait in
+//! `AwaitingApproval` as a proposal an Operator approves exactly as planned; adds and
+//! in-place changes elsewhere apply when `AutoApplyNonDestructive` is on and policy allows.
+//!
+//! It re-plans the version last *applied* there, never a newer declaration: a release a
+//! rollback took out is not put back by reconciliation. An environment with a run in flight
+//! (requested, planning or applying) or a promotion holding it is skipped for the window,
+//! and says so.
+
+use chrono::{DateTime, Utc};
+use ferry_domain::environment::Environment;
+use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunRequest};
+use ferry_domain::specification::SpecificationVersion;
+use ferry_domain::{
+    Actor, EnvironmentId, ProvisioningKind, ProvisioningRunId, SpecificationId, SpecificationKind,
+    TenantId,
+};
+use ferry_store::{on_pool, CommandError, Database, EventMetadata, Repository};
+use serde::Serialize;
+use sqlx::types::Json;
+use std::str::FromStr;
+
+/// Which environments to reconcile.
+#[derive(Debug, Clone, Default)]
+pub struct Scope {
+    /// Only this tenant's (every tenant's when unset).
+    pub tenant: Option<TenantId>,
+    /// Only this environment (of `tenant`).
+    pub environment: Option<EnvironmentId>,
+}
+
+/// What one reconciliation pass did.
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Reconciliation {
+    /// The window it reconciled (a scheduled time, or `manual/<id>`).
+    pub window: String,
+    /// The runs it started, or found started for this window.
+    pub runs: Vec<ReconciliationRun>,
+    /// Environments it left alone this window, and why.
+    pub skipped: Vec<SkippedEnvironment>,
+}
+
+/// One `Reconciliation` run.
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReconciliationRun {
+    /// The run.
+    pub provisioning_run_id: ProvisioningRunId,
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The specification re-planned.
+    pub specification_id: SpecificationId,
+    /// Its kind.
+    pub kind: SpecificationKind,
+    /// The version last applied there, re-planned.
+    pub specification_version: u32,
+    /// False when this window's run existed already (another instance, or a retry).
+    pub started: bool,
+}
+
+/// An environment not reconciled this window.
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SkippedEnvironment {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// Why.
+    pub reason: String,
+}
+
+/// Why a pass could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// The read models could not be read.
+    #[error("reading the environments' specifications: {0}")]
+    Read(#[from] sqlx::Error),
+    /// A stored document did not decode.
+    #[error("a stored specification does not decode: {0}")]
+    Document(#[from] serde_json::Error),
+    /// A run could not be recorded.
+    #[error("recording a reconciliation run: {0}")]
+    Command(String),
+}
+
+/// The schedule, cron syntax (five fields, UTC), checked once.
+#[derive(Debug, Clone)]
+pub struct Schedule(croner::Cron);
+
+impl Schedule {
+    /// Parses `pattern` (e.g. `0 */4 * * *`).
+    pub fn parse(pattern: &str) -> Result<Self, String> {
+        croner::Cron::from_str(pattern)
+            .map(Self)
+            .map_err(|e| e.to_string())
+    }
+
+    /// The first window after `now`.
+    pub fn next_after(&self, now: &DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.0.find_next_occurrence(now, false).ok()
+    }
+}
+
+/// The scheduled window starting at `at`, as runs are named after it.
+pub fn scheduled_window(at: DateTime<Utc>) -> String {
+    at.format("%Y-%m-%dT%H:%MZ").to_string()
+}
+
+/// One manual pass's own window (an Operator's request is never folded into another's).
+pub fn manual_window() -> String {
+    format!("manual/{}", uuid::Uuid::new_v4())
+}
+
+/// Re-plans every applied specification in `scope` for `window`, as `by`.
+pub async fn reconcile(
+    db: &Database,
+    scope: &Scope,
+    window: &str,
+    by: &Actor,
+) -> Result<Reconciliation, ReconcileError> {
+    let runs: Repository<ProvisioningRun> = Repository::new(db.clone(), ());
+    let environments: Repository<Environment> = Repository::new(db.clone(), ());
+    let mut done = Reconciliation {
+        window: window.to_string(),
+        runs: Vec::new(),
+        skipped: Vec::new(),
+    };
+    for applied in applied_specifications(db, scope).await? {
+        let tenant = &applied.tenant_id;
+        let environment = &applied.environment_id;
+        let run_id =
+            ProvisioningRunId::for_reconciliation(tenant, applied.specification_id, window);
+        let entry = |started| ReconciliationRun {
+            provisioning_run_id: run_id,
+            environment_id: environment.clone(),
+            specification_id: applied.specification_id,
+            kind: applied.kind,
+            specification_version: applied.version,
+            started,
+        };
+        // This window's run exists: another instance or an earlier attempt started it.
+        let existing = runs
+            .load(tenant, &run_id.to_string())
+            .await
+            .map_err(|e| ReconcileError::Command(e.to_string()))?;
+        if existing.is_some() {
+            done.runs.push(entry(false));
+            continue;
+        }
+        if let Some(reason) = busy(db, tenant, environment).await? {
+            if !done
+                .skipped
+                .iter()
+                .any(|s| &s.environment_id == environment)
+            {
+                tracing::info!(%tenant, %environment, %reason, "reconciliation skipped");
+                done.skipped.push(SkippedEnvironment {
+                    environment_id: environment.clone(),
+                    reason,
+                });
+            }
+            continue;
+        }
+        let class = environments
+            .load(tenant, &Environment::aggregate_id(tenant, environment))
+            .await
+            .map_err(|e| ReconcileError::Command(e.to_string()))?
+            .and_then(|(e, _)| e.class());
+        let request = RunRequest {
+            provisioning_run_id: run_id,
+            tenant_id: tenant.clone(),
+            project_id: applied.project_id.clone(),
+            environment_id: environment.clone(),
+            // Unknown environments count as production (the domain's rule).
+            environment_class: class,
+            specification_id: applied.specification_id,
+            specification_version: applied.version,
+            kind: ProvisioningKind::Reconciliation,
+            promotion_id: None,
+            approval_id: None,
+            requested_by: by.clone(),
+            requested_at: Utc::now(),
+        };
+        let metadata = EventMetadata {
+            tenant_id: tenant.clone(),
+            actor: by.clone(),
+            correlation_id: run_id.as_uuid(),
+            causation_id: run_id.as_uuid(),
+            request_id: uuid::Uuid::new_v4(),
+        };
+        let started = match runs
+            .execute(
+                tenant,
+                &run_id.to_string(),
+                RunCommand::Request(Box::new(request)),
+                &metadata,
+                true,
+            )
+            .await
+        {
+            Ok(_) => true,
+            // Another instance recorded it between the look and the write.
+            Err(CommandError::Domain(RunError::AlreadyRequested) | CommandError::Conflict) => false,
+            Err(e) => return Err(ReconcileError::Command(e.to_string())),
+        };
+        tracing::info!(%tenant, %environment, run = %run_id, started, "reconciliation run");
+        done.runs.push(entry(started));
+    }
+    Ok(done)
+}
+
+/// A specification's version last applied in an environment.
+struct Applied {
+    tenant_id: TenantId,
+    environment_id: EnvironmentId,
+    project_id: ferry_domain::ProjectId,
+    specification_id: SpecificationId,
+    kind: SpecificationKind,
+    version: u32,
+}
+
+/// Every specification version last applied in `scope`.
+async fn applied_specifications(
+    db: &Database,
+    scope: &Scope,
+) -> Result<Vec<Applied>, ReconcileError> {
+    let sql = db.sql(
+        "SELECT latest, applied FROM rm_environment_specifications
+          WHERE applied IS NOT NULL
+            AND ($1 = '' OR tenant_id = $1) AND ($2 = '' OR environment_id = $2)
+          ORDER BY tenant_id, environment_id, kind",
+    );
+    let tenant = scope.tenant.as_ref().map_or("", TenantId::as_str);
+    let environment = scope.environment.as_ref().map_or("", EnvironmentId::as_str);
+    let rows: Vec<(Json<serde_json::Value>, Json<serde_json::Value>)> = on_pool!(db, pool => sqlx::query_as(&sql)
+            .bind(tenant).bind(environment).fetch_all(pool).await?);
+    rows.into_iter()
+        .map(|(Json(latest), Json(applied))| {
+            // The specification's identity from its newest version, the version from the apply.
+            let latest: SpecificationVersion = serde_json::from_value(latest)?;
+            let applied: ferry_projections::views::AppliedSpecification =
+                serde_json::from_value(applied)?;
+            Ok(Applied {
+                tenant_id: latest.tenant_id,
+                environment_id: latest.environment_id,
+                project_id: latest.project_id,
+                specification_id: latest.specification_id,
+                kind: latest.kind,
+                version: applied.version,
+            })
+        })
+        .collect()
+}
+
+/// Why `environment` must not be reconciled now, if it must not: a run in flight there, or
+/// a promotion holding it.
+async fn busy(
+    db: &Database,
+    tenant: &TenantId,
+    environment: &EnvironmentId,
+) -> Result<Option<String>, ReconcileError> {
+    let runs = db.sql(
+        "SELECT provisioning_run_id, state FROM rm_runs
+          WHERE tenant_id = $1 AND environment_id = $2
+            AND state IN ('Requested', 'Planned', 'Applying') LIMIT 1",
+    );
+    let run: Option<(String, String)> = on_pool!(db, pool => sqlx::query_as(&runs)
+        .bind(tenant.as_str()).bind(environment.as_str()).fetch_optional(pool).await?);
+    if let Some((run, state)) = run {
+        return Ok(Some(format!("run {run} is {state} there")));
+    }
+    let slots = db.sql(
+        "SELECT promotion_id FROM promotion_slots WHERE tenant_id = $1 AND environment_id = $2",
+    );
+    let promotion: Option<String> = on_pool!(db, pool => sqlx::query_scalar(&slots)
+        .bind(tenant.as_str()).bind(environment.as_str()).fetch_optional(pool).await?);
+    Ok(promotion.map(|p| format!("promotion {p} holds it")))
+}
+
+/// Body of `POST /factory/provisioning/reconcile` (optional).
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReconcileRequest {
+    /// Only this environment (every environment of the tenant when absent).
+    #[serde(default)]
+    pub environment_id: Option<EnvironmentId>,
+}
+
+/// `POST /factory/provisioning/reconcile`: re-plans the caller's environments now, each a
+/// `Reconciliation` run in a window of its own; 202 with the runs and what was skipped.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn reconcile_now(
+    axum::extract::State(state): axum::extract::State<ferry_api::state::AppState>,
+    caller: ferry_api::auth::Caller,
+    ferry_api::extract::OptionalJson(body): ferry_api::extract::OptionalJson<ReconcileRequest>,
+) -> Result<(axum::http::StatusCode, axum::Json<Reconciliation>), ferry_api::problem::ApiError> {
+    use ferry_api::problem::ApiError;
+    caller.require_apply()?;
+    let environment = body.and_then(|b| b.environment_id);
+    let scope = Scope {
+        tenant: Some(caller.tenant.clone()),
+        environment: environment.clone(),
+    };
+    let done = reconcile(state.db(), &scope, &manual_window(), &caller.actor)
+        .await
+        .map_err(ApiError::internal)?;
+    if let Some(environment) = environment {
+        if done.runs.is_empty() && done.skipped.is_empty() {
+            return Err(ApiError::NotFound(format!(
+                "no specification has been applied in {environment}: nothing to reconcile"
+            )));
+        }
+    }
+    Ok((axum::http::StatusCode::ACCEPTED, axum::Json(done)))
+}
+
+/// The reconciler's route, with its documentation.
+pub fn routes() -> aide::axum::ApiRouter<ferry_api::state::AppState> {
+    use ferry_api::openapi::Doc;
+    aide::axum::ApiRouter::new().api_route(
+        "/factory/provisioning/reconcile",
+        aide::axum::routing::post_with(reconcile_now, |op| {
+            op.id("Reconcile")
+                .summary("Re-plan the tenant's environments now (or one, `environmentId`): a Reconciliation run of each applied specification, skipping environments with a run or a promotion in flight. No difference ends a run InSync; deletes, replaces and anything in production wait as proposals; other differences apply when AutoApplyNonDestructive is on.")
+                .scope(ferry_api::auth::SCOPE_APPLY)
+                .response_with::<202, axum::Json<Reconciliation>, _>(|r| {
+                    r.description("The runs started and the environments skipped.")
+                })
+                .errors(&[400, 401, 403, 404, 415, 422])
+        }),
+    )
+}
+
+/// Runs the reconciler on `schedule` until shutdown: each window once (the runs are named
+/// after it, so instances that reconcile the same window meet on the same runs).
+pub fn spawn_schedule(
+    db: Database,
+    schedule: Schedule,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    use tracing::Instrument;
+    let by = Actor::parse("system:reconciler").unwrap_or_else(|_| unreachable!("a valid actor"));
+    tokio::spawn(
+        async move {
+            loop {
+                let Some(next) = schedule.next_after(&Utc::now()) else {
+                    tracing::warn!("the reconcile schedule has no next window; stopping");
+                    return;
+                };
+                let wait = (next - Utc::now()).to_std().unwrap_or_default();
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.changed() => return,
+                }
+                let window = scheduled_window(next);
+                match reconcile(&db, &Scope::default(), &window, &by).await {
+                    Ok(done) => tracing::info!(
+                        %window, runs = done.runs.len(), skipped = done.skipped.len(),
+                        "reconciled"
+                    ),
+                    Err(error) => tracing::error!(%window, %error, "reconciliation failed"),
+                }
+            }
+        }
+        .instrument(tracing::info_span!("reconciler")),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schedule_is_cron_syntax_and_names_its_windows() {
+        let every_four_hours = Schedule::parse("0 */4 * * *").unwrap();
+        let now = DateTime::parse_from_rfc3339("2026-12-03T09:30:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let next = every_four_hours.next_after(&now).unwrap();
+        assert_eq!(scheduled_window(next), "2026-12-03T12:00Z");
+        assert!(Schedule::parse("every four hours").is_err());
+        assert!(Schedule::parse("61 * * * *").is_err());
+        assert_ne!(manual_window(), manual_window());
+    }
+}
