@@ -1049,6 +1049,15 @@ async fn reconciliation_repairs_harmless_drift_and_proposes_the_rest() {
         .as_str()
         .unwrap()
         .contains("deletes or replaces"));
+    for (filter, count) in [("true", 1), ("false", 0)] {
+        let (_, open) =
+            f.s.get(
+                &operator("acme", "alice"),
+                &format!("/factory/provisioning/proposals?destructive={filter}"),
+            )
+            .await;
+        assert_eq!(open["items"].as_array().unwrap().len(), count, "{open}");
+    }
     let approval = format!("/factory/provisioning/runs/{run}/approval");
     let (status, _) =
         f.s.post(
@@ -1140,5 +1149,113 @@ async fn reconciliation_repairs_harmless_drift_and_proposes_the_rest() {
     ] {
         assert!(metrics.contains(line), "{line} missing from\n{metrics}");
     }
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn each_window_is_planned_once_across_instances_busy_environments_wait_and_a_newer_plan_replaces_a_proposal(
+) {
+    use ferry_app::contexts::provisioning::reconcile::{leading, reconcile, Reconciliation, Scope};
+    let f = start(Backend::Postgres).await;
+    f.environment("payments-dev", "development").await;
+    let dev = f.run("payments-dev", &f.good).await;
+    f.wait(&dev, "Applied").await;
+    f.wait_applied("payments-dev").await;
+    let db = f.s.db.as_ref().unwrap().db.clone();
+    let by = ferry_domain::Actor::parse("system:reconciler").unwrap();
+    let all = Scope::default();
+
+    // Two instances reconcile the same scheduled window at once: one run between them.
+    let window = "2026-12-03T12:00Z";
+    let (a, b) = tokio::join!(
+        reconcile(&db, &all, window, &by),
+        reconcile(&db, &all, window, &by)
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let runs: Vec<_> = a.runs.iter().chain(&b.runs).collect();
+    assert_eq!(runs.len(), 2, "{a:?} {b:?}");
+    assert_eq!(runs[0].provisioning_run_id, runs[1].provisioning_run_id);
+    assert_eq!(runs.iter().filter(|r| r.started).count(), 1, "{runs:?}");
+    let run = runs[0].provisioning_run_id.to_string();
+    f.wait(&run, "InSync").await;
+    // After the window, a restart reconciling it again finds the same run.
+    let again = reconcile(&db, &all, window, &by).await.unwrap();
+    assert!(!again.runs[0].started, "{again:?}");
+
+    // One leader at a time: while a pass holds the lock, another instance's pass stands by.
+    let led = leading(&db, || async {
+        let other = leading(&db, || async { unreachable!("the lock is held") }).await;
+        assert!(other.unwrap().is_none());
+        Ok(Reconciliation {
+            window: "w".to_string(),
+            runs: Vec::new(),
+            skipped: Vec::new(),
+        })
+    })
+    .await
+    .unwrap();
+    assert!(led.is_some());
+
+    // A promotion holding the environment: skipped this window, saying so.
+    let pool = match db.pool() {
+        ferry_store::database::Pool::Postgres(pool) => pool.clone(),
+        ferry_store::database::Pool::Sqlite(_) => unreachable!("a Postgres test"),
+    };
+    sqlx::query("INSERT INTO promotion_slots VALUES ('acme', 'payments-dev', 'p-7')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let busy = reconcile(&db, &all, "2026-12-03T16:00Z", &by)
+        .await
+        .unwrap();
+    assert!(busy.runs.is_empty(), "{busy:?}");
+    assert_eq!(busy.skipped[0].reason, "promotion p-7 holds it");
+    sqlx::query("DELETE FROM promotion_slots")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    // An open proposal is replaced by the next re-plan of the environment.
+    edit_cloud(&f, "payments-dev", |r| {
+        let site = r[&urn(r, "site")].clone();
+        r.insert(urn(r, "site").replace("::site", "::stray"), site);
+    });
+    let older = f.reconcile("payments-dev").await;
+    f.wait(&older, "AwaitingApproval").await;
+    let newer = f.reconcile("payments-dev").await;
+    let superseded = f.wait(&older, "Superseded").await;
+    assert!(
+        superseded["supersededReason"]
+            .as_str()
+            .unwrap()
+            .contains(&newer),
+        "{superseded}"
+    );
+    f.wait(&newer, "AwaitingApproval").await;
+
+    // The open proposals: only the newer one, destructive.
+    let alice = operator("acme", "alice");
+    let (_, open) =
+        f.s.get(&alice, "/factory/provisioning/proposals?destructive=true")
+            .await;
+    let ids: Vec<&str> = open["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["provisioningRunId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [newer.as_str()], "{open}");
+    assert!(open["items"][0]["planReceipt"]["resources"].is_array());
+    let (_, none) =
+        f.s.get(
+            &alice,
+            "/factory/provisioning/proposals?destructive=false&environmentId=payments-dev",
+        )
+        .await;
+    assert_eq!(none["items"], json!([]), "{none}");
+    let (status, body) =
+        f.s.get(&alice, "/factory/provisioning/proposals?destructive=maybe")
+            .await;
+    assert_eq!(status, 400, "{body}");
     f.stop().await;
 }

@@ -247,6 +247,7 @@ pub async fn list_runs(
             enum_from_str,
             "one of Requested, Planned, AwaitingApproval, Applying, Applied, Failed, Rejected, Cancelled, Superseded, InSync",
         )?,
+        destructive: None,
     };
     let (limit, cursor) = q.page()?;
     let page = state

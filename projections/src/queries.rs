@@ -68,6 +68,8 @@ pub struct RunFilter {
     pub kind: Option<ProvisioningKind>,
     /// Only this state.
     pub state: Option<ProvisioningState>,
+    /// Only runs whose plan deletes or replaces something (`true`), or only the others.
+    pub destructive: Option<bool>,
 }
 
 /// A failure to read.
@@ -197,6 +199,24 @@ impl ReadModels {
         );
         add("kind", filter.kind.map(|k| k.as_str().to_string()));
         add("state", filter.state.map(|s| s.as_str().to_string()));
+        if let Some(destructive) = filter.destructive {
+            // From the plan receipt in the document (no column of its own).
+            let removes = match self.db.backend() {
+                ferry_store::Backend::Postgres => {
+                    "COALESCE((document->'planReceipt'->>'deletes')::int, 0) \
+                     + COALESCE((document->'planReceipt'->>'replaces')::int, 0) > 0"
+                }
+                ferry_store::Backend::Sqlite => {
+                    "COALESCE(json_extract(document, '$.planReceipt.deletes'), 0) \
+                     + COALESCE(json_extract(document, '$.planReceipt.replaces'), 0) > 0"
+                }
+            };
+            clauses.push(if destructive {
+                format!("({removes})")
+            } else {
+                format!("NOT ({removes})")
+            });
+        }
         let (docs, next_cursor) = page(&self.db, "rm_runs", clauses, params, limit, cursor).await?;
         Ok(Page {
             items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,

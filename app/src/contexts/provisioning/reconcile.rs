@@ -213,9 +213,54 @@ pub async fn reconcile(
             Err(e) => return Err(ReconcileError::Command(e.to_string())),
         };
         tracing::info!(%tenant, %environment, run = %run_id, started, "reconciliation run");
+        if started {
+            supersede_open_proposals(&runs, db, &applied, run_id, by).await?;
+        }
         done.runs.push(entry(started));
     }
     Ok(done)
+}
+
+/// A newer re-plan replaces the open proposals of the same specification there: they wait
+/// no longer (superseded, never applied), and the new run's plan is the one to decide on.
+async fn supersede_open_proposals(
+    runs: &Repository<ProvisioningRun>,
+    db: &Database,
+    applied: &Applied,
+    newer: ProvisioningRunId,
+    by: &Actor,
+) -> Result<(), ReconcileError> {
+    let sql = db.sql(
+        "SELECT provisioning_run_id FROM rm_runs
+          WHERE tenant_id = $1 AND environment_id = $2 AND kind = 'Reconciliation'
+            AND state = 'AwaitingApproval' AND provisioning_run_id <> $3",
+    );
+    let open: Vec<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(applied.tenant_id.as_str()).bind(applied.environment_id.as_str())
+        .bind(newer.to_string()).fetch_all(pool).await?);
+    for run in open {
+        let metadata = EventMetadata {
+            tenant_id: applied.tenant_id.clone(),
+            actor: by.clone(),
+            correlation_id: newer.as_uuid(),
+            causation_id: newer.as_uuid(),
+            request_id: uuid::Uuid::new_v4(),
+        };
+        let command = RunCommand::Supersede {
+            reason: format!("a newer reconciliation (run {newer}) re-plans this environment"),
+            at: Utc::now(),
+        };
+        match runs
+            .execute(&applied.tenant_id, &run, command, &metadata, false)
+            .await
+        {
+            // Decided or superseded meanwhile: nothing to replace.
+            Ok(_) | Err(CommandError::Domain(_) | CommandError::Conflict) => {}
+            Err(e) => return Err(ReconcileError::Command(e.to_string())),
+        }
+        tracing::info!(superseded = %run, by = %newer, "open proposal superseded");
+    }
+    Ok(())
 }
 
 /// A specification's version last applied in an environment.
@@ -323,10 +368,60 @@ pub async fn reconcile_now(
     Ok((axum::http::StatusCode::ACCEPTED, axum::Json(done)))
 }
 
-/// The reconciler's route, with its documentation.
+/// `GET /factory/provisioning/proposals`: open reconciliation proposals (Reconciliation
+/// runs awaiting approval, with the plan's resources), newest first.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_proposals(
+    axum::extract::State(state): axum::extract::State<ferry_api::state::AppState>,
+    caller: ferry_api::auth::Caller,
+    axum::extract::Query(raw): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Result<
+    axum::Json<ferry_projections::Page<ferry_projections::RunView>>,
+    ferry_api::problem::ApiError,
+> {
+    caller.require_read()?;
+    let q = ferry_api::extract::QueryParams::new(
+        raw,
+        &["environmentId", "destructive", "limit", "cursor"],
+    )?;
+    let filter = ferry_projections::queries::RunFilter {
+        environment_id: q.parse(
+            "environmentId",
+            |v| EnvironmentId::parse(v).ok(),
+            "an environment id",
+        )?,
+        kind: Some(ProvisioningKind::Reconciliation),
+        state: Some(ferry_domain::ProvisioningState::AwaitingApproval),
+        destructive: q.parse("destructive", |v| v.parse().ok(), "true or false")?,
+    };
+    let (limit, cursor) = q.page()?;
+    let page = state
+        .reads()
+        .list_runs(&caller.tenant, &filter, limit, cursor)
+        .await?;
+    Ok(axum::Json(page))
+}
+
+/// The reconciler's routes, with their documentation.
 pub fn routes() -> aide::axum::ApiRouter<ferry_api::state::AppState> {
     use ferry_api::openapi::Doc;
-    aide::axum::ApiRouter::new().api_route(
+    aide::axum::ApiRouter::new()
+        .api_route(
+            "/factory/provisioning/proposals",
+            aide::axum::routing::get_with(list_proposals, |op| {
+                op.id("ListProposals")
+                    .summary("Open reconciliation proposals: Reconciliation runs awaiting an approval of exactly their plan (its resources show what would change), newest first. A newer re-plan of the environment supersedes them; FERRY_APPROVAL_EXPIRY_MINUTES expires them.")
+                    .scope(ferry_api::auth::SCOPE_READ)
+                    .query("environmentId", "Only this environment.", serde_json::json!({"type": "string"}))
+                    .query("destructive", "Only proposals that delete or replace (true), or only the others (false).", serde_json::json!({"type": "boolean"}))
+                    .paging()
+                    .response_with::<200, axum::Json<ferry_projections::Page<ferry_projections::RunView>>, _>(|r| {
+                        r.description("A page of proposals.")
+                    })
+                    .errors(&[400, 401, 403])
+            }),
+        )
+        .api_route(
         "/factory/provisioning/reconcile",
         aide::axum::routing::post_with(reconcile_now, |op| {
             op.id("Reconcile")
@@ -362,8 +457,12 @@ pub fn spawn_schedule(
                     _ = shutdown.changed() => return,
                 }
                 let window = scheduled_window(next);
-                match reconcile(&db, &Scope::default(), &window, &by).await {
-                    Ok(done) => tracing::info!(
+                let all = Scope::default();
+                match leading(&db, || reconcile(&db, &all, &window, &by)).await {
+                    Ok(None) => {
+                        tracing::info!(%window, "another instance is reconciling this window");
+                    }
+                    Ok(Some(done)) => tracing::info!(
                         %window, runs = done.runs.len(), skipped = done.skipped.len(),
                         "reconciled"
                     ),
@@ -373,6 +472,38 @@ pub fn spawn_schedule(
         }
         .instrument(tracing::info_span!("reconciler")),
     );
+}
+
+/// The key of the reconciler's advisory lock ("ferry-reconcile" in ASCII, truncated).
+const LEADER_LOCK: i64 = 0x6665_7272_792d_7263;
+
+/// Runs `pass` as the reconciler leader: on Postgres only while holding the advisory lock
+/// (one instance at a time; another finds it taken and leaves the window to it), on SQLite
+/// (one node) always. `None` when another instance leads. The runs' names keep a window
+/// planned once even if a late instance passes after the leader.
+pub async fn leading<F, Fut>(
+    db: &Database,
+    pass: F,
+) -> Result<Option<Reconciliation>, ReconcileError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<Reconciliation, ReconcileError>>,
+{
+    let ferry_store::database::Pool::Postgres(pool) = db.pool() else {
+        return pass().await.map(Some);
+    };
+    // A transaction-scoped lock: released with the transaction, also if this process dies.
+    let mut tx = pool.begin().await?;
+    let leader: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(LEADER_LOCK)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !leader {
+        return Ok(None);
+    }
+    let done = pass().await;
+    tx.commit().await?;
+    done.map(Some)
 }
 
 #[cfg(test)]
