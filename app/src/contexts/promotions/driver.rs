@@ -27,8 +27,9 @@
 //!   rollback promotion of the release last completed in the environment takes over the
 //!   environment's slot, goes through the same gates except the approval, is handed off and
 //!   verified; its completion ends the original rolled back, its failure leaves it failed.
-//! * **Verification** probes the health URL through the window and keeps every
-//!   measurement; passing completes the promotion, failing fails it.
+//! * **Verification** measures the health URL and the SLO through the window and the smoke
+//!   suite once ([`super::verification`]), keeping every measurement; passing completes the
+//!   promotion, a failed check fails it, a check that cannot run holds it for an Operator.
 
 use super::metrics::observe;
 use super::{verification, views};
@@ -998,10 +999,10 @@ impl Driver {
         Ok(())
     }
 
-    /// Verification: probes the environment's health URL through the window (every tenth of
-    /// it, at least every second and at most every minute), keeps each measurement, and
-    /// concludes: a failed probe fails verification, a window of passing probes completes
-    /// the promotion. No health URL to probe holds it for an Operator (inconclusive).
+    /// Verification: a round of checks every tenth of the window (at least every second, at
+    /// most every minute), each measurement kept; a check the release fails fails
+    /// verification, one that cannot run holds it (error), a window of passing rounds
+    /// completes the promotion, and nothing to check holds it (inconclusive).
     async fn verify(&self, tenant: &TenantId, promotion: PromotionId) -> Result<(), DriverError> {
         // From the aggregate, not the read model: a pass woken by this driver's own last
         // measurement must see it, or it would measure (and run the smoke suite) again.

@@ -134,6 +134,10 @@ pub async fn reconcile(
         runs: Vec::new(),
         skipped: Vec::new(),
     };
+    // Whether each environment is busy, decided before this pass starts anything there: its
+    // own first run must not keep its other specification (baseline and workload) out.
+    let mut busy_before: std::collections::HashMap<(TenantId, EnvironmentId), Option<String>> =
+        std::collections::HashMap::new();
     for applied in applied_specifications(db, scope).await? {
         let tenant = &applied.tenant_id;
         let environment = &applied.environment_id;
@@ -156,7 +160,12 @@ pub async fn reconcile(
             done.runs.push(entry(false));
             continue;
         }
-        if let Some(reason) = busy(db, tenant, environment).await? {
+        let key = (tenant.clone(), environment.clone());
+        if !busy_before.contains_key(&key) {
+            let reason = busy(db, tenant, environment).await?;
+            busy_before.insert(key.clone(), reason);
+        }
+        if let Some(reason) = busy_before.get(&key).cloned().flatten() {
             if !done
                 .skipped
                 .iter()
