@@ -199,13 +199,7 @@ pub async fn reconcile(
             requested_by: by.clone(),
             requested_at: Utc::now(),
         };
-        let metadata = EventMetadata {
-            tenant_id: tenant.clone(),
-            actor: by.clone(),
-            correlation_id: run_id.as_uuid(),
-            causation_id: run_id.as_uuid(),
-            request_id: uuid::Uuid::new_v4(),
-        };
+        let metadata = metadata(tenant, by, run_id);
         let started = match runs
             .execute(
                 tenant,
@@ -230,6 +224,17 @@ pub async fn reconcile(
     Ok(done)
 }
 
+/// The metadata of the events the reconciler causes: `by`, correlated with `run`.
+fn metadata(tenant: &TenantId, by: &Actor, run: ProvisioningRunId) -> EventMetadata {
+    EventMetadata {
+        tenant_id: tenant.clone(),
+        actor: by.clone(),
+        correlation_id: run.as_uuid(),
+        causation_id: run.as_uuid(),
+        request_id: uuid::Uuid::new_v4(),
+    }
+}
+
 /// A newer re-plan replaces the open proposals of the same specification there: they wait
 /// no longer (superseded, never applied), and the new run's plan is the one to decide on.
 async fn supersede_open_proposals(
@@ -248,13 +253,7 @@ async fn supersede_open_proposals(
         .bind(applied.tenant_id.as_str()).bind(applied.environment_id.as_str())
         .bind(newer.to_string()).fetch_all(pool).await?);
     for run in open {
-        let metadata = EventMetadata {
-            tenant_id: applied.tenant_id.clone(),
-            actor: by.clone(),
-            correlation_id: newer.as_uuid(),
-            causation_id: newer.as_uuid(),
-            request_id: uuid::Uuid::new_v4(),
-        };
+        let metadata = metadata(&applied.tenant_id, by, newer);
         let command = RunCommand::Supersede {
             reason: format!("a newer reconciliation (run {newer}) re-plans this environment"),
             at: Utc::now(),
