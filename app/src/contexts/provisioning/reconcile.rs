@@ -366,6 +366,18 @@ pub async fn reconcile_now(
     let done = reconcile(state.db(), &scope, &manual_window(), &caller.actor)
         .await
         .map_err(ApiError::internal)?;
+    // Read your writes, as every command answers: a GET of a run named here finds it.
+    for run in done.runs.iter().filter(|r| r.started) {
+        state
+            .reads()
+            .wait_for_run(
+                &caller.tenant,
+                run.provisioning_run_id,
+                1,
+                state.read_your_writes(),
+            )
+            .await?;
+    }
     if let Some(environment) = environment {
         if done.runs.is_empty() && done.skipped.is_empty() {
             return Err(ApiError::NotFound(format!(
