@@ -64,6 +64,11 @@ enum Command {
         /// Only this environment (needs --tenant).
         #[arg(long)]
         environment: Option<String>,
+        /// Reconcile this window (a scheduled one, e.g. `2026-12-03T12:00Z`, that was missed)
+        /// as the leader: every instance that reconciles a window meets on the same runs.
+        /// Without it, the pass is a window of its own.
+        #[arg(long)]
+        window: Option<String>,
     },
     /// Operate the NATS relay.
     Relay {
@@ -165,6 +170,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Reconcile {
             tenant,
             environment,
+            window,
         } => {
             use ferry_app::contexts::provisioning::reconcile;
             let tenant = tenant
@@ -179,19 +185,33 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 bail!("--environment names an environment of a tenant: give --tenant too");
             }
             let by = ferry_domain::Actor::parse("system:ferry-reconcile").context("actor")?;
+            if window
+                .as_deref()
+                .is_some_and(|w| w.trim().is_empty() || w.len() > 64)
+            {
+                bail!("--window must be 1 to 64 characters");
+            }
             let db = open_database(&config).await?;
-            let done = reconcile::reconcile(
-                &db,
-                &reconcile::Scope {
-                    tenant,
-                    environment,
-                },
-                &reconcile::manual_window(),
-                &by,
-            )
-            .await;
+            let scope = reconcile::Scope {
+                tenant,
+                environment,
+            };
+            let done = match &window {
+                Some(window) => {
+                    reconcile::leading(&db, || reconcile::reconcile(&db, &scope, window, &by)).await
+                }
+                None => reconcile::reconcile(&db, &scope, &reconcile::manual_window(), &by)
+                    .await
+                    .map(Some),
+            };
             db.close().await;
-            out(&serde_json::to_string_pretty(&done?)?)?;
+            match done? {
+                Some(done) => out(&serde_json::to_string_pretty(&done)?)?,
+                None => out(&format!(
+                    "another instance is reconciling window {}: its runs are this window's",
+                    window.unwrap_or_default()
+                ))?,
+            }
         }
         Command::Projections { command } => {
             let db = open_database(&config).await?;

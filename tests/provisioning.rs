@@ -765,6 +765,7 @@ async fn references_stored_before_the_rules_fail_at_resolution() {
             kind: ProvisioningKind::Release,
             promotion_id: None,
             approval_id: None,
+            follows_failed_apply: None,
             requested_by: Actor::parse("alice").unwrap(),
             requested_at: chrono::Utc::now(),
         };
@@ -978,6 +979,29 @@ impl Fixture {
         .await;
     }
 
+    /// A new environment of `class` with the good program applied, once the environment's
+    /// read model shows it (what the reconciler re-plans); the run.
+    async fn applied_in(&self, env: &str, class: &str) -> String {
+        self.environment(env, class).await;
+        let run = self.run(env, &self.good).await;
+        self.wait(&run, "Applied").await;
+        self.wait_applied(env).await;
+        run
+    }
+
+    /// Bob (not the requester) approves `run`.
+    async fn approve_as_bob(&self, run: &str, reason: &str) {
+        let (status, body) = self
+            .s
+            .post(
+                &operator("acme", "bob"),
+                &format!("/factory/provisioning/runs/{run}/approval"),
+                &json!({"decision": "approve", "reason": reason}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+
     /// `POST /factory/provisioning/reconcile` for `env` as alice; the one run it started.
     async fn reconcile(&self, env: &str) -> String {
         let (status, body) = self
@@ -1157,10 +1181,7 @@ async fn each_window_is_planned_once_across_instances_busy_environments_wait_and
 ) {
     use ferry_app::contexts::provisioning::reconcile::{leading, reconcile, Reconciliation, Scope};
     let f = start(Backend::Postgres).await;
-    f.environment("payments-dev", "development").await;
-    let dev = f.run("payments-dev", &f.good).await;
-    f.wait(&dev, "Applied").await;
-    f.wait_applied("payments-dev").await;
+    f.applied_in("payments-dev", "development").await;
     let db = f.s.db.as_ref().unwrap().db.clone();
     let by = ferry_domain::Actor::parse("system:reconciler").unwrap();
     let all = Scope::default();
@@ -1257,5 +1278,351 @@ async fn each_window_is_planned_once_across_instances_busy_environments_wait_and
         f.s.get(&alice, "/factory/provisioning/proposals?destructive=maybe")
             .await;
     assert_eq!(status, 400, "{body}");
+    f.stop().await;
+}
+
+impl Fixture {
+    /// `POST …/ignore-rules` for `env` as `who`; the status and the body.
+    async fn ignore(&self, who: &str, env: &str, body: Value) -> (u16, Value) {
+        let (status, rule) = self
+            .s
+            .post(
+                &operator("acme", who),
+                &format!("/factory/provisioning/environments/{env}/ignore-rules"),
+                &body,
+            )
+            .await;
+        (status, rule)
+    }
+}
+
+/// The inputs of the resource named `name` in acme's simulated cloud of `env`.
+fn cloud_inputs(f: &Fixture, env: &str, name: &str) -> Value {
+    let path =
+        f.s.data_dir
+            .path()
+            .join("simulated-cloud/acme")
+            .join(env)
+            .join("state.json");
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let resources = state["resources"].as_object().unwrap();
+    resources[&urn(resources, name)]["inputs"].clone()
+}
+
+#[tokio::test]
+async fn an_ignore_rule_hides_exactly_its_difference_and_an_approval_covers_only_the_plan_shown() {
+    let f = start(Backend::Sqlite).await;
+    f.applied_in("payments-dev", "development").await;
+    let (mut site, mut database, mut stray) = (String::new(), String::new(), String::new());
+
+    // Two hand edits: the site's tags (the team accepts them) and the database's size.
+    edit_cloud(&f, "payments-dev", |r| {
+        site = urn(r, "site");
+        database = urn(r, "database");
+        stray = site.replace("::site", "::stray");
+        r[&site]["inputs"]["tags"]["cost-center"] = json!("by-hand");
+        r[&database]["inputs"]["size"] = json!("huge");
+    });
+    // A rule needs a reason and a real URN; who added it is the token's, never the body's.
+    let (status, body) = f
+        .ignore(
+            "alice",
+            "payments-dev",
+            json!({"urn": site, "property": "tags", "reason": " "}),
+        )
+        .await;
+    assert_eq!(
+        (status, body["errors"][0]["field"].as_str()),
+        (422, Some("reason")),
+        "{body}"
+    );
+    let (status, body) = f
+        .ignore(
+            "alice",
+            "payments-dev",
+            json!({"urn": "site", "reason": "r"}),
+        )
+        .await;
+    assert!(matches!(status, 400 | 422), "{body}");
+    assert!(body.to_string().contains("urn"), "{body}");
+    let (status, body) = f
+        .ignore(
+            "alice",
+            "payments-dev",
+            json!({"urn": site, "reason": "r", "addedBy": "someone-else"}),
+        )
+        .await;
+    assert!(
+        matches!(status, 400 | 422),
+        "a forged actor is refused: {body}"
+    );
+    let (status, reader) =
+        f.s.post(
+            &token("acme", "rita", &[READ], &["Reader"]),
+            "/factory/provisioning/environments/payments-dev/ignore-rules",
+            &json!({"urn": site, "reason": "r"}),
+        )
+        .await;
+    assert_eq!(status, 403, "{reader}");
+    let (status, tags) = f
+        .ignore(
+            "alice",
+            "payments-dev",
+            json!({"urn": site, "property": "tags", "reason": "the cost team tags buckets by hand"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{tags}");
+    assert_eq!(tags["addedBy"], "alice");
+    let (status, again) = f
+        .ignore(
+            "bob",
+            "payments-dev",
+            json!({"urn": site, "property": "tags", "reason": "twice"}),
+        )
+        .await;
+    assert_eq!(status, 409, "the same difference is ignored once: {again}");
+
+    // The reconciliation repairs the database and leaves the tags alone, saying which rule.
+    let run = f.reconcile("payments-dev").await;
+    let run = f.wait(&run, "Applied").await;
+    let receipt = &run["planReceipt"];
+    assert_eq!(receipt["changes"], 1, "{run:#}");
+    assert_eq!(receipt["ignored"][0]["urn"], site.as_str(), "{run:#}");
+    assert_eq!(
+        receipt["ignored"][0]["properties"],
+        json!(["tags"]),
+        "{run:#}"
+    );
+    assert_eq!(
+        receipt["ignored"][0]["ruleIds"],
+        json!([tags["ruleId"]]),
+        "{run:#}"
+    );
+    assert_eq!(
+        cloud_inputs(&f, "payments-dev", "database")["size"],
+        "small"
+    );
+    assert_eq!(
+        cloud_inputs(&f, "payments-dev", "site")["tags"]["cost-center"],
+        "by-hand"
+    );
+    let again = f.reconcile("payments-dev").await;
+    let in_sync = f.wait(&again, "InSync").await;
+    assert_eq!(in_sync["planReceipt"]["ignored"][0]["urn"], site.as_str());
+
+    // A property rule cannot hide a difference the apply would overwrite: shown, with a note.
+    edit_cloud(&f, "payments-dev", |r| {
+        r[&site]["inputs"]["bucketPrefix"] = json!("renamed-by-hand");
+    });
+    let run = f.reconcile("payments-dev").await;
+    let run = f.wait(&run, "Applied").await;
+    assert!(run["planReceipt"]["ignored"].is_null(), "{run:#}");
+    assert!(
+        run["planReceipt"]["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("bucketPrefix"),
+        "{run:#}"
+    );
+
+    // A resource created by hand, accepted as a whole: in sync, and left in the cloud.
+    edit_cloud(&f, "payments-dev", |r| {
+        let copy = r[&site].clone();
+        r.insert(stray.clone(), copy);
+    });
+    let (status, whole) = f
+        .ignore(
+            "alice",
+            "payments-dev",
+            json!({"urn": stray, "reason": "the data team's bucket"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{whole}");
+    let run = f.reconcile("payments-dev").await;
+    let run = f.wait(&run, "InSync").await;
+    assert_eq!(run["planReceipt"]["ignored"][0]["op"], "delete", "{run:#}");
+    let (_, rules) =
+        f.s.get(
+            &operator("acme", "alice"),
+            "/factory/provisioning/environments/payments-dev/ignore-rules",
+        )
+        .await;
+    assert_eq!(rules["rules"].as_array().unwrap().len(), 2, "{rules}");
+
+    // Another tenant sees none of acme's rules and cannot remove one.
+    let mallory = operator("globex", "mallory");
+    let (_, theirs) =
+        f.s.get(
+            &mallory,
+            "/factory/provisioning/environments/payments-dev/ignore-rules",
+        )
+        .await;
+    assert_eq!(theirs["rules"], json!([]), "{theirs}");
+    let remove = format!(
+        "/factory/provisioning/environments/payments-dev/ignore-rules/{}/remove",
+        whole["ruleId"].as_str().unwrap()
+    );
+    let (status, body) =
+        f.s.post(&mallory, &remove, &json!({"reason": "mine now"}))
+            .await;
+    assert_eq!(status, 404, "{body}");
+
+    // Removed (with a reason), the stray bucket is a proposal again.
+    let (status, body) =
+        f.s.post(&operator("acme", "bob"), &remove, &json!({}))
+            .await;
+    assert!(
+        matches!(status, 400 | 422),
+        "a removal needs a reason: {body}"
+    );
+    let (status, removed) =
+        f.s.post(
+            &operator("acme", "bob"),
+            &remove,
+            &json!({"reason": "the data team moved out"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{removed}");
+    assert_eq!(removed["removedBy"], "bob");
+    let (status, _) =
+        f.s.post(
+            &operator("acme", "bob"),
+            &remove,
+            &json!({"reason": "again"}),
+        )
+        .await;
+    assert_eq!(status, 409);
+    let proposal = f.reconcile("payments-dev").await;
+    let shown = f.wait(&proposal, "AwaitingApproval").await;
+    assert_eq!(shown["planReceipt"]["deletes"], 1, "{shown:#}");
+
+    // The target changes after the proposal was shown: approving it applies nothing.
+    edit_cloud(&f, "payments-dev", |r| {
+        r[&database]["inputs"]["size"] = json!("tiny");
+    });
+    f.approve_as_bob(&proposal, "the stray bucket goes").await;
+    let superseded = f.wait(&proposal, "Superseded").await;
+    let reason = superseded["supersededReason"].as_str().unwrap();
+    assert!(
+        reason.contains("target changed after the plan") && reason.contains(&database),
+        "{reason}"
+    );
+    assert_eq!(
+        cloud_inputs(&f, "payments-dev", "database")["size"],
+        "tiny",
+        "nothing applied"
+    );
+    assert!(
+        cloud_inputs(&f, "payments-dev", "stray").is_object(),
+        "nothing deleted"
+    );
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn after_a_failed_apply_the_next_reconciliation_proposes_the_fix() {
+    let f = start(Backend::Sqlite).await;
+    f.applied_in("payments-test", "test").await;
+    // The next version fails half-way: the site is changed, the queue is never created.
+    let failed = f.run("payments-test", &f.failing).await;
+    let failed_run = f.wait(&failed, "Failed").await;
+    assert_eq!(
+        failed_run["applyReceipt"]["result"], "Failed",
+        "{failed_run:#}"
+    );
+    assert!(
+        cloud_inputs(&f, "payments-test", "site")["tags"].is_null(),
+        "partly changed"
+    );
+
+    // Re-planning what was last applied shows the fix; in a test environment a harmless
+    // difference would apply by itself, but not after a failed apply.
+    let run = f.reconcile("payments-test").await;
+    let proposal = f.wait(&run, "AwaitingApproval").await;
+    assert_eq!(proposal["specificationVersion"], 1, "{proposal:#}");
+    assert_eq!(proposal["planReceipt"]["changes"], 1, "{proposal:#}");
+    let reason = proposal["approval"]["requiredReason"].as_str().unwrap();
+    assert!(
+        reason.contains(&failed) && reason.contains("failed"),
+        "{reason}"
+    );
+    f.approve_as_bob(&run, "back to version 1").await;
+    f.wait(&run, "Applied").await;
+    assert_eq!(
+        cloud_inputs(&f, "payments-test", "site")["tags"]["owner"],
+        "payments"
+    );
+    // Put right, the environment is in sync and harmless drift repairs itself again.
+    let next = f.reconcile("payments-test").await;
+    f.wait(&next, "InSync").await;
+    f.stop().await;
+}
+
+#[tokio::test]
+async fn two_ferry_processes_reconcile_a_window_once() {
+    let f = start(Backend::Postgres).await;
+    f.applied_in("payments-dev", "development").await;
+    let url = f.s.db.as_ref().unwrap().location.clone();
+    let spawn = || {
+        let data = tempfile::tempdir().unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("FERRY_DATA_DIR", data.path())
+            .env("DATABASE_URL", &url)
+            .env("FERRY_LOG", "warn")
+            .args(["reconcile", "--window", "2026-12-03T20:00Z"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        (child, data)
+    };
+    // Two processes at once, then a third after them (a restart): one run between them.
+    let (a, b) = (spawn(), spawn());
+    let mut outputs = Vec::new();
+    for (child, _data) in [a, b] {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        outputs.push(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let (late, _data) = spawn();
+    let out = late.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let late: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(late["runs"][0]["started"], false, "{late}");
+    let started: usize = outputs
+        .iter()
+        .filter_map(|o| serde_json::from_str::<Value>(o).ok())
+        .map(|v| {
+            v["runs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|r| r["started"] == true)
+                .count()
+        })
+        .sum();
+    assert_eq!(started, 1, "{outputs:?}");
+    let run = late["runs"][0]["provisioningRunId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    f.wait(&run, "InSync").await;
+    let (_, page) =
+        f.s.get(
+            &operator("acme", "alice"),
+            "/factory/provisioning/runs?kind=Reconciliation&environmentId=payments-dev",
+        )
+        .await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
     f.stop().await;
 }

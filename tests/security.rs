@@ -360,6 +360,7 @@ async fn awaiting_approval(s: &TestServer, id: &str) {
         uuid::Uuid::new_v4(),
     );
     let receipt = PlanReceipt {
+        ignored: Vec::new(),
         adds: 1,
         changes: 0,
         deletes: 0,

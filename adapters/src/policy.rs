@@ -371,6 +371,7 @@ fn sample_input() -> PolicyInput {
             urn: "urn:pulumi:check::check::test:index:Resource::r".to_string(),
             resource_type: "test:index:Resource".to_string(),
             op: ResourceOp::Replace,
+            properties: Vec::new(),
         }],
     }
 }
@@ -398,6 +399,7 @@ mod tests {
                 urn: "urn:pulumi:prod::web::aws:s3/bucket:Bucket::logs".into(),
                 resource_type: "aws:s3/bucket:Bucket".into(),
                 op: ResourceOp::Create,
+                properties: Vec::new(),
             }],
         }
     }
@@ -487,6 +489,7 @@ mod tests {
             urn: "urn:pulumi:prod::web::aws:s3/bucket:Bucket::old".into(),
             resource_type: "aws:s3/bucket:Bucket".into(),
             op: ResourceOp::Delete,
+            properties: Vec::new(),
         });
         i
     }

@@ -382,6 +382,7 @@ pub async fn plan_provisioning(
         kind: body.kind,
         promotion_id: None,
         approval_id: None,
+        follows_failed_apply: None,
         requested_by: caller.actor.clone(),
         requested_at: Utc::now(),
     };

@@ -204,6 +204,10 @@ uuid_id!(
     ReleaseId
 );
 uuid_id!(
+    /// A drift ignore rule of an environment (see `crate::drift`).
+    IgnoreRuleId
+);
+uuid_id!(
     /// A Factory run (an agent's run that asked for something, e.g. a promotion through the
     /// deploy-environment tool).
     FactoryRunId

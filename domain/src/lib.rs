@@ -7,6 +7,7 @@
 
 pub mod cloudevent;
 pub mod confinement;
+pub mod drift;
 pub mod environment;
 pub mod event_type;
 pub mod ids;

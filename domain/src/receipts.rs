@@ -32,6 +32,29 @@ pub struct PlannedResource {
     pub resource_type: String,
     /// What the plan does to it.
     pub op: ResourceOp,
+    /// The properties whose difference causes the update or replacement, as the runner
+    /// names them (its `diffReasons` and `replaceReasons`); empty for creates and deletes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub properties: Vec<String>,
+}
+
+impl PlannedResource {
+    /// Whether the plan changes the resource (creates, updates, deletes or replaces it).
+    pub fn is_change(&self) -> bool {
+        !matches!(self.op, ResourceOp::Same | ResourceOp::Read)
+    }
+}
+
+/// A difference the plan found and an environment's ignore rules left out: not counted, not
+/// triaged and not applied (the runner is told to leave the resource alone).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IgnoredDifference {
+    /// The resource and what the plan would have done to it.
+    #[serde(flatten)]
+    pub resource: PlannedResource,
+    /// The rules that left it out.
+    pub rule_ids: Vec<crate::IgnoreRuleId>,
 }
 
 /// The outcome of policy on a plan.
@@ -68,8 +91,12 @@ pub struct PlanReceipt {
     pub deletes: u32,
     /// Resources to replace.
     pub replaces: u32,
-    /// Every resource the plan touches.
+    /// Every resource the plan touches (differences ignore rules left out are in `ignored`).
     pub resources: Vec<PlannedResource>,
+    /// Differences the environment's ignore rules left out of this plan (reconciliation
+    /// runs only); the apply leaves these resources alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ignored: Vec<IgnoredDifference>,
     /// sha256 over program version, resolved configuration and secret reference versions.
     pub inputs_hash: String,
     /// The commit that was planned.
@@ -95,6 +122,63 @@ impl PlanReceipt {
     /// How many resources it would create, update, delete or replace (0: nothing to do).
     pub fn change_count(&self) -> u32 {
         self.adds + self.changes + self.deletes + self.replaces
+    }
+
+    /// How `now` (the same program planned again, just before the apply) differs from this
+    /// plan, if it does: an approval covers exactly the plan it was shown, so a target that
+    /// changed since (drift, a hand edit) makes the plan stale. Compares what each changes
+    /// (resource, operation, properties), leaving out the resources this plan ignores.
+    pub fn differs_from(&self, now: &[PlannedResource]) -> Option<String> {
+        use std::collections::BTreeSet;
+        let excluded: BTreeSet<&str> = self
+            .ignored
+            .iter()
+            .map(|d| d.resource.urn.as_str())
+            .collect();
+        let changes = |resources: &[PlannedResource]| -> BTreeSet<String> {
+            resources
+                .iter()
+                .filter(|r| r.is_change() && !excluded.contains(r.urn.as_str()))
+                .map(|r| {
+                    let mut properties = r.properties.clone();
+                    properties.sort();
+                    let op = serde_json::to_value(r.op)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_string))
+                        .unwrap_or_default();
+                    if properties.is_empty() {
+                        format!("{op} {}", r.urn)
+                    } else {
+                        format!("{op} {} ({})", r.urn, properties.join(", "))
+                    }
+                })
+                .collect()
+        };
+        let planned = changes(&self.resources);
+        let current = changes(now);
+        if planned == current {
+            return None;
+        }
+        let list = |set: Vec<&String>| {
+            if set.is_empty() {
+                "nothing".to_string()
+            } else {
+                set.into_iter().cloned().collect::<Vec<_>>().join("; ")
+            }
+        };
+        Some(format!(
+            "the target changed after the plan: it would now {} instead of {}",
+            list(current.difference(&planned).collect()),
+            list(planned.difference(&current).collect()),
+        ))
+    }
+
+    /// The resources the apply must leave alone (those of `ignored`).
+    pub fn excluded_urns(&self) -> Vec<String> {
+        self.ignored
+            .iter()
+            .map(|d| d.resource.urn.clone())
+            .collect()
     }
 }
 

@@ -60,6 +60,10 @@ pub struct RunRequest {
     /// The promotion's approval, reused for a production apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<ApprovalId>,
+    /// For a reconciliation: the run whose apply failed there last (set by the reconciler
+    /// from the runs Ferry holds). Its fix is proposed, never applied blindly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follows_failed_apply: Option<ProvisioningRunId>,
     /// Who asked.
     pub requested_by: Actor,
     /// When.
@@ -588,6 +592,15 @@ impl ProvisioningRun {
             return Err(RunError::ApprovalRequired(
                 "policy requires approval for this plan".to_string(),
             ));
+        }
+        // After a failed apply the infrastructure is partly changed: what would put it right
+        // is shown to a person, not retried blindly.
+        if let (ProvisioningKind::Reconciliation, Some(failed)) =
+            (request.kind, request.follows_failed_apply)
+        {
+            return Err(RunError::ApprovalRequired(format!(
+                "the last apply here (run {failed}) failed and left the environment partly changed: the fix is a proposal an Operator approves exactly as planned"
+            )));
         }
         // Drift that deletes or replaces is never repaired behind anyone's back, in any class.
         if request.kind == ProvisioningKind::Reconciliation && plan.is_destructive() {

@@ -291,6 +291,36 @@ text_value!(
 );
 
 text_value!(
+    /// A Pulumi resource URN as a plan lists it
+    /// (`urn:pulumi:<stack>::<project>::<type>::<name>`).
+    ResourceUrn,
+    |v| {
+        check_token(v, 1024)?;
+        if !v.starts_with("urn:pulumi:") || v.split("::").count() < 4 {
+            return Err(ValueError::MalformedReference(
+                "must be a Pulumi URN as the plan lists it: urn:pulumi:<stack>::<project>::<type>::<name>",
+            ));
+        }
+        Ok(())
+    }
+);
+
+text_value!(
+    /// A property of a resource as a plan names its differences (`tags`, `tags.owner`):
+    /// names separated by `.`, none empty.
+    PropertyPath,
+    |v| {
+        check_token(v, 256)?;
+        if v.split('.').any(str::is_empty) {
+            return Err(ValueError::MalformedReference(
+                "must be property names separated by '.', none empty (e.g. tags or tags.owner)",
+            ));
+        }
+        Ok(())
+    }
+);
+
+text_value!(
     /// The roll-out strategy named by the specification (e.g. `rolling`, `blue-green`).
     Strategy,
     |v| check_token(v, 64)

@@ -17,6 +17,7 @@ use crate::publish::{DomainEvents, Message, Publisher, Publishers};
 use crate::schemas::{domain_event_docs, schema_value, Direction, Documents, SubjectDoc};
 use crate::subjects;
 use cqrs_es::{Aggregate, DomainEvent};
+use ferry_domain::drift::DriftIgnoreRules;
 use ferry_domain::environment::Environment;
 use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
@@ -133,6 +134,7 @@ impl Publishers {
             .with(Arc::new(RunPublisher))
             .with(Arc::new(SpecificationPublisher))
             .with(Arc::new(DomainEvents::<Environment>::new()))
+            .with(Arc::new(DomainEvents::<DriftIgnoreRules>::new()))
     }
 }
 
@@ -364,6 +366,7 @@ mod tests {
             ProvisioningRun::TYPE,
             DeploymentSpecification::TYPE,
             Environment::TYPE,
+            DriftIgnoreRules::TYPE,
         ] {
             assert!(publishers.declares(aggregate_type), "{aggregate_type}");
         }

@@ -90,6 +90,7 @@ impl World {
             kind: ProvisioningKind::Release,
             promotion_id: None,
             approval_id: None,
+            follows_failed_apply: None,
             requested_by: Actor::parse("alice").unwrap(),
             requested_at: Utc::now(),
         };
@@ -106,6 +107,7 @@ impl World {
 
     async fn apply_fully(&self, tenant: &str, id: ProvisioningRunId) {
         let plan = PlanReceipt {
+            ignored: Vec::new(),
             adds: 1,
             changes: 0,
             deletes: 0,

@@ -51,6 +51,12 @@ pub struct RunRequest {
     pub secrets: BTreeMap<String, String>,
     /// How long the runner may take.
     pub timeout_seconds: u64,
+    /// Read the resources' real state first (`pulumi preview --refresh`): reconciliation runs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refresh: bool,
+    /// Resources (URNs) to leave alone (`pulumi up --exclude`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
 }
 
 /// Answer of `GET /v1/version`.
@@ -234,6 +240,8 @@ fn run_request(input: &RunnerInput) -> Result<RunRequest, RunnerError> {
             .map(|(k, v)| (k.clone(), v.expose().to_string()))
             .collect(),
         timeout_seconds: input.timeout.as_secs().max(1),
+        refresh: input.refresh,
+        exclude: input.exclude.clone(),
     })
 }
 

@@ -126,10 +126,19 @@ pub fn summarize(doc: &PreviewDocument) -> Result<PlanSummary, RunnerError> {
             ResourceOp::Replace => plan.replaces += 1,
             ResourceOp::Same | ResourceOp::Read => {}
         }
+        let mut properties: Vec<String> = step
+            .diff_reasons
+            .iter()
+            .chain(&step.replace_reasons)
+            .cloned()
+            .collect();
+        properties.sort();
+        properties.dedup();
         plan.resources.push(PlannedResource {
             urn: step.urn.clone(),
             resource_type: step_type(step)?,
             op,
+            properties,
         });
     }
     check_change_summary(doc, &plan);
@@ -212,6 +221,7 @@ mod tests {
                 urn: "urn:pulumi:dev::sample::pulumi:pulumi:Stack::sample-dev".into(),
                 resource_type: "pulumi:pulumi:Stack".into(),
                 op: ResourceOp::Create,
+                properties: Vec::new(),
             }
         );
         assert_eq!(
@@ -220,6 +230,7 @@ mod tests {
                 urn: "urn:pulumi:dev::sample::aws:s3/bucket:Bucket::docs".into(),
                 resource_type: "aws:s3/bucket:Bucket".into(),
                 op: ResourceOp::Create,
+                properties: Vec::new(),
             }
         );
         assert_eq!(
@@ -228,6 +239,7 @@ mod tests {
                 urn: "urn:pulumi:dev::sample::aws:s3/bucket:Bucket$aws:s3:BucketEventSubscription$aws:lambda/function:Function::docsHandler".into(),
                 resource_type: "aws:lambda/function:Function".into(),
                 op: ResourceOp::Create,
+                properties: Vec::new(),
             }
         );
         let cs = summary_of(&bytes);
@@ -261,6 +273,8 @@ mod tests {
                 urn: "urn:pulumi:dev::sample::aws:s3/bucket:Bucket$aws:s3:BucketEventSubscription$aws:lambda/function:Function::docsHandler".into(),
                 resource_type: "aws:lambda/function:Function".into(),
                 op: ResourceOp::Update,
+                // The real document's `diffReasons`: what an ignore rule can name.
+                properties: vec!["code".to_string()],
             }]
         );
         let cs = summary_of(&bytes);

@@ -141,6 +141,17 @@ impl PulumiRunner {
         }
         args
     }
+
+    /// The flags a preview and an `up` share: `--refresh` for a reconciliation (drift made
+    /// outside Ferry shows), `--exclude <urn>` for each resource an ignore rule leaves alone.
+    fn change_args<'a>(args: &mut Vec<&'a str>, input: &'a RunnerInput) {
+        if input.refresh {
+            args.push("--refresh");
+        }
+        for urn in &input.exclude {
+            args.extend(["--exclude", urn.as_str()]);
+        }
+    }
 }
 
 /// Kills the process group led by the child when dropped, unless cleared once the child
@@ -394,7 +405,8 @@ impl Runner for PulumiRunner {
     #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let config = config_document(input)?;
-        let args = Self::stack_args(&["preview", "--json"], input, config.is_some());
+        let mut args = Self::stack_args(&["preview", "--json"], input, config.is_some());
+        Self::change_args(&mut args, input);
         let f = self
             .run(&args, &input.program_dir, config, input.timeout)
             .await?;
@@ -419,11 +431,12 @@ impl Runner for PulumiRunner {
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let deadline = Instant::now() + input.timeout;
         let config = config_document(input)?;
-        let args = Self::stack_args(
+        let mut args = Self::stack_args(
             &["up", "--yes", "--skip-preview", "--json"],
             input,
             config.is_some(),
         );
+        Self::change_args(&mut args, input);
         let up = self
             .run(&args, &input.program_dir, config, input.timeout)
             .await?;

@@ -152,6 +152,8 @@ fn input(timeout: Duration) -> (RunnerInput, tempfile::TempDir) {
         config: BTreeMap::from([("region".into(), json!("eu-west-1"))]),
         secrets: BTreeMap::from([("dbPassword".into(), SecretValue::new(SECRET))]),
         timeout,
+        refresh: false,
+        exclude: Vec::new(),
     };
     (input, dir)
 }
@@ -310,6 +312,8 @@ fn openapi_document_matches_the_protocol_types() {
         config: BTreeMap::new(),
         secrets: BTreeMap::new(),
         timeout_seconds: 1,
+        refresh: true,
+        exclude: vec!["urn:pulumi:acme.dev::web::aws:s3/bucket:Bucket::logs".into()],
     };
     let mut sent = keys(serde_json::to_value(&req).unwrap());
     let mut documented = schema_keys("RunRequest");

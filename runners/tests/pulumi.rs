@@ -59,6 +59,8 @@ impl Fake {
             ]),
             secrets: BTreeMap::from([("apiToken".into(), SecretValue::new(SECRET))]),
             timeout,
+            refresh: false,
+            exclude: Vec::new(),
         }
     }
     fn read(&self, name: &str) -> String {
@@ -158,6 +160,14 @@ async fn without_config_the_stack_file_is_used() {
     assert_eq!(
         fake.read("args").trim(),
         "preview --json --stack acme.dev --non-interactive"
+    );
+    // A reconciliation refreshes first; ignored resources are excluded.
+    input.refresh = true;
+    input.exclude = vec!["urn:pulumi:dev::sample::aws:s3/bucket:Bucket::docs".into()];
+    fake.runner.preview(&input).await.unwrap();
+    assert_eq!(
+        fake.read("args").trim(),
+        "preview --json --stack acme.dev --non-interactive --refresh --exclude urn:pulumi:dev::sample::aws:s3/bucket:Bucket::docs"
     );
 }
 
@@ -386,6 +396,8 @@ async fn missing_binary_is_unavailable() {
         config: BTreeMap::new(),
         secrets: BTreeMap::new(),
         timeout: Duration::from_secs(5),
+        refresh: false,
+        exclude: Vec::new(),
     };
     for result in [
         runner.version().await.map(|_| ()),

@@ -53,6 +53,8 @@ impl Fixture {
                 SecretValue::new("hunter2-very-secret"),
             )]),
             timeout: Duration::from_secs(10),
+            refresh: false,
+            exclude: Vec::new(),
         }
     }
     fn state_file(&self) -> std::path::PathBuf {
@@ -173,6 +175,50 @@ async fn creates_then_same_after_apply() {
     // Applying an unchanged program changes nothing, ids included.
     f.runner.apply(&f.input()).await.unwrap();
     assert_eq!(f.state().resources, state.resources);
+}
+
+#[tokio::test]
+async fn a_plan_names_the_properties_that_differ_and_an_excluded_resource_is_left_alone() {
+    let f = Fixture::new(BASE);
+    f.runner.apply(&f.input()).await.unwrap();
+    let before = f.state();
+    f.write(
+        &BASE
+            .replace("size: small", "size: large")
+            .replace("index.html", "home.html"),
+    );
+    let db = urn("aws:rds/instance:Instance", "db");
+    let site = urn("aws:s3/bucketWebsite:BucketWebsite", "site");
+    let plan = f.runner.preview(&f.input()).await.unwrap().plan;
+    let changed: Vec<(&str, Vec<String>)> = plan
+        .resources
+        .iter()
+        .filter(|r| r.op == ResourceOp::Update)
+        .map(|r| (r.urn.as_str(), r.properties.clone()))
+        .collect();
+    assert_eq!(
+        changed,
+        [
+            (db.as_str(), vec!["size".to_string()]),
+            (site.as_str(), vec!["index".to_string()])
+        ]
+    );
+    // `exclude` (pulumi up --exclude): the preview and the apply leave the database alone.
+    let mut input = f.input();
+    input.exclude = vec![db.clone()];
+    let plan = f.runner.preview(&input).await.unwrap().plan;
+    assert_eq!(plan.changes, 1);
+    assert!(plan
+        .resources
+        .iter()
+        .all(|r| r.urn != db || r.op == ResourceOp::Same));
+    f.runner.apply(&input).await.unwrap();
+    let after = f.state();
+    assert_eq!(
+        after.resources[&db], before.resources[&db],
+        "the database was left alone"
+    );
+    assert_eq!(after.resources[&site].inputs["index"], "home.html");
 }
 
 #[tokio::test]

@@ -33,6 +33,7 @@ fn request(t: &str, id: ProvisioningRunId) -> RunCommand {
         kind: ProvisioningKind::Release,
         promotion_id: None,
         approval_id: None,
+        follows_failed_apply: None,
         requested_by: Actor::parse("alice").unwrap(),
         requested_at: Utc::now(),
     }))

@@ -92,6 +92,10 @@ impl Workers {
                 config: config.values,
                 secrets,
                 timeout,
+                // Set by the step: a reconciliation refreshes, an apply excludes what its
+                // plan's ignore rules left out.
+                refresh: false,
+                exclude: Vec::new(),
             },
             commit: checkout.commit,
             hash,

@@ -154,6 +154,7 @@ pub struct Workers {
     runs: Repository<ProvisioningRun>,
     specifications: Repository<DeploymentSpecification>,
     environments: Repository<Environment>,
+    drift_rules: Repository<ferry_domain::drift::DriftIgnoreRules>,
     metrics: Arc<Metrics>,
 }
 
@@ -170,6 +171,7 @@ impl Workers {
             runs: Repository::new(db.clone(), ()),
             specifications: Repository::new(db.clone(), ()),
             environments: Repository::new(db.clone(), ()),
+            drift_rules: Repository::new(db.clone(), ()),
             db,
             ports,
             settings,

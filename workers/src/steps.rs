@@ -11,6 +11,7 @@ use crate::clock::ms;
 use crate::queue::{QueueError, RunnerResult, Step, WorkItem};
 use crate::{RecoverError, Workers};
 use chrono::Utc;
+use ferry_domain::drift::{self, DriftIgnoreRules};
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::RunnerError;
 use ferry_domain::ports::sources::PolicyInput;
@@ -166,13 +167,16 @@ impl Workers {
             .join(tenant.path_component())
             .join(item.item_id.as_str())
             .join("plan");
-        let inputs = match self
+        let reconciliation = request.kind == ProvisioningKind::Reconciliation;
+        let mut inputs = match self
             .gather(tenant, &spec, &dir, self.settings.plan_timeout)
             .await
         {
             Ok(i) => i,
             Err(reason) => return self.fail_planning(item, tenant, reason).await,
         };
+        // Drift made outside Ferry shows only against the resources' real state.
+        inputs.runner.refresh = reconciliation;
         let runner = &self.ports.runner;
         let preview = async {
             let version = runner.version().await?;
@@ -211,7 +215,30 @@ impl Workers {
             Ok(r) => Some(r),
             Err(e) => return Ok(Outcome::Retry(e.to_string())),
         };
-        let plan = preview.plan;
+        let mut plan = preview.plan;
+        let mut warnings = inputs.warnings.clone();
+        let mut ignored = Vec::new();
+        if reconciliation {
+            // The differences the environment's team accepts are left out before triage,
+            // policy and counting, and listed on the receipt with the rules that did it.
+            let rules = self
+                .drift_rules
+                .load(
+                    tenant,
+                    &DriftIgnoreRules::aggregate_id(tenant, &request.environment_id),
+                )
+                .await
+                .map_err(CommandError::into_other)?
+                .map(|(rules, _)| rules.active().to_vec())
+                .unwrap_or_default();
+            if !rules.is_empty() {
+                let triaged = drift::triage(&rules, std::mem::take(&mut plan.resources));
+                (plan.adds, plan.changes, plan.deletes, plan.replaces) = triaged.counts();
+                plan.resources = triaged.kept;
+                ignored = triaged.ignored;
+                warnings.extend(triaged.notes);
+            }
+        }
         let policy_input = PolicyInput {
             environment_id: request.environment_id.to_string(),
             environment_class: request.environment_class,
@@ -235,12 +262,13 @@ impl Workers {
             deletes: plan.deletes,
             replaces: plan.replaces,
             resources: plan.resources,
+            ignored,
             inputs_hash: inputs.hash.clone(),
             program_version: inputs.commit.clone(),
             runner: runner.name().to_string(),
             runner_version,
             policy: Some(decision.clone()),
-            warnings: inputs.warnings.clone(),
+            warnings,
         };
         let planned = self
             .command(
@@ -255,9 +283,6 @@ impl Workers {
             )
             .await?;
         tracing::info!(adds = plan.adds, changes = plan.changes, deletes = plan.deletes, decision = ?decision.decision, "planned");
-        let reconciliation = planned
-            .request()
-            .is_some_and(|r| r.kind == ProvisioningKind::Reconciliation);
         if reconciliation {
             let tenant = tenant.as_str();
             self.metrics
@@ -396,7 +421,7 @@ impl Workers {
             .join(tenant.path_component())
             .join(item.item_id.as_str())
             .join("apply");
-        let inputs = match self
+        let mut inputs = match self
             .gather(tenant, &spec, &dir, self.settings.apply_timeout)
             .await
         {
@@ -416,7 +441,33 @@ impl Workers {
             );
             return self.supersede(item, tenant, reason).await;
         }
+        inputs.runner.refresh = request.kind == ProvisioningKind::Reconciliation;
+        inputs.runner.exclude = plan.excluded_urns();
         let runner = &self.ports.runner;
+        // Exactly the plan shown: the target is planned again, and a change since (drift, a
+        // hand edit) makes the plan stale rather than applying something nobody saw.
+        match runner.preview(&inputs.runner).await {
+            Ok(now) => {
+                if let Some(reason) = plan.differs_from(&now.plan.resources) {
+                    let _ = tokio::fs::remove_dir_all(&dir).await;
+                    return self.supersede(item, tenant, reason).await;
+                }
+            }
+            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_))) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Ok(Outcome::Retry(redact(&e.to_string(), inputs.secrets())));
+            }
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                let reason = format!(
+                    "the plan could not be checked against the target before the apply (nothing was applied): {}",
+                    redact(&e.to_string(), inputs.secrets())
+                );
+                return self
+                    .fail_apply(item, tenant, reason, None, 0.0, plan.runner_version.clone())
+                    .await;
+            }
+        }
         let runner_version = runner
             .version()
             .await
@@ -730,6 +781,7 @@ impl Workers {
             kind: ProvisioningKind::Baseline,
             promotion_id: None,
             approval_id: None,
+            follows_failed_apply: None,
             requested_by: system("baseline"),
             requested_at: Utc::now(),
         };

@@ -143,6 +143,7 @@ impl Runner for FakeRunner {
                     urn: "urn:pulumi:e::p::test:Thing::a".into(),
                     resource_type: "test:Thing".into(),
                     op: ResourceOp::Create,
+                    properties: Vec::new(),
                 }],
             },
             log: format!("previewing with password {secret}"),
@@ -496,6 +497,7 @@ impl World {
         let key = id.to_string();
         // Play the planner by hand.
         let plan = ferry_domain::receipts::PlanReceipt {
+            ignored: Vec::new(),
             adds: 1,
             changes: 0,
             deletes: 0,
@@ -619,6 +621,7 @@ impl World {
             kind: ProvisioningKind::Release,
             promotion_id: None,
             approval_id: None,
+            follows_failed_apply: None,
             requested_by: Actor::parse("alice").unwrap(),
             requested_at: Utc::now(),
         };

@@ -1,8 +1,10 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
 //! runs. Its parts predate the registration and live in the layer crates (domain, api,
 //! projections, workers, messaging); this module is where the process collects them, and
-//! holds what came after: [`reconcile`], the GitOps reconciler.
+//! holds what came after: [`reconcile`], the GitOps reconciler, and [`drift`], the
+//! environments' ignore rules it applies.
 
+pub mod drift;
 pub mod reconcile;
 
 use super::{BoundedContext, Process};
@@ -29,10 +31,13 @@ impl BoundedContext for Provisioning {
         register::<DeploymentSpecification>();
         register::<ProvisioningRun>();
         register::<Environment>();
+        register::<ferry_domain::drift::DriftIgnoreRules>();
     }
 
     fn routes(&self) -> ApiRouter<AppState> {
-        ferry_api::provisioning_routes().merge(reconcile::routes())
+        ferry_api::provisioning_routes()
+            .merge(reconcile::routes())
+            .merge(drift::routes())
     }
 
     fn projections(&self) -> Vec<Arc<dyn Projection>> {

@@ -65,6 +65,12 @@ pub struct RunnerInput {
     pub secrets: BTreeMap<String, SecretValue>,
     /// Give up after this long.
     pub timeout: Duration,
+    /// Read the resources' real state before planning or applying (reconciliation runs, so
+    /// that drift made outside Ferry shows: `pulumi preview --refresh`).
+    pub refresh: bool,
+    /// Resources (URNs) to leave alone: the differences ignore rules left out of the plan
+    /// (`pulumi up --exclude`).
+    pub exclude: Vec<String>,
 }
 
 /// A parsed plan: counts and the resource list (the core of the plan receipt).

@@ -27,6 +27,7 @@ fn request(class: Option<EnvironmentClass>, kind: ProvisioningKind) -> RunReques
         kind,
         promotion_id: None,
         approval_id: None,
+        follows_failed_apply: None,
         requested_by: actor("alice"),
         requested_at: at(0),
     }
@@ -41,6 +42,7 @@ fn prod_release() -> RunRequest {
 
 fn receipt(deletes: u32, policy: Option<PolicyDecision>) -> PlanReceipt {
     PlanReceipt {
+        ignored: Vec::new(),
         adds: 1,
         changes: 0,
         deletes,
@@ -49,6 +51,7 @@ fn receipt(deletes: u32, policy: Option<PolicyDecision>) -> PlanReceipt {
             urn: "urn:pulumi:prod::web::aws:s3/bucket:Bucket::site".to_string(),
             resource_type: "aws:s3/bucket:Bucket".to_string(),
             op: ResourceOp::Create,
+            properties: Vec::new(),
         }],
         inputs_hash: "ab".repeat(32),
         program_version: "aaaaaaa".to_string(),
@@ -239,6 +242,7 @@ fn reconciliation(class: EnvironmentClass) -> RunRequest {
 
 fn no_change() -> PlanReceipt {
     PlanReceipt {
+        ignored: Vec::new(),
         adds: 0,
         resources: Vec::new(),
         ..receipt(0, None)
@@ -299,6 +303,21 @@ fn reconciliation_drift_that_deletes_or_replaces_is_a_proposal_in_every_class() 
         ])
         .when(RunCommand::StartApply { at: at(3) })
         .then_expect_events(vec![started(ApplyAuthorization::NotRequired)]);
+}
+
+#[test]
+fn the_fix_after_a_failed_apply_is_a_proposal_even_when_harmless() {
+    let failed = ProvisioningRunId::from_uuid(uuid::Uuid::from_u128(7));
+    let after_failure = RunRequest {
+        follows_failed_apply: Some(failed),
+        ..reconciliation(EnvironmentClass::Development)
+    };
+    Fixture::with(())
+        .given(vec![requested(after_failure), planned(receipt(0, None))])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_error(RunError::ApprovalRequired(format!(
+            "the last apply here (run {failed}) failed and left the environment partly changed: the fix is a proposal an Operator approves exactly as planned"
+        )));
 }
 
 #[test]

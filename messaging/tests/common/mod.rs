@@ -82,6 +82,7 @@ pub fn run_request(t: &str, id: ProvisioningRunId, promotion: Option<PromotionId
         kind: ProvisioningKind::Release,
         promotion_id: promotion,
         approval_id: None,
+        follows_failed_apply: None,
         requested_by: Actor::parse("alice").unwrap(),
         requested_at: Utc::now(),
     }))
@@ -92,8 +93,10 @@ pub fn plan_receipt() -> PlanReceipt {
         urn: urn.to_string(),
         resource_type: "aws:s3/bucket:Bucket".to_string(),
         op,
+        properties: Vec::new(),
     };
     PlanReceipt {
+        ignored: Vec::new(),
         adds: 2,
         changes: 1,
         deletes: 0,

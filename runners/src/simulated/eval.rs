@@ -574,6 +574,8 @@ mod tests {
             ]),
             secrets: BTreeMap::from([("dbPassword".into(), SecretValue::new("hunter2"))]),
             timeout: Duration::from_secs(5),
+            refresh: false,
+            exclude: Vec::new(),
         }
     }
 

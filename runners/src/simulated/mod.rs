@@ -18,6 +18,11 @@
 //! fails at apply with `ProgramFailed { resource: Some(<urn>), reason: "<name>: <message>" }`;
 //! the resources applied before it stay in state (a partial apply, as a real cloud would).
 //!
+//! **Refresh and exclude.** The simulated cloud's state file *is* the cloud (edit it by hand
+//! to make drift), so every plan reads the real state and `refresh` has nothing more to
+//! read. Resources in `exclude` are left out of the plan and the apply, as `pulumi up
+//! --exclude` leaves them: the cloud keeps what it has.
+//!
 //! Not simulated: the `pulumi:pulumi:Stack` root resource, providers, `fn::` invokes.
 
 pub mod cloud;
@@ -68,7 +73,10 @@ impl SimulatedRunner {
         let program = program::Program::load(&input.program_dir)?;
         let path = self.state_path(&input.tenant, &input.environment_id)?;
         let state = cloud::load(&path)?;
-        let plan = diff::plan(&program, input, &state)?;
+        let mut plan = diff::plan(&program, input, &state)?;
+        // `--exclude`: an excluded resource keeps what the cloud has, whatever the program says.
+        plan.changes
+            .retain(|c| c.op == StepOp::Same || !input.exclude.contains(&c.urn));
         Ok((plan, state, path))
     }
 }

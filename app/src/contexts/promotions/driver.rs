@@ -724,6 +724,7 @@ impl Driver {
             kind: ProvisioningKind::Release,
             promotion_id: Some(promotion),
             approval_id: None,
+            follows_failed_apply: None,
             requested_by: actor(),
             requested_at: Utc::now(),
         };

@@ -196,6 +196,7 @@ pub async fn reconcile(
             kind: ProvisioningKind::Reconciliation,
             promotion_id: None,
             approval_id: None,
+            follows_failed_apply: last_apply_failed(db, &applied).await?,
             requested_by: by.clone(),
             requested_at: Utc::now(),
         };
@@ -312,6 +313,29 @@ async fn applied_specifications(
             })
         })
         .collect()
+}
+
+/// The run whose apply of this specification in this environment was the last one tried,
+/// if that apply failed: the environment is partly changed, and the reconciliation that
+/// follows proposes the fix instead of applying it (nothing is retried blindly).
+async fn last_apply_failed(
+    db: &Database,
+    applied: &Applied,
+) -> Result<Option<ProvisioningRunId>, ReconcileError> {
+    let sql = db.sql(
+        "SELECT document FROM rm_runs
+          WHERE tenant_id = $1 AND environment_id = $2 AND state IN ('Applied', 'Failed')
+          ORDER BY position DESC LIMIT 100",
+    );
+    let rows: Vec<Json<ferry_projections::RunView>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+        .bind(applied.tenant_id.as_str()).bind(applied.environment_id.as_str())
+        .fetch_all(pool).await?);
+    let last = rows.into_iter().map(|Json(run)| run).find(|run| {
+        run.specification_id == applied.specification_id && run.apply_receipt.is_some()
+    });
+    Ok(last
+        .filter(|run| run.state == ferry_domain::ProvisioningState::Failed)
+        .map(|run| run.provisioning_run_id))
 }
 
 /// Why `environment` must not be reconciled now, if it must not: a run in flight there, or
