@@ -22,6 +22,7 @@ fn a_bad_setting_stops_start_up_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for (name, value) in [
         ("FERRY_HTTP_ADDR", "not-an-address"),
+        ("FERRY_GRPC_ADDR", "port 50051"),
         ("DATABASE_URL", "mysql://nope"),
         ("FERRY_POLL_INTERVAL_MS", "0"),
         ("FERRY_LOG_FORMAT", "xml"),

@@ -1414,3 +1414,243 @@ async fn probe_urls_stay_in_the_tenant_s_prefixes_when_the_operator_sets_them() 
     assert_eq!(status, 201, "{body}");
     d.s.stop().await;
 }
+
+/// A client of the server's gRPC interface calling as `token`.
+fn grpc_request<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if !token.is_empty() {
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    request
+}
+
+#[tokio::test]
+async fn over_grpc_a_promotion_is_requested_once_and_the_applied_specification_is_read() {
+    use ferry_app::grpc::pb::delivery::promotions_client::PromotionsClient;
+    use ferry_app::grpc::pb::delivery::{Hotfix, RequestPromotionRequest};
+    use ferry_app::grpc::pb::provisioning::provisioning_client::ProvisioningClient;
+    use ferry_app::grpc::pb::provisioning::GetCurrentSpecificationRequest;
+    use tonic::Code;
+    use tonic_types::StatusExt;
+
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    d.environment("payments-dev", "development").await;
+    let release = d.deployable("2.3.0").await;
+    let addr = d.s.server.as_ref().unwrap().grpc_addr.unwrap();
+    let url = format!("http://{addr}");
+    let mut promotions = PromotionsClient::connect(url.clone()).await.unwrap();
+    let mut provisioning = ProvisioningClient::connect(url.clone()).await.unwrap();
+    let alice = promoter("acme", "alice");
+    let run_id = uuid::Uuid::new_v4().to_string();
+    let ask = RequestPromotionRequest {
+        release_id: release.clone(),
+        environment_id: "payments-dev".into(),
+        strategy: "BlueGreen".into(),
+        run_id: run_id.clone(),
+        receipt_ref: "https://factory.example.com/runs/7/receipt".into(),
+        hotfix: None,
+        idempotency_key: "deploy-env-7".into(),
+    };
+
+    // Requested over gRPC, the promotion runs to Completed like one asked over HTTP.
+    let first = promotions
+        .request(grpc_request(&alice, ask.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.state, "Requested");
+    assert_eq!(first.tenant_id, "acme");
+    assert_eq!(first.requested_by, "alice");
+    assert_eq!(first.run_id, run_id);
+    assert_eq!(first.strategy, "BlueGreen");
+    let done = d
+        .wait(&json!({"promotionId": first.promotion_id}), "Completed")
+        .await;
+    assert_eq!(
+        done["receiptRef"],
+        "https://factory.example.com/runs/7/receipt"
+    );
+
+    // A retry with the same key answers with the first promotion; another request under that
+    // key is refused.
+    let again = promotions
+        .request(grpc_request(&alice, ask.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again, first);
+    let other = RequestPromotionRequest {
+        strategy: "Canary".into(),
+        ..ask.clone()
+    };
+    let refused = promotions
+        .request(grpc_request(&alice, other))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+
+    // The specification last applied there, as the HTTP endpoint answers it.
+    let current = provisioning
+        .get_current_specification(grpc_request(
+            &admin("acme"),
+            GetCurrentSpecificationRequest {
+                environment_id: "payments-dev".into(),
+                kind: "Workload".into(),
+            },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let spec = &current.specifications[0];
+    let applied = spec.applied.as_ref().unwrap();
+    assert_eq!(applied.version, 1);
+    assert_eq!(
+        applied.provisioning_run_id,
+        done["provisioningRunId"].as_str().unwrap()
+    );
+    assert_eq!(spec.latest.as_ref().unwrap().release_id, release);
+
+    // Each refusal has its status.
+    let no_token = promotions
+        .request(grpc_request("", ask.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(no_token.code(), Code::Unauthenticated);
+    let reader = token("acme", "rita", &[READ, D_READ], &["Reader"]);
+    let denied = promotions
+        .request(grpc_request(&reader, ask.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied);
+    let bad = RequestPromotionRequest {
+        release_id: "not-a-uuid".into(),
+        idempotency_key: String::new(),
+        ..ask.clone()
+    };
+    let invalid = promotions
+        .request(grpc_request(&alice, bad))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid.code(), Code::InvalidArgument, "{invalid:?}");
+    let details = invalid.get_error_details();
+    assert_eq!(
+        details.bad_request().unwrap().field_violations[0].field,
+        "release_id"
+    );
+    let hotfix = RequestPromotionRequest {
+        hotfix: Some(Hotfix { reason: " ".into() }),
+        idempotency_key: String::new(),
+        ..ask.clone()
+    };
+    let invalid = promotions
+        .request(grpc_request(&alice, hotfix))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        invalid
+            .get_error_details()
+            .bad_request()
+            .unwrap()
+            .field_violations[0]
+            .field,
+        "hotfix.reason"
+    );
+    let kind = provisioning
+        .get_current_specification(grpc_request(
+            &admin("acme"),
+            GetCurrentSpecificationRequest {
+                environment_id: "payments-dev".into(),
+                kind: "Bogus".into(),
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(kind.code(), Code::InvalidArgument);
+    // Tenant B cannot read tenant A's environment: to it, there is none.
+    for (token, environment) in [
+        (admin("globex"), "payments-dev"),
+        (admin("acme"), "nowhere"),
+    ] {
+        let missing = provisioning
+            .get_current_specification(grpc_request(
+                &token,
+                GetCurrentSpecificationRequest {
+                    environment_id: environment.into(),
+                    kind: String::new(),
+                },
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(missing.code(), Code::NotFound, "{missing:?}");
+    }
+    // Nor promote into it (it records no such environment).
+    let globex = promotions
+        .request(grpc_request(
+            &promoter("globex", "mallory"),
+            RequestPromotionRequest {
+                idempotency_key: String::new(),
+                ..ask.clone()
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(globex.code(), Code::InvalidArgument, "{globex:?}");
+
+    // What gRPC users expect: the health service and reflection (for grpcurl).
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for service in [
+        "ferry.delivery.v1.Promotions",
+        "ferry.provisioning.v1.Provisioning",
+    ] {
+        let serving = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(serving.status, 1, "{service} SERVING");
+    }
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut reflection = ServerReflectionClient::new(channel);
+    let ask_services = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = reflection
+        .server_reflection_info(futures::stream::iter([ask_services]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        panic!("{answer:?}");
+    };
+    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+    for service in [
+        "ferry.delivery.v1.Promotions",
+        "ferry.provisioning.v1.Provisioning",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(names.contains(&service), "{names:?}");
+    }
+    let metrics = d.s.metrics().await;
+    assert!(
+        metrics.contains(r#"ferry_grpc_requests_total{code="Ok",method="Promotions.Request"} 2"#),
+        "{metrics}"
+    );
+    d.s.stop().await;
+}

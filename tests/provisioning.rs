@@ -1555,6 +1555,23 @@ async fn after_a_failed_apply_the_next_reconciliation_proposes_the_fix() {
     // Put right, the environment is in sync and harmless drift repairs itself again.
     let next = f.reconcile("payments-test").await;
     f.wait(&next, "InSync").await;
+
+    // A refresh that cannot read the resources' state is a failed check, never "in sync".
+    let state =
+        f.s.data_dir
+            .path()
+            .join("simulated-cloud/acme/payments-test/state.json");
+    std::fs::write(&state, "{ not the cloud's state").unwrap();
+    let broken = f.reconcile("payments-test").await;
+    let failed = f.wait(&broken, "Failed").await;
+    assert_eq!(failed["failure"]["stage"], "plan", "{failed:#}");
+    assert!(
+        failed["failure"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("corrupt"),
+        "{failed:#}"
+    );
     f.stop().await;
 }
 

@@ -106,26 +106,28 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let value = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .ok_or_else(|| ApiError::Unauthorized("a bearer token is required".to_string()))?;
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| {
-                ApiError::Unauthorized(
-                    "the Authorization header must be 'Bearer <token>'".to_string(),
-                )
-            })?;
+        let token = bearer_token(parts.headers.get(header::AUTHORIZATION))?;
         state.verifier().verify(token).await
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value (an HTTP header, or the gRPC
+/// `authorization` metadata, which is the same thing).
+pub fn bearer_token(value: Option<&axum::http::HeaderValue>) -> Result<&str, ApiError> {
+    let value =
+        value.ok_or_else(|| ApiError::Unauthorized("a bearer token is required".to_string()))?;
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            ApiError::Unauthorized("the Authorization header must be 'Bearer <token>'".to_string())
+        })
 }
 
 /// The ids of this request, for event metadata and logs.

@@ -47,6 +47,9 @@ pub enum LogFormat {
 pub struct Config {
     /// Where the HTTP API listens (`FERRY_HTTP_ADDR`).
     pub http_addr: SocketAddr,
+    /// Address the internal gRPC interface listens on; `None` = not served
+    /// (`FERRY_GRPC_ADDR=off`).
+    pub grpc_addr: Option<SocketAddr>,
     /// Where the embedded store, keys and artifacts live (`FERRY_DATA_DIR`).
     pub data_dir: PathBuf,
     /// Postgres URL; SQLite in the data dir when absent (`DATABASE_URL`).
@@ -308,6 +311,9 @@ enum Row {
 settings! {
     /// Address the HTTP API listens on.
     http_addr: String = "127.0.0.1:8080";
+    /// Address the internal gRPC interface (`Provisioning`, `Promotions`, health, reflection)
+    /// listens on; `off` = not served.
+    grpc_addr: String = "127.0.0.1:50051";
     /// Embedded store (`ferry.db`) and generated signing key.
     data_dir: String = ".ferry", shown "`./.ferry`";
     /// Postgres URL; events and read models live there.
@@ -819,6 +825,18 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
                 format!("{http_addr:?} is not a socket address like 127.0.0.1:8080"),
             )
         })?,
+        grpc_addr: {
+            let (key, text) = at!(raw.grpc_addr);
+            match text.trim() {
+                "off" => None,
+                addr => Some(addr.parse().map_err(|_| {
+                    c.refuse(
+                        key,
+                        format!("{addr:?} is not a socket address like 127.0.0.1:50051, or off"),
+                    )
+                })?),
+            }
+        },
         data_dir: PathBuf::from(c.non_empty(at!(raw.data_dir))?),
         database_url: c.opt(at!(raw.database_url), |c, at| {
             c.url(

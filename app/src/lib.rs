@@ -7,6 +7,7 @@
 pub mod config;
 pub mod contexts;
 pub mod events;
+pub mod grpc;
 pub mod inbound;
 pub mod server;
 pub mod telemetry;

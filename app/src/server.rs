@@ -51,6 +51,9 @@ pub enum StartError {
     /// A metric family the process's registry refused (a name registered twice).
     #[error("the metrics registry refused a family")]
     Metrics(#[from] prometheus::Error),
+    /// The internal gRPC interface cannot start.
+    #[error(transparent)]
+    Grpc(#[from] crate::grpc::GrpcError),
 }
 
 /// The adapters the configuration asks for, each confining references to what the run's
@@ -174,6 +177,9 @@ pub fn verifier(config: &Config) -> Result<Verifier, StartError> {
 pub struct Server {
     /// Where it listens.
     pub addr: SocketAddr,
+    /// Where the internal gRPC interface listens (`FERRY_GRPC_ADDR`), if it is served.
+    pub grpc_addr: Option<SocketAddr>,
+    grpc: Option<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>>,
     shutdown: watch::Sender<bool>,
     /// The configuration it started with, and its reloadable part as running now.
     started_with: Config,
@@ -280,6 +286,7 @@ impl Server {
             ),
         };
         inbound.metrics.register(&registry)?;
+        let grpc_metrics = crate::grpc::GrpcMetrics::new(&registry)?;
         let services = ferry_api::state::Services {
             verifier,
             read_your_writes: config.read_your_writes,
@@ -306,6 +313,12 @@ impl Server {
             addr: config.http_addr,
             source,
         })?;
+        let grpc = match config.grpc_addr {
+            Some(addr) => Some(
+                crate::grpc::serve(state.clone(), grpc_metrics, addr, shutdown_rx.clone()).await?,
+            ),
+            None => None,
+        };
         let mut stop = shutdown_rx;
         let app = ferry_api::router(state, contexts.api());
         let handle = tokio::spawn(async move {
@@ -316,8 +329,14 @@ impl Server {
                 .await
         });
         tracing::info!(%addr, backend = ?db.backend(), "ferry is serving");
+        let (grpc_addr, grpc) = match grpc {
+            Some((addr, handle)) => (Some(addr), Some(handle)),
+            None => (None, None),
+        };
         Ok(Self {
             addr,
+            grpc_addr,
+            grpc,
             shutdown,
             started_with: config.clone(),
             options,
@@ -331,6 +350,9 @@ impl Server {
     pub async fn stop(self) {
         let _ = self.shutdown.send(true);
         let _ = self.handle.await;
+        if let Some(grpc) = self.grpc {
+            let _ = grpc.await;
+        }
         if let Some((relay, inbound)) = self.messaging {
             // Bounded: a relay waiting on an unreachable NATS must not hold the exit.
             let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {

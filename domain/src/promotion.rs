@@ -236,6 +236,9 @@ pub struct PromotionRequest {
     /// Set for a hotfix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hotfix: Option<Hotfix>,
+    /// A reference to the asking run's receipt (evidence only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_ref: Option<crate::ReceiptRef>,
     /// The release completed in the environment before, if any (what a rollback restores).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_release_id: Option<ReleaseId>,

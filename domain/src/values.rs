@@ -321,6 +321,13 @@ text_value!(
 );
 
 text_value!(
+    /// A reference to the receipt of the Factory run that asked for a promotion (e.g. a URI of
+    /// the deploy-environment tool's receipt): evidence kept on the promotion, never authority.
+    ReceiptRef,
+    |v| check_token(v, 1024)
+);
+
+text_value!(
     /// The roll-out strategy named by the specification (e.g. `rolling`, `blue-green`).
     Strategy,
     |v| check_token(v, 64)

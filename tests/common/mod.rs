@@ -27,6 +27,7 @@ pub struct TestServer {
 pub fn config(data_dir: &std::path::Path) -> Config {
     Config {
         http_addr: "127.0.0.1:0".parse().unwrap(),
+        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
         data_dir: data_dir.to_path_buf(),
         jwt_hs256_key: Some(KEY.to_string()),
         poll_interval: Duration::from_millis(50),

@@ -37,6 +37,7 @@ fn request(class: EnvironmentClass) -> PromotionRequest {
         strategy: Strategy::Canary,
         run_id: None,
         hotfix: None,
+        receipt_ref: None,
         previous_release_id: Some(release(3)),
         rollback_of: None,
         requested_by: actor("alice"),

@@ -157,6 +157,7 @@ pub async fn start_rollback(
         strategy: request.strategy,
         run_id: None,
         hotfix: None,
+        receipt_ref: None,
         previous_release_id: Some(request.release_id),
         rollback_of: Some(ferry_domain::promotion::RollbackOf {
             promotion_id: original,

@@ -144,6 +144,7 @@ mod tests {
             strategy: Strategy::AllAtOnce,
             run_id: None,
             hotfix: None,
+            receipt_ref: None,
             previous_release_id: None,
             rollback_of: None,
             requested_by: Actor::parse("alice").unwrap(),

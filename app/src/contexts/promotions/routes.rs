@@ -266,6 +266,10 @@ pub struct RequestPromotionRequest {
     /// A hotfix may skip the prior environment class when policy allows it.
     #[serde(default)]
     pub hotfix: Option<Hotfix>,
+    /// A reference to the asking run's receipt, kept on the promotion as evidence (it grants
+    /// nothing).
+    #[serde(default)]
+    pub receipt_ref: Option<ferry_domain::ReceiptRef>,
 }
 
 /// Requesting promotions: `factory.delivery.promote` on a service identity (the
@@ -395,6 +399,7 @@ pub async fn request_promotion(
         strategy: body.strategy,
         run_id: body.run_id,
         hotfix: body.hotfix,
+        receipt_ref: body.receipt_ref,
         previous_release_id: previous,
         rollback_of: None,
         requested_by: caller.actor.clone(),

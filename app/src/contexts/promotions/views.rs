@@ -161,6 +161,9 @@ pub struct PromotionView {
     /// Set for a hotfix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hotfix: Option<Hotfix>,
+    /// The asking run's receipt, as given (evidence only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_ref: Option<ferry_domain::ReceiptRef>,
     /// The release completed in the environment before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_release_id: Option<ReleaseId>,
@@ -221,6 +224,7 @@ impl PromotionView {
             strategy: request.strategy,
             run_id: request.run_id,
             hotfix: request.hotfix.clone(),
+            receipt_ref: request.receipt_ref.clone(),
             previous_release_id: request.previous_release_id,
             rollback_of: request.rollback_of.clone(),
             requested_by: request.requested_by.clone(),
