@@ -1652,5 +1652,20 @@ async fn over_grpc_a_promotion_is_requested_once_and_the_applied_specification_i
         metrics.contains(r#"ferry_grpc_requests_total{code="Ok",method="Promotions.Request"} 2"#),
         "{metrics}"
     );
+
+    // The store gone: UNAVAILABLE, with advice on when to retry.
+    d.s.db.as_ref().unwrap().db.close().await;
+    let away = provisioning
+        .get_current_specification(grpc_request(
+            &admin("acme"),
+            GetCurrentSpecificationRequest {
+                environment_id: "payments-dev".into(),
+                kind: String::new(),
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(away.code(), Code::Unavailable, "{away:?}");
+    assert!(away.get_error_details().retry_info().is_some());
     d.s.stop().await;
 }

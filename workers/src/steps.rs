@@ -2,6 +2,9 @@
 //! (the run was cancelled meanwhile, a receipt already exists) end the step: the aggregate is
 //! the judge, so a step run twice never has a second effect.
 //!
+//! An apply first plans again and compares: a target that changed since the plan (drift, a
+//! hand edit) supersedes the run, so an approval covers exactly the plan it was shown.
+//!
 //! An apply runs its runner at most once per item: when the runner returns, its result is
 //! stored on the item (a fenced write) before the outcome is recorded, and an item with a
 //! stored result only records it. So a `Retry` after a store error while recording never
@@ -453,14 +456,17 @@ impl Workers {
                     return self.supersede(item, tenant, reason).await;
                 }
             }
-            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_))) => {
+            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_)))
+                if item.attempts < i64::from(self.settings.plan_attempts) =>
+            {
                 let _ = tokio::fs::remove_dir_all(&dir).await;
                 return Ok(Outcome::Retry(redact(&e.to_string(), inputs.secrets())));
             }
             Err(e) => {
                 let _ = tokio::fs::remove_dir_all(&dir).await;
                 let reason = format!(
-                    "the plan could not be checked against the target before the apply (nothing was applied): {}",
+                    "the plan could not be checked against the target before the apply (nothing was applied; attempt {}): {}",
+                    item.attempts,
                     redact(&e.to_string(), inputs.secrets())
                 );
                 return self

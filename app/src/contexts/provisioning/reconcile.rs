@@ -12,7 +12,10 @@
 //! in-place changes elsewhere apply when `AutoApplyNonDestructive` is on and policy allows.
 //!
 //! It re-plans the version last *applied* there, never a newer declaration: a release a
-//! rollback took out is not put back by reconciliation. An environment with a run in flight
+//! rollback took out is not put back by reconciliation. When the last apply of that
+//! specification there failed, the run says so (`follows_failed_apply`) and its fix is a
+//! proposal, never applied blindly. The environment's ignore rules
+//! (`ferry_domain::drift`) are applied by the planner. An environment with a run in flight
 //! (requested, planning or applying) or a promotion holding it is skipped for the window,
 //! and says so.
 
