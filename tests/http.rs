@@ -817,3 +817,41 @@ async fn every_documented_operation_is_served_and_no_other_method_on_its_path() 
     }
     s.stop().await;
 }
+
+#[tokio::test]
+async fn hostile_bodies_get_a_problem_and_change_nothing() {
+    let s = TestServer::start(Backend::Sqlite).await;
+    let alice = operator("acme", "alice");
+    let path = "/factory/provisioning/specifications";
+    let send = |body: Vec<u8>| {
+        s.client
+            .post(s.url(path))
+            .bearer_auth(&alice)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let oversized = format!(
+        r#"{{"environmentId": "payments-dev", "projectId": "{}"}}"#,
+        "x".repeat(ferry_api::extract::MAX_BODY)
+    );
+    let nested = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let invalid_utf8 = b"{\"environmentId\": \"pay\xff\xfements\"}".to_vec();
+    for (what, body) in [
+        ("oversized", oversized.into_bytes()),
+        ("deeply nested", nested.into_bytes()),
+        ("invalid UTF-8", invalid_utf8),
+    ] {
+        let r = send(body).await.unwrap();
+        let status = r.status().as_u16();
+        assert!((400..500).contains(&status), "{what}: {status}");
+        assert_eq!(
+            r.headers()["content-type"],
+            "application/problem+json",
+            "{what}"
+        );
+    }
+    let (_, page) = s.get(&alice, path).await;
+    assert_eq!(page["items"], json!([]), "nothing was declared: {page}");
+    s.stop().await;
+}
