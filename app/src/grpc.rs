@@ -163,9 +163,9 @@ pub fn status(e: ApiError) -> Status {
     }
 }
 
-/// The verified caller of a call: the bearer token in its `authorization` metadata.
-async fn caller<T>(state: &AppState, request: &Request<T>) -> Result<Caller, Status> {
-    let headers = request.metadata().clone().into_headers();
+/// The verified caller of a call, from its metadata (as HTTP headers): the bearer token in
+/// `authorization`.
+async fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, Status> {
     let token = bearer_token(headers.get(header::AUTHORIZATION)).map_err(status)?;
     state.verifier().verify(token).await.map_err(status)
 }
@@ -188,7 +188,7 @@ impl ProvisioningService {
         &self,
         request: Request<pb::provisioning::GetCurrentSpecificationRequest>,
     ) -> Result<pb::provisioning::GetCurrentSpecificationResponse, Status> {
-        let caller = caller(&self.state, &request).await?;
+        let caller = caller(&self.state, &request.metadata().clone().into_headers()).await?;
         caller.require_read().map_err(status)?;
         let request = request.into_inner();
         let environment = EnvironmentId::parse(request.environment_id)
@@ -282,8 +282,9 @@ impl PromotionsService {
         &self,
         request: Request<pb::delivery::RequestPromotionRequest>,
     ) -> Result<pb::delivery::Promotion, Status> {
-        let caller = caller(&self.state, &request).await?;
-        let ids = RequestIds::from_headers(&request.metadata().clone().into_headers());
+        let metadata = request.metadata().clone().into_headers();
+        let caller = caller(&self.state, &metadata).await?;
+        let ids = RequestIds::from_headers(&metadata);
         let request = request.into_inner();
         // The HTTP body this call stands for: the same fields, checked by the same code.
         let mut body = serde_json::Map::new();

@@ -142,10 +142,8 @@ impl PlanReceipt {
                 .map(|r| {
                     let mut properties = r.properties.clone();
                     properties.sort();
-                    let op = serde_json::to_value(r.op)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_string))
-                        .unwrap_or_default();
+                    // The serde name (`update`), as receipts show it.
+                    let op = format!("{:?}", r.op).to_lowercase();
                     if properties.is_empty() {
                         format!("{op} {}", r.urn)
                     } else {
