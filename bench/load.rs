@@ -1,17 +1,69 @@
-//! A load benchmark against a running Ferry: `concurrency` clients for `seconds`, each
-//! declaring a specification version and requesting a plan, then reading the run back.
-//! Prints throughput and latency percentiles per operation.
+//! The load generator of `bench/run.sh`: `clients` concurrent clients for `seconds` against
+//! a running Ferry, each repeating the command mix declare a specification version, request
+//! a plan, cancel the run, request a promotion. It reports throughput and latency per
+//! command and the projection lag: for a sample of the commands, the time from the command's
+//! answer until a GET on another connection sees the change.
+//!
+//! `e2e` mode instead requests `count` runs (each in its own environment) and `count`
+//! promotions into development, and waits until every run is `Applied` and every promotion
+//! `Completed` (a Ferry with workers and the simulated runner): completed per second.
 //!
 //! ```sh
-//! # API only: measures the API and store; the clients declare /srv/infra#web.
 //! FERRY_WORKERS=false FERRY_TENANT_PROGRAM_ROOTS=/srv/infra cargo run --release -- serve &
-//! cargo run --release --example load -- http://127.0.0.1:8080 <token> 8 20
+//! TOKEN=$(cargo run -q --release -- token --tenant bench --sub load --roles "Operator PlatformAdmin" \
+//!   --scopes "factory.provisioning.read factory.provisioning.apply factory.delivery.read factory.delivery.promote")
+//! cargo run --release --example load -- --token "$TOKEN" --clients 32 --seconds 20
 //! ```
+//!
+//! The report is one JSON object on stdout (a table goes to stderr).
 #![forbid(unsafe_code)]
-#![allow(clippy::print_stdout, clippy::unwrap_used)] // a command-line report
+#![allow(clippy::print_stdout, clippy::print_stderr, clippy::unwrap_used)] // a command-line report
 
-use serde_json::json;
+use clap::Parser;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Ferry's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    base: String,
+    /// A bearer token with the provisioning and delivery scopes, roles Operator and
+    /// PlatformAdmin.
+    #[arg(long)]
+    token: String,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// How long the mix runs.
+    #[arg(long, default_value_t = 20)]
+    seconds: u64,
+    /// One command in this many has its projection lag measured.
+    #[arg(long, default_value_t = 4)]
+    lag_every: u64,
+    /// The program every specification and release names.
+    #[arg(long, default_value = "/srv/infra#web")]
+    program: String,
+    /// The program's commit.
+    #[arg(long, default_value = "3f2a9c1")]
+    commit: String,
+    /// End to end: this many runs and this many promotions, waited for until done.
+    #[arg(long)]
+    e2e: Option<usize>,
+    /// A prefix for the environments this invocation creates (runs may share a store).
+    #[arg(long, default_value = "load")]
+    prefix: String,
+}
+
+const OPS: [&str; 4] = [
+    "declare specification",
+    "request plan",
+    "cancel run",
+    "request promotion",
+];
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -21,102 +73,336 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1000.0
 }
 
+fn summary(mut lat: Vec<Duration>, elapsed: f64) -> Value {
+    lat.sort();
+    json!({
+        "count": lat.len(),
+        "perSecond": (lat.len() as f64 / elapsed * 10.0).round() / 10.0,
+        "p50Ms": (percentile(&lat, 0.50) * 10.0).round() / 10.0,
+        "p99Ms": (percentile(&lat, 0.99) * 10.0).round() / 10.0,
+    })
+}
+
+/// A command that answered, to be looked for on another connection.
+struct LagProbe {
+    answered: Instant,
+    url: String,
+    /// The answer's JSON must have this pointer equal to this value.
+    pointer: &'static str,
+    expect: Value,
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl Client {
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value), String> {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let value = response.json().await.unwrap_or(Value::Null);
+        Ok((status, value))
+    }
+}
+
+async fn setup(client: &Client, args: &Args, n: usize) -> Vec<String> {
+    let mut releases = Vec::new();
+    for c in 0..n {
+        let env = format!("{}-dev-{c}", args.prefix);
+        let (s, v) = client
+            .send(
+                reqwest::Method::PUT,
+                &format!("/factory/environments/{env}"),
+                Some(json!({"environmentClass": "development"})),
+            )
+            .await
+            .unwrap();
+        assert!(s < 300, "environment {env}: {s} {v}");
+        let id = uuid::Uuid::new_v4().to_string();
+        let (s, v) = client
+            .send(
+                reqwest::Method::PUT,
+                &format!("/factory/delivery/releases/{id}"),
+                Some(
+                    json!({"projectId": args.prefix, "version": format!("1.0.{c}"),
+                    "programRef": args.program, "programVersion": args.commit,
+                    "pipeline": [{"name": "unit", "result": "passed"}]}),
+                ),
+            )
+            .await
+            .unwrap();
+        assert!(s < 300, "release: {s} {v}");
+        releases.push(id);
+    }
+    releases
+}
+
 #[tokio::main]
 async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let base = args
-        .get(1)
-        .cloned()
-        .unwrap_or_else(|| "http://127.0.0.1:8080".to_string());
-    let token = args
-        .get(2)
-        .cloned()
-        .expect("usage: load <base-url> <token> [concurrency] [seconds]");
-    let concurrency: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(8);
-    let seconds: u64 = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(20);
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let args = Args::parse();
+    let client = Arc::new(Client {
+        http: reqwest::Client::new(),
+        base: args.base.trim_end_matches('/').to_string(),
+        token: args.token.clone(),
+    });
+    match args.e2e {
+        Some(count) => end_to_end(client, &args, count).await,
+        None => mix(client, &args).await,
+    }
+}
+
+async fn mix(client: Arc<Client>, args: &Args) {
+    let releases = setup(&client, args, args.clients).await;
+    // Lag is read on connections of their own, as another user of the API would.
+    let reader = Arc::new(Client {
+        http: reqwest::Client::new(),
+        base: client.base.clone(),
+        token: client.token.clone(),
+    });
+    let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<LagProbe>();
+    let lag_task = tokio::spawn(async move {
+        let mut lags = Vec::new();
+        let mut unseen = 0u64;
+        while let Some(probe) = probe_rx.recv().await {
+            let give_up = probe.answered + Duration::from_secs(10);
+            loop {
+                let seen = reader
+                    .send(reqwest::Method::GET, &probe.url, None)
+                    .await
+                    .is_ok_and(|(s, v)| {
+                        s == 200 && v.pointer(probe.pointer) == Some(&probe.expect)
+                    });
+                if seen {
+                    lags.push(probe.answered.elapsed());
+                    break;
+                }
+                if Instant::now() > give_up {
+                    unseen += 1;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        (lags, unseen)
+    });
+    let errors = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for worker in 0..concurrency {
-        let (client, base, token) = (client.clone(), base.clone(), token.clone());
+    for (c, release) in releases.into_iter().enumerate() {
+        let (client, errors, probes) = (client.clone(), errors.clone(), probe_tx.clone());
+        let (prefix, program, commit, lag_every) = (
+            args.prefix.clone(),
+            args.program.clone(),
+            args.commit.clone(),
+            args.lag_every.max(1),
+        );
         tasks.push(tokio::spawn(async move {
-            let mut lat: [Vec<Duration>; 3] = [vec![], vec![], vec![]];
-            let mut errors = 0u64;
+            let mut lat: [Vec<Duration>; 4] = Default::default();
             let mut n = 0u64;
+            let failed = |what: &str, detail: String| {
+                if errors.fetch_add(1, Ordering::Relaxed) < 5 {
+                    eprintln!("{what}: {detail}");
+                }
+            };
             while Instant::now() < deadline {
                 n += 1;
-                let env = format!("load-{worker}-{}", n % 50);
+                let sample = n.is_multiple_of(lag_every);
+                let env = format!("{prefix}-{c}-{}", n % 20);
                 let t = Instant::now();
-                let spec = client
-                    .post(format!("{base}/factory/provisioning/specifications"))
-                    .bearer_auth(&token)
-                    .json(&json!({"environmentId": env, "projectId": "load", "kind": "Workload",
-                        "programRef": "/srv/infra#web", "programVersion": "3f2a9c1"}))
-                    .send()
+                let r = client
+                    .send(reqwest::Method::POST, "/factory/provisioning/specifications",
+                        Some(json!({"environmentId": env, "projectId": prefix, "kind": "Workload",
+                            "programRef": program, "programVersion": commit})))
                     .await;
                 lat[0].push(t.elapsed());
-                let Ok(spec) = spec else { errors += 1; continue };
-                if spec.status() != 201 { errors += 1; continue; }
-                let spec: serde_json::Value = spec.json().await.unwrap();
+                let spec = match r {
+                    Ok((201, v)) => v,
+                    other => { failed(OPS[0], format!("{other:?}")); continue; }
+                };
+                if sample {
+                    let _ = probes.send(LagProbe {
+                        answered: Instant::now(),
+                        url: format!("/factory/provisioning/specifications?specificationId={}", spec["specificationId"].as_str().unwrap_or_default()),
+                        pointer: "/items/0/version",
+                        expect: spec["version"].clone(),
+                    });
+                }
                 let t = Instant::now();
-                let run = client
-                    .post(format!("{base}/factory/provisioning/runs"))
-                    .bearer_auth(&token)
-                    .json(&json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"],
-                        "environmentId": env, "kind": "Release"}))
-                    .send()
+                let r = client
+                    .send(reqwest::Method::POST, "/factory/provisioning/runs",
+                        Some(json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"],
+                            "environmentId": env, "kind": "Release"})))
                     .await;
                 lat[1].push(t.elapsed());
-                let Ok(run) = run else { errors += 1; continue };
-                if run.status() != 201 { errors += 1; continue; }
-                let run: serde_json::Value = run.json().await.unwrap();
+                let run = match r {
+                    Ok((201, v)) => v["provisioningRunId"].as_str().unwrap_or_default().to_string(),
+                    other => { failed(OPS[1], format!("{other:?}")); continue; }
+                };
+                if sample {
+                    let _ = probes.send(LagProbe {
+                        answered: Instant::now(),
+                        url: format!("/factory/provisioning/runs/{run}"),
+                        pointer: "/provisioningRunId",
+                        expect: json!(run),
+                    });
+                }
                 let t = Instant::now();
-                let got = client
-                    .get(format!("{base}/factory/provisioning/runs/{}", run["provisioningRunId"].as_str().unwrap_or_default()))
-                    .bearer_auth(&token)
-                    .send()
+                let r = client
+                    .send(reqwest::Method::POST, &format!("/factory/provisioning/runs/{run}/cancel"),
+                        Some(json!({"reason": "load"})))
                     .await;
                 lat[2].push(t.elapsed());
-                if !got.is_ok_and(|r| r.status() == 200) {
-                    errors += 1;
+                match r {
+                    Ok((200, _)) => {}
+                    other => { failed(OPS[2], format!("{other:?}")); continue; }
+                }
+                if sample {
+                    let _ = probes.send(LagProbe {
+                        answered: Instant::now(),
+                        url: format!("/factory/provisioning/runs/{run}"),
+                        pointer: "/state",
+                        expect: json!("Cancelled"),
+                    });
+                }
+                let t = Instant::now();
+                let r = client
+                    .send(reqwest::Method::POST, "/factory/delivery/promotions",
+                        Some(json!({"releaseId": release, "environmentId": format!("{prefix}-dev-{c}")})))
+                    .await;
+                lat[3].push(t.elapsed());
+                let promotion = match r {
+                    Ok((s, v)) if s == 201 || s == 202 => v["promotionId"].as_str().unwrap_or_default().to_string(),
+                    other => { failed(OPS[3], format!("{other:?}")); continue; }
+                };
+                if sample {
+                    let _ = probes.send(LagProbe {
+                        answered: Instant::now(),
+                        url: format!("/factory/delivery/promotions/{promotion}"),
+                        pointer: "/promotionId",
+                        expect: json!(promotion),
+                    });
                 }
             }
-            (lat, errors)
+            lat
         }));
     }
-    let mut all: [Vec<Duration>; 3] = [vec![], vec![], vec![]];
-    let mut errors = 0;
+    drop(probe_tx);
+    let mut all: [Vec<Duration>; 4] = Default::default();
     for t in tasks {
-        let (lat, e) = t.await.unwrap();
-        errors += e;
-        for (i, l) in lat.into_iter().enumerate() {
+        for (i, l) in t.await.unwrap().into_iter().enumerate() {
             all[i].extend(l);
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
-    println!("concurrency {concurrency}, {elapsed:.1} s, errors {errors}");
-    println!(
-        "{:<32} {:>8} {:>8} {:>8} {:>8} {:>8}",
-        "operation", "count", "per s", "p50 ms", "p95 ms", "p99 ms"
-    );
-    for (name, mut lat) in [
-        "POST specifications",
-        "POST runs",
-        "GET run (read-your-writes)",
-    ]
-    .into_iter()
-    .zip(all)
-    {
-        lat.sort();
-        println!(
-            "{:<32} {:>8} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
-            name,
-            lat.len(),
-            lat.len() as f64 / elapsed,
-            percentile(&lat, 0.50),
-            percentile(&lat, 0.95),
-            percentile(&lat, 0.99)
-        );
+    let (lags, unseen) = lag_task.await.unwrap();
+    let commands: Vec<Duration> = all.iter().flatten().copied().collect();
+    let mut per_op = serde_json::Map::new();
+    for (name, lat) in OPS.iter().zip(all) {
+        per_op.insert(name.to_string(), summary(lat, elapsed));
     }
+    let report = json!({
+        "clients": args.clients,
+        "seconds": (elapsed * 10.0).round() / 10.0,
+        "errors": errors.load(Ordering::Relaxed),
+        "commands": summary(commands, elapsed),
+        "perCommand": per_op,
+        "lag": {"samples": lags.len(), "unseenAfter10s": unseen,
+                "p50Ms": summary(lags.clone(), elapsed)["p50Ms"], "p99Ms": summary(lags, elapsed)["p99Ms"]},
+    });
+    eprintln!("{}", serde_json::to_string_pretty(&report).unwrap());
+    println!("{report}");
+}
+
+/// Requests `count` runs and `count` promotions and waits until all are done.
+async fn end_to_end(client: Arc<Client>, args: &Args, count: usize) {
+    let releases = setup(&client, args, count).await;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, release) in releases.into_iter().enumerate() {
+        let client = client.clone();
+        let (prefix, program, commit) = (
+            args.prefix.clone(),
+            args.program.clone(),
+            args.commit.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let env = format!("{prefix}-e2e-{c}");
+            let (s, spec) = client
+                .send(reqwest::Method::POST, "/factory/provisioning/specifications",
+                    Some(json!({"environmentId": env, "projectId": prefix, "kind": "Workload",
+                        "programRef": program, "programVersion": commit})))
+                .await
+                .unwrap();
+            assert_eq!(s, 201, "{spec}");
+            let (s, run) = client
+                .send(reqwest::Method::POST, "/factory/provisioning/runs",
+                    Some(json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"],
+                        "environmentId": env, "kind": "Release"})))
+                .await
+                .unwrap();
+            assert_eq!(s, 201, "{run}");
+            let (s, promotion) = client
+                .send(reqwest::Method::POST, "/factory/delivery/promotions",
+                    Some(json!({"releaseId": release, "environmentId": format!("{prefix}-dev-{c}")})))
+                .await
+                .unwrap();
+            assert!(s == 201 || s == 202, "{s} {promotion}");
+            let run = format!("/factory/provisioning/runs/{}", run["provisioningRunId"].as_str().unwrap());
+            let promotion = format!("/factory/delivery/promotions/{}", promotion["promotionId"].as_str().unwrap());
+            let (mut run_done, mut promotion_done) = (None, None);
+            let give_up = Instant::now() + Duration::from_secs(600);
+            while (run_done.is_none() || promotion_done.is_none()) && Instant::now() < give_up {
+                if run_done.is_none() {
+                    let (_, v) = client.send(reqwest::Method::GET, &run, None).await.unwrap();
+                    match v["state"].as_str() {
+                        Some("Applied") => run_done = Some(started.elapsed()),
+                        Some(s @ ("Failed" | "Rejected" | "Cancelled" | "Superseded")) => panic!("run {run}: {s}: {v}"),
+                        _ => {}
+                    }
+                }
+                if promotion_done.is_none() {
+                    let (_, v) = client.send(reqwest::Method::GET, &promotion, None).await.unwrap();
+                    match v["state"].as_str() {
+                        Some("Completed") => promotion_done = Some(started.elapsed()),
+                        Some(s @ ("Failed" | "Rejected" | "RolledBack" | "Cancelled")) => panic!("promotion {promotion}: {s}: {v}"),
+                        _ => {}
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (run_done.expect("run not applied in 10 min"), promotion_done.expect("promotion not completed in 10 min"))
+        }));
+    }
+    let mut runs = Vec::new();
+    let mut promotions = Vec::new();
+    for t in tasks {
+        let (r, p) = t.await.unwrap();
+        runs.push(r);
+        promotions.push(p);
+    }
+    let last = |v: &Vec<Duration>| v.iter().max().copied().unwrap_or_default().as_secs_f64();
+    let report = json!({
+        "runs": count, "promotions": count,
+        "runsSeconds": (last(&runs) * 100.0).round() / 100.0,
+        "promotionsSeconds": (last(&promotions) * 100.0).round() / 100.0,
+        "runsPerSecond": (count as f64 / last(&runs) * 100.0).round() / 100.0,
+        "promotionsPerSecond": (count as f64 / last(&promotions) * 100.0).round() / 100.0,
+    });
+    eprintln!("{}", serde_json::to_string_pretty(&report).unwrap());
+    println!("{report}");
 }

@@ -855,3 +855,85 @@ async fn hostile_bodies_get_a_problem_and_change_nothing() {
     assert_eq!(page["items"], json!([]), "nothing was declared: {page}");
     s.stop().await;
 }
+
+#[tokio::test]
+async fn what_axum_refuses_before_a_handler_is_a_problem_too() {
+    let s = TestServer::start(Backend::Sqlite).await;
+    let alice = operator("acme", "alice");
+    // A path segment that is not UTF-8 once decoded, on a GET and on a POST with a body.
+    for (method, path) in [
+        (reqwest::Method::GET, "/factory/provisioning/runs/%FF"),
+        (reqwest::Method::GET, "/factory/environments/%C0%AF"),
+        (
+            reqwest::Method::POST,
+            "/factory/provisioning/runs/%FF/approval",
+        ),
+    ] {
+        let r = s
+            .client
+            .request(method.clone(), s.url(path))
+            .bearer_auth(&alice)
+            .json(&json!({"decision": "approve"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.headers().contains_key("x-request-id"), "{path}");
+        let (status, problem) = response(r).await;
+        assert_eq!(status, 400, "{method} {path}: {problem}");
+        assert_eq!(problem["status"], 400, "{problem}");
+        assert_eq!(problem["type"], "urn:ferry:problem:invalid-request");
+        let field = problem["errors"][0]["field"].as_str().unwrap();
+        assert!(
+            ["provisioningRunId", "environmentId"].contains(&field),
+            "{problem}"
+        );
+    }
+    // A body past the limit where the handler reads raw bytes (CloudEvents).
+    let r = s
+        .client
+        .post(s.url("/factory/events"))
+        .bearer_auth(service("acme", "svc"))
+        .header("content-type", "application/cloudevents+json")
+        .body(vec![b'x'; ferry_api::extract::MAX_BODY + 1])
+        .send()
+        .await
+        .unwrap();
+    let (status, problem) = response(r).await;
+    assert_eq!(status, 413, "{problem}");
+    assert_eq!(problem["type"], "urn:ferry:problem:payload-too-large");
+    // The document says so: a path parameter or a body can be malformed (400), and a problem
+    // without refused fields leaves `errors` out.
+    let r = s.client.get(s.url("/openapi.json")).send().await.unwrap();
+    let doc: Value = r.json().await.unwrap();
+    for (path, method) in [
+        (
+            "/factory/provisioning/runs/{provisioningRunId}/approval",
+            "post",
+        ),
+        ("/factory/provisioning/runs/{provisioningRunId}", "get"),
+        (
+            "/factory/delivery/promotions/{promotionId}/rollback",
+            "post",
+        ),
+    ] {
+        assert!(
+            doc["paths"][path][method]["responses"]["400"].is_object(),
+            "{method} {path} documents 400"
+        );
+    }
+    // Recording an environment or a release answers 201 the first time: documented too.
+    for path in [
+        "/factory/environments/{environmentId}",
+        "/factory/delivery/releases/{releaseId}",
+    ] {
+        assert!(
+            doc["paths"][path]["put"]["responses"]["201"].is_object(),
+            "PUT {path} documents 201"
+        );
+    }
+    let required = doc["components"]["schemas"]["Problem"]["required"]
+        .as_array()
+        .unwrap();
+    assert!(!required.contains(&json!("errors")), "{required:?}");
+    s.stop().await;
+}

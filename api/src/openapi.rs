@@ -242,8 +242,11 @@ pub fn finish(api: TransformOpenApi<'_>) -> TransformOpenApi<'_> {
         ctx.schema.subschema_for::<Problem>();
     });
     let inner = api.inner_mut();
-    let components = inner.components.get_or_insert_with(Default::default);
-    components.security_schemes.insert(
+    inner
+        .components
+        .get_or_insert_with(Default::default)
+        .security_schemes
+        .insert(
         BEARER.to_string(),
         ReferenceOr::Item(
             serde_json::from_value(json!({"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
@@ -251,8 +254,48 @@ pub fn finish(api: TransformOpenApi<'_>) -> TransformOpenApi<'_> {
             .unwrap_or_else(|e| panic!("bad OpenAPI security scheme: {e}")),
         ),
     );
+    // Whatever takes a path parameter or a body can be refused as malformed before anything
+    // else (a path segment that is not UTF-8, a body that is not JSON or is past the limit).
+    if let Some(paths) = inner.paths.as_mut() {
+        for item in paths.paths.values_mut() {
+            let ReferenceOr::Item(item) = item else {
+                continue;
+            };
+            for operation in [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.patch,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                let takes_path = operation
+                    .parameters
+                    .iter()
+                    .any(|p| matches!(p, ReferenceOr::Item(aide::openapi::Parameter::Path { .. })));
+                let documented = operation
+                    .responses
+                    .as_ref()
+                    .is_some_and(|r| r.responses.contains_key(&StatusCode::Code(400)));
+                if (takes_path || operation.request_body.is_some()) && !documented {
+                    set_response(
+                        operation,
+                        400,
+                        ReferenceOr::Reference {
+                            reference: "#/components/responses/400".to_string(),
+                            description: None,
+                            summary: None,
+                        },
+                    );
+                }
+            }
+        }
+    }
+    let components = inner.components.get_or_insert_with(Default::default);
     for (code, description) in [
-        ("400", "Malformed JSON, query parameter or header."),
+        ("400", "Malformed JSON, path parameter, query parameter or header, or a body past the limit."),
         ("401", "No bearer token, or one that does not verify."),
         ("403", "The token lacks the scope or role, or the caller may not do this (e.g. approve their own run)."),
         ("404", "No such resource for this tenant."),

@@ -42,8 +42,8 @@ pub struct Problem {
     pub status: u16,
     /// What went wrong this time.
     pub detail: String,
-    /// The fields that were refused, for validation problems.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// The fields that were refused, for validation problems (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<FieldError>,
     /// Seconds after which a retry may succeed, for conflicts and unavailability.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -33,6 +33,64 @@ async fn request_ids(mut request: Request, next: Next) -> Response {
     response
 }
 
+/// Every error answer is problem+json: what axum refuses before a handler runs (a path
+/// segment that is not UTF-8, a body past the limit where the handler reads raw bytes) is
+/// plain text otherwise. JSON answers (problems, `/readyz`'s 503) pass unchanged.
+async fn problem_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let plain = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_none_or(|v| v.to_ascii_lowercase().starts_with("text/plain"));
+    if !(status.is_client_error() || status.is_server_error()) || !plain {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let (slug, title) = match status {
+        StatusCode::BAD_REQUEST => ("invalid-request", "Invalid request"),
+        StatusCode::PAYLOAD_TOO_LARGE => ("payload-too-large", "Payload too large"),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ("unsupported-media-type", "Unsupported media type"),
+        s if s.is_server_error() => ("internal-error", "Internal error"),
+        _ => ("invalid-request", "Invalid request"),
+    };
+    // axum names the refused part in backquotes (`Invalid UTF-8 in `environmentId``).
+    let field = text
+        .split('`')
+        .nth(1)
+        .filter(|f| !f.is_empty())
+        .unwrap_or("request");
+    let detail = if status.is_server_error() || text.is_empty() {
+        status.canonical_reason().unwrap_or(title).to_string()
+    } else {
+        text.clone()
+    };
+    let problem = crate::problem::Problem {
+        problem_type: format!("urn:ferry:problem:{slug}"),
+        title: title.to_string(),
+        status: status.as_u16(),
+        errors: if status.is_client_error() && !text.is_empty() {
+            vec![crate::problem::FieldError::new(field, &text)]
+        } else {
+            vec![]
+        },
+        detail,
+        retry_after_seconds: None,
+    };
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
+    parts.headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, axum::body::Body::from(body))
+}
+
 async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
 }
@@ -292,6 +350,9 @@ pub fn provisioning_routes() -> ApiRouter<AppState> {
                     .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
                         r.description("Updated or unchanged (201 when recorded for the first time).")
                     })
+                    .response_with::<201, Json<environments::EnvironmentView>, _>(|r| {
+                        r.description("Recorded for the first time.")
+                    })
                     .errors(&[400, 401, 403, 409, 415, 422])
             })
             .get_with(environments::get_environment, move |op| {
@@ -407,6 +468,7 @@ pub fn router(state: AppState, api: Api) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(Extension(document))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(problem_errors))
         .layer(middleware::from_fn(request_ids))
         .layer(TraceLayer::new_for_http())
         .with_state(state)

@@ -1,11 +1,14 @@
 //! The relay: a subscription on the global stream that publishes every stored event to
 //! JetStream as a CloudEvent, exactly once per event id, in stream order, with no gap.
 //!
-//! * Each event is published with `Nats-Msg-Id` = event id and the next one only after its
-//!   PubAck, so per-aggregate order in NATS is the store's order.
+//! * Each event is published with `Nats-Msg-Id` = event id, in stream order on one
+//!   connection, up to 64 PubAcks outstanding: NATS stores one connection's publishes in the
+//!   order sent, so per-aggregate order in NATS is the store's order.
 //! * **Every publish states what must come before it**: `Nats-Expected-Last-Sequence` is the
-//!   stream sequence of the relay's previous PubAck (or of the stream's last message when the
-//!   relay lined up with it). A server that lost its unsynced tail, or a stream deleted and
+//!   stream sequence of the relay's previous publish (its PubAck's, or that plus the
+//!   publishes still in flight; the stream's last message's when the relay lined up with it).
+//!   A refused publish leaves the stream as it was, so every publish in flight after it is
+//!   refused as well. A server that lost its unsynced tail, or a stream deleted and
 //!   made anew, has another last sequence and refuses the publish, so a loss can never turn
 //!   into a gap in the middle of the stream. The relay then repairs from the last message
 //!   NATS really has (below).
@@ -46,6 +49,7 @@ use ferry_store::{Database, Position, Tx};
 use prometheus::proto::MetricFamily;
 use prometheus::Registry;
 use serde::Serialize;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -873,21 +877,19 @@ impl Worker {
     }
 
     /// Publishes one batch after the checkpoint; returns how many events it took.
+    ///
+    /// Publishes are pipelined (up to [`IN_FLIGHT`] PubAcks outstanding): NATS stores one
+    /// connection's publishes in the order sent, so the k-th publish after the last PubAck
+    /// expects the stream's last sequence to be that PubAck's plus k. A publish refused for
+    /// its expectation leaves the stream as it was, so every later one is refused too: the
+    /// stream never gets a gap. A publish without an expectation (the first of a new stream,
+    /// or a subject another stream stores) is sent alone, after every earlier PubAck.
     async fn pump(&mut self) -> Result<usize, RelayError> {
         let name = self.config.checkpoint_name();
         let from = load_checkpoint(&self.db, &name).await?;
         let events = read_after(&self.db, from, self.config.batch).await?;
         let mut done: Option<Position> = None;
-        let mut result = Ok(());
-        for event in &events {
-            match self.publish(event).await {
-                Ok(()) => done = Some(event.position),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
+        let result = self.publish_batch(&events, &mut done).await;
         // Save what was acknowledged even when a later publish failed.
         if let Some(to) = done {
             move_checkpoint(&self.db, &name, to, false).await?;
@@ -898,9 +900,84 @@ impl Worker {
         result.map(|()| events.len())
     }
 
-    async fn publish(&mut self, event: &ferry_store::StoredEvent) -> Result<(), RelayError> {
-        let out = self
-            .config
+    /// Publishes `events` in order; `done` is the position of the last one acknowledged.
+    async fn publish_batch(
+        &mut self,
+        events: &[ferry_store::StoredEvent],
+        done: &mut Option<Position>,
+    ) -> Result<(), RelayError> {
+        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+        let mut failure = None;
+        for event in events {
+            let out = match self.outbound(event).await {
+                Ok(out) => out,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let ours = self
+                .stored_subjects
+                .iter()
+                .any(|p| subject_matches(p, &out.subject));
+            let mut predicted = self.predicted(&in_flight, ours);
+            if predicted.is_none() && !in_flight.is_empty() {
+                // Sent alone: its place in the stream must not depend on earlier publishes.
+                self.settle(&mut in_flight, done).await?;
+                predicted = self.predicted(&in_flight, ours);
+            }
+            match self.send(event, out, predicted).await {
+                Ok(sent) => in_flight.push_back(sent),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            if predicted.is_none() || in_flight.len() >= IN_FLIGHT {
+                let keep = if predicted.is_none() {
+                    0
+                } else {
+                    IN_FLIGHT / 2
+                };
+                while in_flight.len() > keep {
+                    let first = in_flight.pop_front().expect("not empty");
+                    *done = Some(self.acknowledged(first).await?);
+                }
+            }
+        }
+        // An earlier publish's failure is the one to report.
+        self.settle(&mut in_flight, done).await?;
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// The stream's last sequence that the next publish must expect, given what is in
+    /// flight; `None` when it must carry no expectation.
+    fn predicted(&self, in_flight: &VecDeque<InFlight>, ours: bool) -> Option<u64> {
+        // NATS ignores 0, so the first message of a new stream carries none.
+        let anchor = self.anchor.filter(|a| *a > 0 && ours)?;
+        if in_flight.iter().any(|f| f.expected.is_none()) {
+            return None;
+        }
+        Some(anchor + in_flight.len() as u64)
+    }
+
+    /// Waits for every PubAck in flight, in order.
+    async fn settle(
+        &mut self,
+        in_flight: &mut VecDeque<InFlight>,
+        done: &mut Option<Position>,
+    ) -> Result<(), RelayError> {
+        while let Some(first) = in_flight.pop_front() {
+            *done = Some(self.acknowledged(first).await?);
+        }
+        Ok(())
+    }
+
+    async fn outbound(
+        &self,
+        event: &ferry_store::StoredEvent,
+    ) -> Result<crate::outbound::Outbound, RelayError> {
+        self.config
             .publishers
             .to_outbound(&self.db, &self.config.source, event)
             .await
@@ -911,7 +988,16 @@ impl Worker {
                     position: position_token(event.position),
                     source,
                 },
-            })?;
+            })
+    }
+
+    /// Sends one event's message; its PubAck is awaited by [`Worker::acknowledged`].
+    async fn send(
+        &mut self,
+        event: &ferry_store::StoredEvent,
+        out: crate::outbound::Outbound,
+        expected: Option<u64>,
+    ) -> Result<InFlight, RelayError> {
         if out.degraded.is_some() {
             self.metrics.degraded.fetch_add(1, Ordering::Relaxed);
         }
@@ -921,39 +1007,41 @@ impl Worker {
             .message_id(event.event_id.to_string())
             .header(POSITION_HEADER, position_token(event.position).as_str());
         // The expectation is checked by the stream that stores the subject: only send it to
-        // ours (NATS ignores 0, so the first message of a new stream carries none).
-        let ours = self
-            .stored_subjects
-            .iter()
-            .any(|p| subject_matches(p, &out.subject));
-        let expected = self.anchor.filter(|a| *a > 0 && ours);
+        // ours.
         if let Some(seq) = expected {
             message = message.expected_last_sequence(seq);
         }
-        let failure = |e: jetstream::context::PublishError| match (e.kind(), expected) {
-            (jetstream::context::PublishErrorKind::WrongLastSequence, Some(expected)) => {
-                RelayError::StreamChanged { expected }
-            }
-            (jetstream::context::PublishErrorKind::MaxPayloadExceeded, _) => RelayError::Nats(
-                NatsFailure::new(
-                    format!("publish {} (event {})", out.subject, out.event.id),
-                    e,
-                )
-                .with_remedy(health::MAX_PAYLOAD_REMEDY),
-            ),
-            _ => RelayError::Nats(NatsFailure::new(format!("publish {}", out.subject), e)),
-        };
         let ack = self
             .js
             .send_publish(out.subject.clone(), message)
             .await
-            .map_err(failure)?
+            .map_err(|e| publish_failure(&out.subject, &out.event.id, expected, e))?;
+        Ok(InFlight {
+            position: event.position,
+            subject: out.subject,
+            id: out.event.id,
+            expected,
+            ack,
+        })
+    }
+
+    /// Waits for one publish's PubAck and records it; returns its event's position.
+    async fn acknowledged(&mut self, sent: InFlight) -> Result<Position, RelayError> {
+        let InFlight {
+            position,
+            subject,
+            id,
+            expected,
+            ack,
+        } = sent;
+        let ack = ack
             .await
-            .map_err(failure)?;
+            .map_err(|e| publish_failure(&subject, &id, expected, e))?;
         if ack.stream != self.config.stream_name {
-            tracing::warn!(subject = %out.subject, stream = %ack.stream, "subject stored by another stream");
+            tracing::warn!(%subject, stream = %ack.stream, "subject stored by another stream");
         } else if !ack.duplicate {
-            // A duplicate is not appended: the stream's last sequence did not move.
+            // A duplicate is not appended: the stream's last sequence did not move (the
+            // next publish in flight, if any, is refused and the relay lines up again).
             self.anchor = Some(ack.sequence);
         }
         self.metrics.published.fetch_add(1, Ordering::Relaxed);
@@ -968,8 +1056,39 @@ impl Worker {
                 r.open = false;
             }
         });
-        tracing::debug!(subject = %out.subject, id = %out.event.id, seq = ack.sequence, "published");
-        Ok(())
+        tracing::debug!(%subject, %id, seq = ack.sequence, "published");
+        Ok(position)
+    }
+}
+
+/// PubAcks the relay waits for at most at once.
+const IN_FLIGHT: usize = 64;
+
+/// A publish sent and not yet acknowledged.
+struct InFlight {
+    position: Position,
+    subject: String,
+    id: String,
+    expected: Option<u64>,
+    ack: jetstream::context::PublishAckFuture,
+}
+
+/// What a refused or failed publish means to the relay.
+fn publish_failure(
+    subject: &str,
+    id: &str,
+    expected: Option<u64>,
+    e: jetstream::context::PublishError,
+) -> RelayError {
+    match (e.kind(), expected) {
+        (jetstream::context::PublishErrorKind::WrongLastSequence, Some(expected)) => {
+            RelayError::StreamChanged { expected }
+        }
+        (jetstream::context::PublishErrorKind::MaxPayloadExceeded, _) => RelayError::Nats(
+            NatsFailure::new(format!("publish {subject} (event {id})"), e)
+                .with_remedy(health::MAX_PAYLOAD_REMEDY),
+        ),
+        _ => RelayError::Nats(NatsFailure::new(format!("publish {subject}"), e)),
     }
 }
 

@@ -161,6 +161,13 @@ impl Workers {
         let Some((run, request, spec)) = self.load(item, tenant).await? else {
             return Ok(Outcome::Done);
         };
+        if run.state() == Some(ProvisioningState::Planned) {
+            // The plan was recorded and the process died before the next step: take that
+            // step now, from the receipt (planning again could show another plan).
+            let next = self.after_plan(&run, request.kind)?;
+            self.command(item, tenant, "planner", next).await?;
+            return Ok(Outcome::Done);
+        }
         if run.state() != Some(ProvisioningState::Requested) {
             return Ok(Outcome::Done);
         }
@@ -258,7 +265,6 @@ impl Workers {
             Ok(d) => d,
             Err(e) => return self.fail_planning(item, tenant, e.to_string()).await,
         };
-        let plan_changes = plan.adds + plan.changes + plan.deletes + plan.replaces;
         let receipt = PlanReceipt {
             adds: plan.adds,
             changes: plan.changes,
@@ -293,35 +299,55 @@ impl Workers {
             self.metrics
                 .diffs_found(tenant, true, plan.deletes + plan.replaces);
         }
-        let next = if decision.decision == PolicyOutcome::Deny {
-            RunCommand::RejectByPolicy {
-                evidence: decision.evidence,
-                at: Utc::now(),
-            }
-        } else if reconciliation && plan_changes == 0 {
-            RunCommand::RecordInSync { at: Utc::now() }
+        let next = self.after_plan(&planned, request.kind)?;
+        self.command(item, tenant, "planner", next).await?;
+        Ok(Outcome::Done)
+    }
+
+    /// The step that follows a recorded plan: rejected by policy, in sync, a proposal, or
+    /// the apply (when the run may be applied without an approval).
+    fn after_plan(
+        &self,
+        planned: &ProvisioningRun,
+        kind: ProvisioningKind,
+    ) -> Result<RunCommand, CommandError<RunError>> {
+        let at = Utc::now();
+        let reconciliation = kind == ProvisioningKind::Reconciliation;
+        let receipt = planned
+            .plan_receipt()
+            .ok_or_else(|| CommandError::store("a planned run has no plan receipt"))?;
+        let changes = receipt.adds + receipt.changes + receipt.deletes + receipt.replaces;
+        if let Some(decision) = receipt
+            .policy
+            .as_ref()
+            .filter(|d| d.decision == PolicyOutcome::Deny)
+        {
+            return Ok(RunCommand::RejectByPolicy {
+                evidence: decision.evidence.clone(),
+                at,
+            });
+        }
+        Ok(if reconciliation && changes == 0 {
+            RunCommand::RecordInSync { at }
         } else if reconciliation && !*self.settings.auto_apply_non_destructive.borrow() {
             RunCommand::RequireApproval {
                 reason: "AutoApplyNonDestructive is off: every difference is a proposal"
                     .to_string(),
-                at: Utc::now(),
+                at,
             }
         } else {
             match planned.authorize_apply() {
-                Ok(_) => RunCommand::StartApply { at: Utc::now() },
-                Err(RunError::ApprovalRequired(reason)) => RunCommand::RequireApproval {
-                    reason,
-                    at: Utc::now(),
-                },
+                Ok(_) => RunCommand::StartApply { at },
+                Err(RunError::ApprovalRequired(reason)) => {
+                    RunCommand::RequireApproval { reason, at }
+                }
                 Err(RunError::PolicyDenied(reason)) => RunCommand::RejectByPolicy {
                     evidence: vec![reason],
-                    at: Utc::now(),
+                    at,
                 },
                 Err(e) => return Err(CommandError::Domain(e)),
             }
-        };
-        self.command(item, tenant, "planner", next).await?;
-        Ok(Outcome::Done)
+        })
     }
 
     async fn fail_apply(

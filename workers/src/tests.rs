@@ -14,7 +14,9 @@ use ferry_domain::environment::{
 use ferry_domain::ports::runner::*;
 use ferry_domain::ports::sources::*;
 use ferry_domain::ports::SecretValue;
-use ferry_domain::receipts::{PlannedResource, PolicyDecision, PolicyOutcome, ResourceOp};
+use ferry_domain::receipts::{
+    PlanReceipt, PlannedResource, PolicyDecision, PolicyOutcome, ResourceOp,
+};
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
 use ferry_domain::*;
@@ -777,6 +779,71 @@ async fn the_planner_retries_an_unavailable_runner_with_backoff() {
     let _ = w2.wait_state(id, ProvisioningState::Failed).await;
     w.stop().await;
     w2.stop().await;
+}
+
+#[tokio::test]
+async fn a_plan_recorded_before_a_crash_is_taken_to_its_next_step_on_retry() {
+    // The planner's first attempt finds the runner away and is retried later; meanwhile the
+    // plan is recorded as a planner that then died would leave it (receipt, no next step).
+    let runner = FakeRunner {
+        unavailable_previews: AtomicUsize::new(1),
+        ..Default::default()
+    };
+    let w = World::new(Backend::Sqlite, runner, |s| {
+        s.plan_backoff = Duration::from_secs(2)
+    })
+    .await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    eventually("the first plan attempt retried", || async {
+        let (status, _, attempts) = w.status(id, Step::Plan).await?;
+        (status == "pending" && attempts == 1).then_some(())
+    })
+    .await;
+    let receipt = PlanReceipt {
+        adds: 1,
+        changes: 0,
+        deletes: 0,
+        replaces: 0,
+        resources: vec![],
+        ignored: vec![],
+        inputs_hash: "h".repeat(64),
+        program_version: format!("abcdef1{}", "0".repeat(33)),
+        runner: "fake".to_string(),
+        runner_version: "1".to_string(),
+        policy: Some(PolicyDecision {
+            decision: PolicyOutcome::Allow,
+            evidence: vec!["non-production".to_string()],
+        }),
+        warnings: vec![],
+    };
+    w.runs()
+        .execute(
+            &tenant(),
+            &id.to_string(),
+            RunCommand::RecordPlan {
+                receipt: Box::new(receipt),
+                logs_ref: None,
+                at: Utc::now(),
+            },
+            &meta("planner"),
+            false,
+        )
+        .await
+        .unwrap();
+    // The retry does not plan again: it takes the recorded plan's next step, the apply (whose
+    // check before the runner finds this hand-made receipt stale: nothing is applied).
+    let (status, _, _) = eventually("the apply step taken and finished", || async {
+        let s = w.status(id, Step::Apply).await?;
+        (s.0 != "running" && s.0 != "pending").then_some(s)
+    })
+    .await;
+    assert_eq!(status, "failed");
+    let run = w.wait_state(id, ProvisioningState::Superseded).await;
+    assert_eq!(run.plan_receipt().unwrap().inputs_hash, "h".repeat(64));
+    assert_eq!(w.runner.applies.load(Ordering::SeqCst), 0);
+    w.stop().await;
 }
 
 #[tokio::test]

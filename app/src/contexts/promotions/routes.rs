@@ -905,6 +905,9 @@ pub fn routes() -> ApiRouter<AppState> {
                     .response_with::<200, Json<ReleaseView>, _>(|r| {
                         r.description("Already recorded, unchanged (201 when recorded now).")
                     })
+                    .response_with::<201, Json<ReleaseView>, _>(|r| {
+                        r.description("Recorded now.")
+                    })
                     .errors(&[400, 401, 403, 409, 415, 422])
             })
             .get_with(get_release, move |op| {
