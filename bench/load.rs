@@ -53,6 +53,10 @@ struct Args {
     /// End to end: this many runs and this many promotions, waited for until done.
     #[arg(long)]
     e2e: Option<usize>,
+    /// The health URL of the development environments promotions go to (verification
+    /// probes it; without one, the readiness gate refuses them).
+    #[arg(long)]
+    health_url: Option<String>,
     /// A prefix for the environments this invocation creates (runs may share a store).
     #[arg(long, default_value = "load")]
     prefix: String,
@@ -127,7 +131,10 @@ async fn setup(client: &Client, args: &Args, n: usize) -> Vec<String> {
             .send(
                 reqwest::Method::PUT,
                 &format!("/factory/environments/{env}"),
-                Some(json!({"environmentClass": "development"})),
+                Some(match &args.health_url {
+                    Some(url) => json!({"environmentClass": "development", "healthUrl": url}),
+                    None => json!({"environmentClass": "development"}),
+                }),
             )
             .await
             .unwrap();
@@ -174,27 +181,35 @@ async fn mix(client: Arc<Client>, args: &Args) {
         token: client.token.clone(),
     });
     let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<LagProbe>();
+    // Each probe polls on its own (a queue of probes would add its waiting to the lag).
     let lag_task = tokio::spawn(async move {
-        let mut lags = Vec::new();
-        let mut unseen = 0u64;
+        let mut probes = tokio::task::JoinSet::new();
         while let Some(probe) = probe_rx.recv().await {
-            let give_up = probe.answered + Duration::from_secs(10);
-            loop {
-                let seen = reader
-                    .send(reqwest::Method::GET, &probe.url, None)
-                    .await
-                    .is_ok_and(|(s, v)| {
-                        s == 200 && v.pointer(probe.pointer) == Some(&probe.expect)
-                    });
-                if seen {
-                    lags.push(probe.answered.elapsed());
-                    break;
+            let reader = reader.clone();
+            probes.spawn(async move {
+                let give_up = probe.answered + Duration::from_secs(10);
+                loop {
+                    let seen = reader
+                        .send(reqwest::Method::GET, &probe.url, None)
+                        .await
+                        .is_ok_and(|(s, v)| {
+                            s == 200 && v.pointer(probe.pointer) == Some(&probe.expect)
+                        });
+                    if seen {
+                        return Some(probe.answered.elapsed());
+                    }
+                    if Instant::now() > give_up {
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                if Instant::now() > give_up {
-                    unseen += 1;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
+            });
+        }
+        let (mut lags, mut unseen) = (Vec::new(), 0u64);
+        while let Some(done) = probes.join_next().await {
+            match done.unwrap() {
+                Some(lag) => lags.push(lag),
+                None => unseen += 1,
             }
         }
         (lags, unseen)
@@ -342,6 +357,12 @@ async fn end_to_end(client: Arc<Client>, args: &Args, count: usize) {
         );
         tasks.push(tokio::spawn(async move {
             let env = format!("{prefix}-e2e-{c}");
+            let (s, v) = client
+                .send(reqwest::Method::PUT, &format!("/factory/environments/{env}"),
+                    Some(json!({"environmentClass": "development"})))
+                .await
+                .unwrap();
+            assert!(s < 300, "environment {env}: {s} {v}");
             let (s, spec) = client
                 .send(reqwest::Method::POST, "/factory/provisioning/specifications",
                     Some(json!({"environmentId": env, "projectId": prefix, "kind": "Workload",

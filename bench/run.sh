@@ -58,7 +58,7 @@ serve() {
   done
   echo "ferry serve ($name) did not come up" >&2; return 1
 }
-load() { "$BIN/load" --base "$BASE" --token "$TOKEN" "$@"; }
+load() { "$BIN/examples/load" --base "$BASE" --token "$TOKEN" "$@"; }
 rss_peak_mb() { awk '/VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 
 # (a) The physical limit: one-row inserts into a table shaped like Ferry's events table.
@@ -108,7 +108,7 @@ stop_server
 for tasks in 1 8 32; do
   step "(h) plain cqrs-es 0.5 + postgres-es, $tasks tasks"
   fresh_db ferry_bench_peer
-  "$BIN/peer" "$PG/ferry_bench_peer" "$tasks" "$DURATION" >"$work/h-$tasks.json"
+  "$BIN/examples/peer" "$PG/ferry_bench_peer" "$tasks" "$DURATION" >"$work/h-$tasks.json"
   cat "$work/h-$tasks.json" >&2
 done
 dropdb --force ferry_bench_peer
@@ -133,15 +133,15 @@ git -C "$programs/$TENANT/infra" -c user.name=bench -c user.email=bench@example.
 commit=$(git -C "$programs/$TENANT/infra" rev-parse HEAD)
 serve e2e DATABASE_URL="$PG/ferry_bench_e2e" FERRY_DATA_DIR="$work/e2e" \
   FERRY_TENANT_PROGRAM_ROOTS="$programs/{tenant}" FERRY_VERIFICATION_WINDOW=1s
-load --e2e "$E2E" --program "$programs/$TENANT/infra#web" --commit "$commit" --prefix e2e >"$work/f.json"
+load --e2e "$E2E" --health-url "$BASE/healthz" --program "$programs/$TENANT/infra#web" --commit "$commit" --prefix e2e >"$work/f.json"
 stop_server
 dropdb --force ferry_bench_e2e
 
 # (e) Rebuild over a million events: the mix's events copied under other tenants.
 step "(e) seed the store to $EVENTS events"
-"$BIN/pipeline" seed "$PG/ferry_bench" "$EVENTS" "$TENANT" | tee "$work/seed.json" >&2
+"$BIN/examples/pipeline" seed "$PG/ferry_bench" "$EVENTS" "$TENANT" | tee "$work/seed.json" >&2
 psql -q -d ferry_bench -c "VACUUM ANALYZE events" >&2
-"$BIN/pipeline" scan "$PG/ferry_bench" >"$work/scan.json"
+"$BIN/examples/pipeline" scan "$PG/ferry_bench" >"$work/scan.json"
 cat "$work/scan.json" >&2
 step "(e) ferry projections rebuild"
 start=$(date +%s.%N)
@@ -173,11 +173,11 @@ p1=$(published); t1=$(date +%s.%N)
 rss_g=$(rss_peak_mb "$server")
 stop_server
 relay_rate=$(echo "($p1 - $p0) / ($t1 - $t0)" | bc)
-"$BIN/pipeline" drop-stream "$NATS" "$stream" >"$work/stream.json"
+"$BIN/examples/pipeline" drop-stream "$NATS" "$stream" >"$work/stream.json"
 cat "$work/stream.json" >&2
 bytes=$(jq .averageBytes "$work/stream.json")
 step "(d) raw JetStream publishing, $bytes-byte messages"
-"$BIN/pipeline" raw "$NATS" 20000 "$bytes" >"$work/raw.json"
+"$BIN/examples/pipeline" raw "$NATS" 20000 "$bytes" >"$work/raw.json"
 cat "$work/raw.json" >&2
 jq -n --argjson rate "$relay_rate" --slurpfile raw "$work/raw.json" \
   '{relayPerSecond: $rate, rawSequentialPerSecond: $raw[0].sequentialPerSecond,

@@ -238,9 +238,12 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     }
                 }
                 ProjectionsCommand::Rebuild { name } => {
+                    // The replay decodes every event: it must know every context's aggregates.
+                    let contexts = Contexts::builtin();
+                    contexts.register_aggregates();
                     let reports = ferry_projections::rebuild::rebuild_named(
                         &db,
-                        &Contexts::builtin().projections(),
+                        &contexts.projections(),
                         name.as_deref(),
                     )
                     .await?;

@@ -145,6 +145,17 @@ async fn projections_are_inspected_and_rebuilt_while_the_server_answers() {
             201
         );
     }
+    // A registered environment: the rebuild must know every context's aggregates.
+    let admin = token("acme", "platform", &[READ, APPLY], &["PlatformAdmin"]);
+    let r = s
+        .client
+        .put(s.url("/factory/environments/dev"))
+        .bearer_auth(admin)
+        .json(&json!({"environmentClass": "development"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response(r).await.0, 201);
     let (_, before) = s.get(&alice, "/factory/provisioning/runs").await;
 
     let data = s.data_dir.path().to_path_buf();
