@@ -825,7 +825,7 @@ impl Report {
 async fn lagging(db: &PgPool) -> Result<Vec<(String, i64)>, Error> {
     let end: Option<(i64, i64)> = sqlx::query_as(
         "SELECT transaction_id::text::bigint, global_position FROM events
-          ORDER BY transaction_id DESC, global_position DESC LIMIT 1",
+          ORDER BY events.transaction_id DESC, events.global_position DESC LIMIT 1",
     )
     .fetch_optional(db)
     .await?;

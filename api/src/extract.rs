@@ -48,7 +48,7 @@ pub fn parse_body<T: DeserializeOwned>(
     if !is_json(headers) {
         return Err(ApiError::UnsupportedMediaType);
     }
-    let raw: Value =
+    let StrictValue(raw) =
         serde_json::from_slice(bytes).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let value = serde_path_to_error::deserialize(raw.clone()).map_err(|e| {
         let path = e.path().to_string();
@@ -72,6 +72,72 @@ pub fn parse_body<T: DeserializeOwned>(
         ApiError::Unprocessable(vec![FieldError::new(field, message)])
     })?;
     Ok(Some(ValidJson { value, raw }))
+}
+
+/// A JSON document in which no object repeats a key. serde_json keeps the last of
+/// repeated keys, so `{"decision":"reject","decision":"approve"}` would read as one thing
+/// to Ferry and as another to a proxy or log reader that keeps the first: such a body is
+/// malformed.
+struct StrictValue(Value);
+
+impl<'de> serde::Deserialize<'de> for StrictValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let StrictValue(value) = map.next_value()?;
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!(
+                    "the key {key:?} appears twice in one object"
+                )));
+            }
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
 }
 
 impl<T: DeserializeOwned + Send> FromRequest<AppState> for ValidJson<T> {
@@ -319,5 +385,44 @@ impl IdempotentRequest<'_> {
                 Err(ApiError::IdempotencyMismatch(self.key.to_string()))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json_headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h
+    }
+
+    #[test]
+    fn a_key_repeated_in_one_object_is_malformed_at_any_depth() {
+        let parse = |body: &str| parse_body::<Value>(&json_headers(), body.as_bytes(), false);
+        for body in [
+            r#"{"decision":"reject","decision":"approve"}"#,
+            r#"{"a":{"b":1,"b":2}}"#,
+            r#"[{"x":[{"k":1,"k":1}]}]"#,
+        ] {
+            match parse(body) {
+                Err(ApiError::MalformedJson(m)) => assert!(m.contains("twice"), "{m}"),
+                other => panic!("{body}: {:?}", other.map(|v| v.map(|v| v.raw))),
+            }
+        }
+        let fine = parse(r#"{"a":{"b":1},"b":[1,2.5,"x",null,true,{"b":1}]}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(fine.raw["b"][1], 2.5);
+        assert_eq!(fine.raw["a"]["b"], 1);
+        // The depth limit still holds.
+        assert!(matches!(
+            parse(&format!("{}{}", "[".repeat(10_000), "]".repeat(10_000))),
+            Err(ApiError::MalformedJson(_))
+        ));
     }
 }

@@ -1,10 +1,11 @@
-//! Rebuilding a projection while the service keeps answering.
+//! Rebuilding projections while the service keeps answering.
 //!
-//! 1. Fresh `<table>_rebuild` tables are filled by replaying the whole stream under their
-//!    own checkpoint, while the live projection and the API carry on.
-//! 2. One transaction takes the live checkpoint (pausing the live projection), replays the
+//! 1. Fresh `<table>_rebuild` tables of every projection being rebuilt are filled by
+//!    replaying the whole stream under checkpoints of their own, while the live projections
+//!    and the API carry on.
+//! 2. One transaction takes the live checkpoints (pausing the live projections), replays the
 //!    tail that arrived meanwhile, renames the fresh tables into place, drops the old ones
-//!    and moves the live checkpoint to where the replay ended. Readers see either the old
+//!    and moves the live checkpoints to where the replay ended. Readers see either the old
 //!    tables or the new ones, never a half-built one.
 
 use crate::projection::{Projection, ProjectionRunner};
@@ -54,6 +55,13 @@ pub enum RebuildError {
 
 const SUFFIX: &str = "_rebuild";
 
+/// Events per transaction while replaying into the fresh tables: nobody else waits on
+/// them, so larger transactions only save commits.
+const REBUILD_BATCH: i64 = 2048;
+
+/// How often (in events) a long replay reports its progress.
+const PROGRESS_EVERY: usize = 100_000;
+
 /// Does a table exist?
 pub async fn table_exists(tx: &mut Tx, name: &str) -> Result<bool, sqlx::Error> {
     let sql = match tx.backend() {
@@ -68,81 +76,138 @@ pub async fn table_exists(tx: &mut Tx, name: &str) -> Result<bool, sqlx::Error> 
     Ok(found.and_then(|v| v.as_bool()).unwrap_or(false))
 }
 
-/// Rebuilds one projection and swaps it in.
+/// Replays the stream into one projection's fresh tables, batch by batch, reporting progress.
+async fn replay(db: &Database, fresh: &ProjectionRunner) -> Result<usize, RebuildError> {
+    let started = std::time::Instant::now();
+    let mut events = 0;
+    loop {
+        let n = stream::run_batch_of(db, fresh, REBUILD_BATCH).await?;
+        events += n;
+        if n < REBUILD_BATCH as usize {
+            return Ok(events);
+        }
+        if events % PROGRESS_EVERY < REBUILD_BATCH as usize {
+            let rate = events as f64 / started.elapsed().as_secs_f64().max(0.001);
+            tracing::info!(
+                projection = fresh.projection().name(),
+                events,
+                per_second = rate.round(),
+                "replaying"
+            );
+        }
+    }
+}
+
+/// Rebuilds `projections` and swaps them in together. On Postgres their replays run side
+/// by side (each on its own connection and checkpoint); SQLite has one writer, so there
+/// they run one after the other.
 pub async fn rebuild(
     db: &Database,
-    projection: Arc<dyn Projection>,
-) -> Result<RebuildReport, RebuildError> {
-    let name = projection.name();
-    let live = ProjectionRunner::live(projection.clone());
-    live.ensure_tables(db).await?;
-    let fresh = ProjectionRunner::with_suffix(projection.clone(), SUFFIX);
+    projections: &[Arc<dyn Projection>],
+) -> Result<Vec<RebuildReport>, RebuildError> {
+    let mut lives = Vec::with_capacity(projections.len());
+    for projection in projections {
+        let live = ProjectionRunner::live(projection.clone());
+        live.ensure_tables(db).await?;
+        lives.push(live);
+    }
+    let fresh: Vec<ProjectionRunner> = projections
+        .iter()
+        .map(|p| ProjectionRunner::with_suffix(p.clone(), SUFFIX))
+        .collect();
     let token = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
 
     // Start from nothing: leftovers of an interrupted rebuild are dropped.
     let mut tx = Tx::begin(db).await?;
-    for spec in projection.tables() {
-        let sql = format!("DROP TABLE IF EXISTS {}", fresh.tables().get(spec.base));
-        tx.execute(&sql, &[]).await?;
-    }
-    tx.execute(
-        "DELETE FROM subscription_checkpoints WHERE name = $1",
-        &[Param::Text(Some(fresh.name().to_string()))],
-    )
-    .await?;
-    for sql in fresh.create_statements(db.backend(), &token) {
-        tx.execute(&sql, &[]).await?;
-    }
-    tx.commit().await?;
-    tracing::info!(projection = name, "replaying the stream into fresh tables");
-    let mut events = stream::catch_up(db, &fresh).await?;
-
-    // Swap: hold the live checkpoint, replay the tail, rename, move the checkpoint.
-    let mut tx = Tx::begin(db).await?;
-    let live_position = tx.claim_checkpoint(live.name()).await?;
-    let mut position = tx.claim_checkpoint(fresh.name()).await?;
-    loop {
-        let batch = tx.read_batch(position, BATCH_SIZE).await?;
-        let Some(last) = batch.last().map(|e| e.position) else {
-            break;
-        };
-        for event in &batch {
-            fresh.handle(&mut tx, event).await?;
+    for runner in &fresh {
+        for spec in runner.projection().tables() {
+            let sql = format!("DROP TABLE IF EXISTS {}", runner.tables().get(spec.base));
+            tx.execute(&sql, &[]).await?;
         }
-        events += batch.len();
-        position = last;
-    }
-    if position < live_position {
-        return Err(RebuildError::Behind {
-            rebuilt: position,
-            live: live_position,
-        });
-    }
-    for spec in projection.tables() {
-        let old = format!("{}_old_{token}", spec.base);
-        let rebuilt = fresh.tables().get(spec.base);
-        tx.execute(&format!("ALTER TABLE {} RENAME TO {old}", spec.base), &[])
-            .await?;
         tx.execute(
-            &format!("ALTER TABLE {rebuilt} RENAME TO {}", spec.base),
-            &[],
+            "DELETE FROM subscription_checkpoints WHERE name = $1",
+            &[Param::Text(Some(runner.name().to_string()))],
         )
         .await?;
-        tx.execute(&format!("DROP TABLE {old}"), &[]).await?;
+        for sql in runner.create_statements(db.backend(), &token) {
+            tx.execute(&sql, &[]).await?;
+        }
     }
-    tx.save_checkpoint(live.name(), position).await?;
-    tx.execute(
-        "DELETE FROM subscription_checkpoints WHERE name = $1",
-        &[Param::Text(Some(fresh.name().to_string()))],
-    )
-    .await?;
     tx.commit().await?;
-    tracing::info!(projection = name, events, "rebuilt and swapped");
-    Ok(RebuildReport {
-        projection: name.to_string(),
-        events,
-        position,
-    })
+    let names: Vec<&str> = projections.iter().map(|p| p.name()).collect();
+    tracing::info!(projections = ?names, "replaying the stream into fresh tables");
+    let mut events = match db.backend() {
+        Backend::Postgres => {
+            futures::future::try_join_all(fresh.iter().map(|runner| replay(db, runner))).await?
+        }
+        Backend::Sqlite => {
+            let mut counts = Vec::with_capacity(fresh.len());
+            for runner in &fresh {
+                counts.push(replay(db, runner).await?);
+            }
+            counts
+        }
+    };
+
+    // Swap: hold the live checkpoints, replay the tails, rename, move the checkpoints.
+    let mut tx = Tx::begin(db).await?;
+    let mut positions = Vec::with_capacity(fresh.len());
+    for ((live, runner), count) in lives.iter().zip(&fresh).zip(&mut events) {
+        let live_position = tx.claim_checkpoint(live.name()).await?;
+        let mut position = tx.claim_checkpoint(runner.name()).await?;
+        loop {
+            let batch = tx.read_batch(position, BATCH_SIZE).await?;
+            let Some(last) = batch.last().map(|e| e.position) else {
+                break;
+            };
+            for event in &batch {
+                runner.handle(&mut tx, event).await?;
+            }
+            *count += batch.len();
+            position = last;
+        }
+        if position < live_position {
+            return Err(RebuildError::Behind {
+                rebuilt: position,
+                live: live_position,
+            });
+        }
+        positions.push(position);
+    }
+    for runner in &fresh {
+        for spec in runner.projection().tables() {
+            let old = format!("{}_old_{token}", spec.base);
+            let rebuilt = runner.tables().get(spec.base);
+            tx.execute(&format!("ALTER TABLE {} RENAME TO {old}", spec.base), &[])
+                .await?;
+            tx.execute(
+                &format!("ALTER TABLE {rebuilt} RENAME TO {}", spec.base),
+                &[],
+            )
+            .await?;
+            tx.execute(&format!("DROP TABLE {old}"), &[]).await?;
+        }
+    }
+    for ((live, runner), position) in lives.iter().zip(&fresh).zip(&positions) {
+        tx.save_checkpoint(live.name(), *position).await?;
+        tx.execute(
+            "DELETE FROM subscription_checkpoints WHERE name = $1",
+            &[Param::Text(Some(runner.name().to_string()))],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    tracing::info!(projections = ?names, ?events, "rebuilt and swapped");
+    Ok(names
+        .iter()
+        .zip(events)
+        .zip(positions)
+        .map(|((name, events), position)| RebuildReport {
+            projection: name.to_string(),
+            events,
+            position,
+        })
+        .collect())
 }
 
 /// Rebuilds the projection of `projections` named `name`, or all of them.
@@ -168,9 +233,5 @@ pub async fn rebuild_named(
             found
         }
     };
-    let mut reports = Vec::new();
-    for projection in chosen {
-        reports.push(rebuild(db, projection).await?);
-    }
-    Ok(reports)
+    rebuild(db, &chosen).await
 }

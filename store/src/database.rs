@@ -205,6 +205,21 @@ impl Database {
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .acquire_timeout(store.acquire_timeout)
+            // A future dropped inside sqlx's `begin_with` (a client that leaves while its
+            // request waits for the write lock) can hand the connection back still inside
+            // its `BEGIN IMMEDIATE`, holding the write lock with no guard to release it.
+            // Such a connection is closed (which rolls back) instead of reused. The ping
+            // first lets the rollback of a normally dropped transaction finish.
+            .after_release(|conn, _| {
+                Box::pin(async move {
+                    sqlx::Connection::ping(&mut *conn).await?;
+                    let depth = <sqlx::sqlite::SqliteTransactionManager as sqlx::TransactionManager>::get_transaction_depth(conn);
+                    if depth > 0 {
+                        tracing::warn!(depth, "closing a SQLite connection returned inside a transaction");
+                    }
+                    Ok(depth == 0)
+                })
+            })
             .connect_with(options)
             .await
             .map_err(|source| DatabaseError::Connect { target, source })?;
@@ -262,6 +277,26 @@ impl Database {
     /// Rewrites `$1`-style placeholders for SQLite (`?1`), so that one SQL text serves both.
     pub fn sql<'a>(&self, text: &'a str) -> Cow<'a, str> {
         sql_for(self.backend(), text)
+    }
+
+    /// Runs one statement written with `$n` placeholders on its own (its own transaction);
+    /// returns the rows affected.
+    pub async fn execute(
+        &self,
+        sql: &str,
+        params: &[crate::stream::Param],
+    ) -> Result<u64, sqlx::Error> {
+        let sql = self.sql(sql);
+        Ok(match &self.pool {
+            Pool::Postgres(p) => crate::bind_params!(sqlx::query(&sql), params)
+                .execute(p)
+                .await?
+                .rows_affected(),
+            Pool::Sqlite(p) => crate::bind_params!(sqlx::query(&sql), params)
+                .execute(p)
+                .await?
+                .rows_affected(),
+        })
     }
 
     /// True when the store answers a trivial query.

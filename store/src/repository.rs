@@ -309,8 +309,9 @@ where
     }
 
     /// Inserts `events` after `current_sequence` (the columns postgres-es and sqlite-es
-    /// write; the stream columns take their defaults) and runs `linked`, in one transaction.
-    /// The events are the transaction's first write (the global stream relies on it).
+    /// write; the stream columns take their defaults) and runs `linked`, atomically. The
+    /// events are one statement, the transaction's first write (the global stream relies on
+    /// it); without a linked write that statement is the whole transaction, one round trip.
     async fn commit(
         &self,
         id: &str,
@@ -322,32 +323,57 @@ where
         let sql = CommandError::from_sql;
         let serialize = |e: serde_json::Error| CommandError::store(e);
         let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
-        let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
+        let mut insert = String::from(
+            "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) VALUES ",
+        );
+        let mut params = Vec::with_capacity(events.len() * 7);
         for (offset, event) in events.iter().enumerate() {
             let sequence =
                 i64::try_from(current_sequence + offset + 1).map_err(CommandError::store)?;
-            tx.execute(
-                "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                &[
-                    Param::Text(Some(A::TYPE.to_string())),
-                    Param::Text(Some(id.to_string())),
-                    Param::Int(Some(sequence)),
-                    Param::Text(Some(event.event_type())),
-                    Param::Text(Some(event.event_version())),
-                    Param::Json(Some(serde_json::to_value(event).map_err(serialize)?)),
-                    Param::Json(Some(metadata.clone())),
-                ],
-            )
-            .await
-            .map_err(sql)?;
-        }
-        if let Some(write) = linked {
-            let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
-            if affected != write.expect_rows {
-                // Dropping the transaction rolls the events back with it.
-                return Err(CommandError::Conflict);
+            let n = offset * 7;
+            if offset > 0 {
+                insert.push_str(", ");
             }
+            // Rows take their global positions in the order they are listed.
+            insert.push_str(&format!(
+                "(${}, ${}, ${}, ${}, ${}, ${}, ${})",
+                n + 1,
+                n + 2,
+                n + 3,
+                n + 4,
+                n + 5,
+                n + 6,
+                n + 7
+            ));
+            params.extend([
+                Param::Text(Some(A::TYPE.to_string())),
+                Param::Text(Some(id.to_string())),
+                Param::Int(Some(sequence)),
+                Param::Text(Some(event.event_type())),
+                Param::Text(Some(event.event_version())),
+                Param::Json(Some(serde_json::to_value(event).map_err(serialize)?)),
+                Param::Json(Some(metadata.clone())),
+            ]);
+        }
+        let Some(write) = linked else {
+            if events.is_empty() {
+                return Ok(());
+            }
+            return self
+                .db
+                .execute(&insert, &params)
+                .await
+                .map(drop)
+                .map_err(sql);
+        };
+        let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
+        if !events.is_empty() {
+            tx.execute(&insert, &params).await.map_err(sql)?;
+        }
+        let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
+        if affected != write.expect_rows {
+            // Dropping the transaction rolls the events back with it.
+            return Err(CommandError::Conflict);
         }
         tx.commit().await.map_err(sql)
     }

@@ -103,13 +103,16 @@ macro_rules! bind_params {
     }};
 }
 
-const PG_BATCH: &str = "
+// The ORDER BY names the table's columns: a bare `transaction_id` would mean the output
+// column of that name (the `::bigint` cast above), which no index serves, and every batch
+// would sort the whole table.
+pub(crate) const PG_BATCH: &str = "
 SELECT global_position, transaction_id::text::bigint AS transaction_id, event_id::text AS event_id,
        aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata, recorded_at
   FROM events
  WHERE (transaction_id, global_position) > ($1::text::xid8, $2)
    AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
- ORDER BY transaction_id, global_position
+ ORDER BY events.transaction_id, events.global_position
  LIMIT $3";
 
 const SQLITE_BATCH: &str = "
@@ -241,22 +244,48 @@ impl Tx {
     /// Postgres, and on SQLite this first write takes the database's write lock, so two
     /// runners of one subscription never handle the same batch.
     pub async fn claim_checkpoint(&mut self, name: &str) -> Result<Position, sqlx::Error> {
-        self.execute(
-            "INSERT INTO subscription_checkpoints (name) VALUES ($1) ON CONFLICT (name) DO NOTHING",
-            &[Param::Text(Some(name.to_string()))],
-        )
-        .await?;
         let sql = "UPDATE subscription_checkpoints SET updated_at = updated_at WHERE name = $1
                    RETURNING transaction_id, global_position";
         let sql = crate::database::sql_for(self.backend(), sql);
-        let (transaction_id, global_position): (i64, i64) = match self {
-            Tx::Postgres(t) => sqlx::query_as(&sql).bind(name).fetch_one(&mut **t).await?,
-            Tx::Sqlite(t) => sqlx::query_as(&sql).bind(name).fetch_one(&mut **t).await?,
+        // The row nearly always exists: one round trip; the first time, create it and claim.
+        let (transaction_id, global_position) = match self.claim_existing(&sql, name).await? {
+            Some(found) => found,
+            None => {
+                self.execute(
+                    "INSERT INTO subscription_checkpoints (name) VALUES ($1) ON CONFLICT (name) DO NOTHING",
+                    &[Param::Text(Some(name.to_string()))],
+                )
+                .await?;
+                self.claim_existing(&sql, name)
+                    .await?
+                    .ok_or(sqlx::Error::RowNotFound)?
+            }
         };
         Ok(Position {
             transaction_id,
             global_position,
         })
+    }
+
+    async fn claim_existing(
+        &mut self,
+        sql: &str,
+        name: &str,
+    ) -> Result<Option<(i64, i64)>, sqlx::Error> {
+        match self {
+            Tx::Postgres(t) => {
+                sqlx::query_as(sql)
+                    .bind(name)
+                    .fetch_optional(&mut **t)
+                    .await
+            }
+            Tx::Sqlite(t) => {
+                sqlx::query_as(sql)
+                    .bind(name)
+                    .fetch_optional(&mut **t)
+                    .await
+            }
+        }
     }
 
     /// Moves the subscription's checkpoint (call after [`Tx::claim_checkpoint`]).
@@ -326,10 +355,29 @@ pub async fn read_after(
     after: Position,
     limit: i64,
 ) -> Result<Vec<StoredEvent>, sqlx::Error> {
-    let mut tx = Tx::begin(db).await?;
-    let events = tx.read_batch(after, limit).await?;
-    tx.commit().await?;
-    Ok(events)
+    // One statement on the pool, outside any transaction: it sees one snapshot on either
+    // engine, and a caller that drops this future (a client leaving the SSE stream) cannot
+    // hand a connection back to the pool inside an open transaction (which, on SQLite,
+    // would keep the write lock from every other writer).
+    match db.pool() {
+        Pool::Postgres(p) => sqlx::query(PG_BATCH)
+            .bind(after.transaction_id.to_string())
+            .bind(after.global_position)
+            .bind(limit)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(pg_event)
+            .collect(),
+        Pool::Sqlite(p) => sqlx::query(SQLITE_BATCH)
+            .bind(after.global_position)
+            .bind(limit)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(sqlite_event)
+            .collect(),
+    }
 }
 
 /// A subscription's progress, for `ferry projections status` and `/readyz`.
@@ -608,9 +656,18 @@ pub const BATCH_SIZE: i64 = 256;
 
 /// Handles one batch; returns how many events it took.
 pub async fn run_batch(db: &Database, handler: &dyn Handler) -> Result<usize, HandlerError> {
+    run_batch_of(db, handler, BATCH_SIZE).await
+}
+
+/// Handles one batch of at most `limit` events in one transaction; returns how many it took.
+pub async fn run_batch_of(
+    db: &Database,
+    handler: &dyn Handler,
+    limit: i64,
+) -> Result<usize, HandlerError> {
     let mut tx = Tx::begin(db).await?;
     let from = tx.claim_checkpoint(handler.name()).await?;
-    let events = tx.read_batch(from, BATCH_SIZE).await?;
+    let events = tx.read_batch(from, limit).await?;
     let Some(last) = events.last().map(|e| e.position) else {
         tx.commit().await?;
         return Ok(0);

@@ -355,3 +355,77 @@ crate::test_on_both_engines! {
         t.cleanup().await;
     }
 }
+
+/// A connection handed back to the pool inside a transaction (what a future cancelled in
+/// sqlx's `begin_with` leaves behind) is closed, not reused: the write lock it held is
+/// released at once and the next transaction on the pool begins normally.
+#[tokio::test]
+async fn a_connection_returned_inside_a_transaction_is_not_reused() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let options = crate::database::StoreOptions {
+        sqlite_busy_timeout: std::time::Duration::from_millis(500),
+        ..Default::default()
+    };
+    let db = crate::Database::open_sqlite_file_with(&dir.path().join("ferry.db"), &options)
+        .await
+        .unwrap();
+    let Pool::Sqlite(pool) = db.pool() else {
+        unreachable!()
+    };
+    sqlx::query("CREATE TABLE t (x integer)")
+        .execute(pool)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let mut conn = pool.acquire().await.unwrap();
+        let tx = conn.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        // The state a cancelled begin leaves: a transaction with no guard to end it.
+        std::mem::forget(tx);
+        drop(conn);
+        let mut tx = Tx::begin(&db).await.expect("the write lock was released");
+        tx.execute("INSERT INTO t (x) VALUES (1)", &[])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM t")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 3);
+}
+
+/// A subscription's batch read walks the stream-order index from its checkpoint: it never
+/// sorts the table (which, at a million events, took seconds per batch).
+#[tokio::test]
+async fn the_batch_read_walks_the_stream_order_index() {
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let Pool::Postgres(pool) = t.db.pool().clone() else {
+        unreachable!()
+    };
+    let mut tx = pool.begin().await.unwrap();
+    // The table is small: forbid the scans that a sort would follow, so that the plan is
+    // the one a large table gets.
+    for setting in ["enable_seqscan", "enable_bitmapscan"] {
+        sqlx::query(&format!("SET LOCAL {setting} = off"))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    let (plan,): (serde_json::Value,) = sqlx::query_as(&format!(
+        "EXPLAIN (FORMAT JSON) {}",
+        crate::stream::PG_BATCH
+    ))
+    .bind("0")
+    .bind(0i64)
+    .bind(256i64)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let plan = plan.to_string();
+    assert!(plan.contains("events_stream_order"), "{plan}");
+    assert!(!plan.contains("\"Sort\""), "{plan}");
+    drop(tx);
+    t.cleanup().await;
+}
