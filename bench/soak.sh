@@ -13,6 +13,9 @@
 #   SOAK_EVENTS=200000      stop writing once the store holds this many events
 #   SOAK_MAX_SECONDS=2400   ... or after this long, whichever comes first
 #   SOAK_WRITERS=32         concurrent writers
+#   SOAK_DEV_ENVS=24 SOAK_PROD_ENVS=8   environments the writers declare into: each holds one
+#                           specification whose every version a declaration re-reads, so
+#                           few environments make long histories and a falling write rate
 #   SOAK_KILL_MIN=20 SOAK_KILL_MAX=40   seconds between two faults
 #   SOAK_MIN_KILLS=3        Ferry kills before the writers may stop
 #   SOAK_PG=postgres://postgres@127.0.0.1:5432   Postgres server (a soak_* database is made)
@@ -28,6 +31,8 @@ ROOT=$PWD
 SOAK_EVENTS=${SOAK_EVENTS:-200000}
 SOAK_MAX_SECONDS=${SOAK_MAX_SECONDS:-2400}
 SOAK_WRITERS=${SOAK_WRITERS:-32}
+SOAK_DEV_ENVS=${SOAK_DEV_ENVS:-24}
+SOAK_PROD_ENVS=${SOAK_PROD_ENVS:-8}
 SOAK_KILL_MIN=${SOAK_KILL_MIN:-20}
 SOAK_KILL_MAX=${SOAK_KILL_MAX:-40}
 SOAK_MIN_KILLS=${SOAK_MIN_KILLS:-3}
@@ -137,6 +142,7 @@ WRITE_ROUNDS=0
 start_writer() { # seconds, target events (0: none)
   WRITE_ROUNDS=$((WRITE_ROUNDS + 1))
   "$SOAK" write --url "$FERRY_URL" --token "$TOKEN" --writers "$SOAK_WRITERS" \
+    --dev-envs "$SOAK_DEV_ENVS" --prod-envs "$SOAK_PROD_ENVS" \
     --target-events "$2" --duration-secs "$1" --database-url "$DATABASE_URL" \
     --records "$RECORDS" --errors "$WORK/errors.jsonl" \
     --program-ref "$REPO#web" --program-version "$COMMIT" --health-url "$FERRY_URL/healthz" \
