@@ -316,23 +316,8 @@ impl Tx {
         limit: i64,
     ) -> Result<Vec<StoredEvent>, sqlx::Error> {
         match self {
-            Tx::Postgres(t) => sqlx::query(PG_BATCH)
-                .bind(after.transaction_id.to_string())
-                .bind(after.global_position)
-                .bind(limit)
-                .fetch_all(&mut **t)
-                .await?
-                .iter()
-                .map(pg_event)
-                .collect(),
-            Tx::Sqlite(t) => sqlx::query(SQLITE_BATCH)
-                .bind(after.global_position)
-                .bind(limit)
-                .fetch_all(&mut **t)
-                .await?
-                .iter()
-                .map(sqlite_event)
-                .collect(),
+            Tx::Postgres(t) => read_pg(&mut **t, after, limit).await,
+            Tx::Sqlite(t) => read_sqlite(&mut **t, after, limit).await,
         }
     }
 }
@@ -360,24 +345,42 @@ pub async fn read_after(
     // hand a connection back to the pool inside an open transaction (which, on SQLite,
     // would keep the write lock from every other writer).
     match db.pool() {
-        Pool::Postgres(p) => sqlx::query(PG_BATCH)
-            .bind(after.transaction_id.to_string())
-            .bind(after.global_position)
-            .bind(limit)
-            .fetch_all(p)
-            .await?
-            .iter()
-            .map(pg_event)
-            .collect(),
-        Pool::Sqlite(p) => sqlx::query(SQLITE_BATCH)
-            .bind(after.global_position)
-            .bind(limit)
-            .fetch_all(p)
-            .await?
-            .iter()
-            .map(sqlite_event)
-            .collect(),
+        Pool::Postgres(p) => read_pg(p, after, limit).await,
+        Pool::Sqlite(p) => read_sqlite(p, after, limit).await,
     }
+}
+
+/// The stream's batch read on Postgres, in a transaction or on the pool.
+async fn read_pg<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    after: Position,
+    limit: i64,
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
+    sqlx::query(PG_BATCH)
+        .bind(after.transaction_id.to_string())
+        .bind(after.global_position)
+        .bind(limit)
+        .fetch_all(executor)
+        .await?
+        .iter()
+        .map(pg_event)
+        .collect()
+}
+
+/// The stream's batch read on SQLite, in a transaction or on the pool.
+async fn read_sqlite<'e>(
+    executor: impl sqlx::SqliteExecutor<'e>,
+    after: Position,
+    limit: i64,
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
+    sqlx::query(SQLITE_BATCH)
+        .bind(after.global_position)
+        .bind(limit)
+        .fetch_all(executor)
+        .await?
+        .iter()
+        .map(sqlite_event)
+        .collect()
 }
 
 /// A subscription's progress, for `ferry projections status` and `/readyz`.
