@@ -397,7 +397,7 @@ pub async fn plan_provisioning(
         )
         .await;
     let view = match result {
-        Ok(done) => fold(&done.history)?,
+        Ok(done) => fold(done.history.as_deref())?,
         // Another request with this key created the run first (it committed before us, or
         // concurrently): answer with that run.
         Err(
@@ -409,7 +409,7 @@ pub async fn plan_provisioning(
                 .load_events(&caller.tenant, &run_id.to_string())
                 .await?
             {
-                Some(history) => fold(&history)?,
+                Some(history) => fold(Some(&history))?,
                 None => return Err(e.into()),
             }
         }
@@ -443,9 +443,10 @@ pub async fn plan_provisioning(
     ))
 }
 
-fn fold(history: &[ferry_domain::run::RunEvent]) -> Result<RunView, ApiError> {
-    RunView::from_events(history)
-        .ok_or_else(|| ApiError::internal("run history does not start with a request"))
+fn fold(history: Option<&[ferry_domain::run::RunEvent]>) -> Result<RunView, ApiError> {
+    history
+        .and_then(RunView::from_events)
+        .ok_or_else(|| ApiError::internal("run history missing or not starting with a request"))
 }
 
 async fn run_command(
@@ -472,7 +473,7 @@ async fn run_command(
             }
             other => other.into(),
         })?;
-    let view = fold(&done.history)?;
+    let view = fold(done.history.as_deref())?;
     if !done.events.is_empty() {
         state.telemetry().run_reached(
             caller.tenant.as_str(),

@@ -55,7 +55,8 @@ impl AppState {
         Self {
             inner: Arc::new(Inner {
                 specifications: Repository::new(db.clone(), ()),
-                runs: Repository::new(db.clone(), ()),
+                // The run routes answer with the view folded from the run's events.
+                runs: Repository::with_history(db.clone(), ()),
                 environments: Repository::new(db.clone(), ()),
                 db,
                 reads,

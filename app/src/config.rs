@@ -118,6 +118,10 @@ pub struct Config {
     /// A transaction holding the global stream back longer than this is named by `/readyz`
     /// and `ferry projections status` (`FERRY_STREAM_HOLD_WARN_MS`).
     pub stream_hold_warn: Duration,
+    /// Events' worth of aggregates kept in memory per aggregate type, so that a command
+    /// reads only the events after them; 0 turns the cache off
+    /// (`FERRY_AGGREGATE_CACHE_EVENTS`).
+    pub aggregate_cache_events: usize,
     /// How long a worker's claim on a step lasts without renewal
     /// (`FERRY_WORKER_LEASE_SECONDS`).
     pub worker_lease: Duration,
@@ -390,6 +394,9 @@ settings! {
     /// A transaction holding the event stream back longer is named by `/readyz` (100 to
     /// 3600000).
     stream_hold_warn_ms: Whole = 5000;
+    /// Events' worth of aggregates each aggregate type keeps in memory, so that a command
+    /// reads only the events stored after them (0 to 10000000; 0 turns the cache off).
+    aggregate_cache_events: Whole = 100000;
     /// Absolute folders (comma-separated, or a TOML array; `{tenant}` = the tenant) that a
     /// tenant's `file://` secrets and configuration may name. A root that could hold Ferry's
     /// own files stops start-up.
@@ -942,6 +949,11 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
         store_acquire_timeout: c.millis(at!(raw.store_acquire_timeout_ms), 100, 120_000)?,
         sqlite_busy_timeout: c.millis(at!(raw.sqlite_busy_timeout_ms), 10, 120_000)?,
         stream_hold_warn: c.millis(at!(raw.stream_hold_warn_ms), 100, 3_600_000)?,
+        aggregate_cache_events: {
+            let events = c.in_range(at!(raw.aggregate_cache_events), 0, 10_000_000, "events")?;
+            usize::try_from(events)
+                .map_err(|_| c.refuse("aggregate_cache_events", "too large for this machine"))?
+        },
         worker_lease: c.seconds(at!(raw.worker_lease_seconds), 3, 3600)?,
         worker_recovery_grace: c.seconds(at!(raw.worker_recovery_grace_seconds), 0, 3600)?,
         tenant_file_roots: c.opt(at!(raw.tenant_file_roots), Check::roots)?,

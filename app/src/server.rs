@@ -160,6 +160,7 @@ pub fn store_options(config: &Config) -> ferry_store::StoreOptions {
         acquire_timeout: config.store_acquire_timeout,
         sqlite_busy_timeout: config.sqlite_busy_timeout,
         idle_in_transaction_timeout: config.idle_in_transaction_timeout,
+        aggregate_cache_events: config.aggregate_cache_events,
     }
 }
 

@@ -11,6 +11,7 @@ use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// One declared version of a specification: the payload of `SpecificationDeclared`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -131,24 +132,54 @@ pub enum SpecificationError {
     IdentityMismatch(SpecificationId),
 }
 
-/// The aggregate's state: the identity and every version.
+/// The aggregate's state: the identity and every version. The versions are shared by `Arc`
+/// so that a copy of a specification with thousands of versions (the store keeps one per
+/// cached aggregate and hands out copies) costs one small allocation, not thousands.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeploymentSpecification {
-    versions: Vec<SpecificationVersion>,
+    #[serde(with = "shared_versions")]
+    versions: Vec<Arc<SpecificationVersion>>,
 }
 
 impl DeploymentSpecification {
     /// Every version, oldest first.
-    pub fn versions(&self) -> &[SpecificationVersion] {
+    pub fn versions(&self) -> &[Arc<SpecificationVersion>] {
         &self.versions
     }
     /// The newest version.
     pub fn latest(&self) -> Option<&SpecificationVersion> {
-        self.versions.last()
+        self.versions.last().map(AsRef::as_ref)
     }
     /// One version by number.
     pub fn version(&self, number: u32) -> Option<&SpecificationVersion> {
-        self.versions.iter().find(|v| v.version == number)
+        // Versions are numbered from 1 without gaps, so the number is the index.
+        let index = usize::try_from(number).ok()?.checked_sub(1)?;
+        self.versions
+            .get(index)
+            .filter(|v| v.version == number)
+            .map(AsRef::as_ref)
+    }
+}
+
+/// Serde for the shared versions, as a plain list (serde's own `Arc` support is behind a
+/// feature that would rebuild every crate that uses serde).
+mod shared_versions {
+    use super::SpecificationVersion;
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer>(
+        versions: &[Arc<SpecificationVersion>],
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(versions.iter().map(AsRef::as_ref))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<Arc<SpecificationVersion>>, D::Error> {
+        let versions = Vec::<SpecificationVersion>::deserialize(deserializer)?;
+        Ok(versions.into_iter().map(Arc::new).collect())
     }
 }
 
@@ -222,7 +253,7 @@ impl Aggregate for DeploymentSpecification {
 
     fn apply(&mut self, event: Self::Event) {
         match event {
-            SpecificationEvent::SpecificationDeclared(v) => self.versions.push(*v),
+            SpecificationEvent::SpecificationDeclared(v) => self.versions.push(Arc::from(v)),
         }
     }
 }

@@ -2,7 +2,7 @@
 //! JetStream as a CloudEvent, exactly once per event id, in stream order, with no gap.
 //!
 //! * Each event is published with `Nats-Msg-Id` = event id, in stream order on one
-//!   connection, up to 64 PubAcks outstanding: NATS stores one connection's publishes in the
+//!   connection, up to 256 PubAcks outstanding: NATS stores one connection's publishes in the
 //!   order sent, so per-aggregate order in NATS is the store's order.
 //! * **Every publish states what must come before it**: `Nats-Expected-Last-Sequence` is the
 //!   stream sequence of the relay's previous publish (its PubAck's, or that plus the
@@ -100,7 +100,7 @@ impl Default for RelayConfig {
             source: DEFAULT_SOURCE.to_string(),
             duplicate_window: Duration::from_secs(2 * 60 * 60),
             poll: Duration::from_secs(1),
-            batch: 256,
+            batch: 1024,
             subjects: STREAM_SUBJECTS.iter().map(|s| s.to_string()).collect(),
             check_interval: Duration::from_secs(30),
             publishers: Publishers::provisioning(),
@@ -405,6 +405,9 @@ pub enum RelayError {
         /// The sequence the relay expected to follow.
         expected: u64,
     },
+    /// An aggregate's stored history has a hole where an event should be.
+    #[error("store: {0}")]
+    History(Box<ReadError>),
     /// An event could not be serialized.
     #[error("serialize: {0}")]
     Serialize(#[from] serde_json::Error),
@@ -933,16 +936,12 @@ impl Worker {
                     break;
                 }
             }
-            if predicted.is_none() || in_flight.len() >= IN_FLIGHT {
-                let keep = if predicted.is_none() {
-                    0
-                } else {
-                    IN_FLIGHT / 2
-                };
-                while in_flight.len() > keep {
-                    let first = in_flight.pop_front().expect("not empty");
-                    *done = Some(self.acknowledged(first).await?);
-                }
+            if predicted.is_none() {
+                self.settle(&mut in_flight, done).await?;
+            } else if in_flight.len() >= IN_FLIGHT {
+                // A sliding window: one PubAck out, one publish in, so the pipe stays full.
+                let first = in_flight.pop_front().expect("not empty");
+                *done = Some(self.acknowledged(first).await?);
             }
         }
         // An earlier publish's failure is the one to report.
@@ -988,6 +987,7 @@ impl Worker {
                     position: position_token(event.position),
                     source,
                 },
+                gap @ ReadError::Gap { .. } => RelayError::History(Box::new(gap)),
             })
     }
 
@@ -1062,7 +1062,7 @@ impl Worker {
 }
 
 /// PubAcks the relay waits for at most at once.
-const IN_FLIGHT: usize = 64;
+const IN_FLIGHT: usize = 256;
 
 /// A publish sent and not yet acknowledged.
 struct InFlight {

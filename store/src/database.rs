@@ -64,6 +64,7 @@ pub struct Database {
     pool: Pool,
     committed: Arc<watch::Sender<u64>>,
     health: Arc<crate::stream::SubscriptionHealth>,
+    caches: Arc<crate::cache::Caches>,
 }
 
 /// How Ferry's connections behave when the store is slow or busy.
@@ -78,7 +79,13 @@ pub struct StoreOptions {
     /// ended by the server, so that one forgotten transaction cannot hold back every
     /// subscription of the global stream.
     pub idle_in_transaction_timeout: Duration,
+    /// How many events' worth of aggregates each aggregate type keeps in this process, so
+    /// that a command reads only the events after the cached ones; 0 turns the cache off.
+    pub aggregate_cache_events: usize,
 }
+
+/// The default [`StoreOptions::aggregate_cache_events`].
+pub const DEFAULT_AGGREGATE_CACHE_EVENTS: usize = 100_000;
 
 impl Default for StoreOptions {
     fn default() -> Self {
@@ -86,6 +93,7 @@ impl Default for StoreOptions {
             acquire_timeout: Duration::from_secs(10),
             sqlite_busy_timeout: Duration::from_secs(15),
             idle_in_transaction_timeout: Duration::from_secs(60),
+            aggregate_cache_events: DEFAULT_AGGREGATE_CACHE_EVENTS,
         }
     }
 }
@@ -157,7 +165,8 @@ impl Database {
             .connect_with(connect)
             .await
             .map_err(connect_err)?;
-        Ok(Self::from_pool(Pool::Postgres(pool)))
+        Ok(Self::from_pool(Pool::Postgres(pool))
+            .with_aggregate_cache(options.aggregate_cache_events))
     }
 
     /// Opens (creating if needed) `ferry.db` in `data_dir`, in WAL mode.
@@ -223,16 +232,29 @@ impl Database {
             .connect_with(options)
             .await
             .map_err(|source| DatabaseError::Connect { target, source })?;
-        Ok(Self::from_pool(Pool::Sqlite(pool)))
+        Ok(Self::from_pool(Pool::Sqlite(pool)).with_aggregate_cache(store.aggregate_cache_events))
     }
 
-    /// Wraps an existing pool.
+    /// Wraps an existing pool, with an aggregate cache of the default size of its own (a
+    /// second `Database` over the same pool behaves as another process would).
     pub fn from_pool(pool: Pool) -> Self {
         Self {
             pool,
             committed: Arc::new(watch::channel(0).0),
             health: Arc::default(),
+            caches: Arc::new(crate::cache::Caches::new(DEFAULT_AGGREGATE_CACHE_EVENTS)),
         }
+    }
+
+    /// The same database with a fresh aggregate cache of `events` per aggregate type (0:
+    /// none).
+    pub fn with_aggregate_cache(mut self, events: usize) -> Self {
+        self.caches = Arc::new(crate::cache::Caches::new(events));
+        self
+    }
+
+    pub(crate) fn caches(&self) -> &crate::cache::Caches {
+        &self.caches
     }
 
     /// What the subscriptions of this process report about themselves (e.g. stuck on an

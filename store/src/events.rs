@@ -170,6 +170,14 @@ pub enum ReadError {
     /// An event does not decode.
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    /// An aggregate's events skip a sequence number.
+    #[error("{event} follows a gap: sequence {expected} is missing")]
+    Gap {
+        /// The first event after the gap.
+        event: Box<EventRef>,
+        /// The sequence that is missing.
+        expected: i64,
+    },
 }
 
 impl From<ReadError> for HandlerError {
@@ -177,6 +185,10 @@ impl From<ReadError> for HandlerError {
         match error {
             ReadError::Sql(e) => HandlerError::Sql(e),
             ReadError::Decode(e) => HandlerError::Decode(e),
+            gap @ ReadError::Gap { .. } => HandlerError::Record {
+                what: "an aggregate's history".to_string(),
+                source: Box::new(gap),
+            },
         }
     }
 }
@@ -460,6 +472,63 @@ pub async fn first_event<A: StoredAggregate>(
             .transpose()?,
     };
     Ok(stored.as_ref().map(decode::<A>).transpose()?)
+}
+
+const PG_AFTER: &str = "
+SELECT global_position, transaction_id::text::bigint AS transaction_id, event_id::text AS event_id,
+       aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE aggregate_type = $1 AND aggregate_id = $2 AND sequence > $3
+ ORDER BY sequence";
+
+const SQLITE_AFTER: &str = "
+SELECT global_position, 0 AS transaction_id, event_id, aggregate_type, aggregate_id, sequence,
+       event_type, event_version, payload, metadata, recorded_at
+  FROM events
+ WHERE aggregate_type = ?1 AND aggregate_id = ?2 AND sequence > ?3
+ ORDER BY sequence";
+
+/// The events of aggregate `A` with id `aggregate_id` stored after its sequence `after`
+/// (0: all of them), oldest first, decoded through `A`'s upcasters. A gap in the sequence is
+/// an error: the aggregate would be folded from a partial history.
+pub async fn events_after<A: StoredAggregate>(
+    db: &Database,
+    aggregate_id: &str,
+    after: usize,
+) -> Result<Vec<Typed<A::Event>>, ReadError> {
+    let after = i64::try_from(after).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+    let stored = match db.pool() {
+        Pool::Postgres(p) => sqlx::query(PG_AFTER)
+            .bind(A::TYPE)
+            .bind(aggregate_id)
+            .bind(after)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(pg_event)
+            .collect::<Result<Vec<_>, _>>()?,
+        Pool::Sqlite(p) => sqlx::query(SQLITE_AFTER)
+            .bind(A::TYPE)
+            .bind(aggregate_id)
+            .bind(after)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(sqlite_event)
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let upcasters = A::upcasters();
+    let mut events = Vec::with_capacity(stored.len());
+    for (expected, event) in (after + 1..).zip(&stored) {
+        if event.sequence != expected {
+            return Err(ReadError::Gap {
+                event: EventRef::of(event),
+                expected,
+            });
+        }
+        events.push(decode_with::<A>(&upcasters, event)?);
+    }
+    Ok(events)
 }
 
 #[cfg(test)]

@@ -2,15 +2,17 @@
 //!
 //! * [`Database`]: a Postgres pool (production) or an SQLite file (the embedded default),
 //!   with the migrations of `migrations/`.
-//! * [`Repository`]: loads an aggregate for a tenant, runs a command through cqrs-es's plain
-//!   event store (never its snapshot or aggregate stores, see ARCHITECTURE.md, Crates), commits with the
-//!   event metadata, and returns the new state.
+//! * [`Repository`]: loads an aggregate for a tenant (from this process's aggregate cache
+//!   plus the events stored after it), runs a command through the cqrs-es aggregate, commits
+//!   with the event metadata, and returns the new state. cqrs-es's snapshot and aggregate
+//!   stores are never used (ARCHITECTURE.md, Crates).
 //! * [`stream`]: the durable, globally ordered stream of stored events that projections and
 //!   other subscriptions read with their own checkpoints (ARCHITECTURE.md, The global stream).
 //! * [`events`]: the same events decoded once, through each aggregate's upcasters, into the
 //!   aggregate's event type; subscriptions made of one subscriber per aggregate.
 #![forbid(unsafe_code)]
 
+mod cache;
 pub mod database;
 pub mod events;
 pub mod idempotency;

@@ -1,24 +1,24 @@
 //! Runs commands against aggregates kept in the event store.
 //!
 //! cqrs-es's `CqrsFramework` is not used because it cannot return the new state and it
-//! dispatches queries in-process (not durable). Instead: load through the plain persisted
-//! event store, check the tenant, handle, commit with metadata, and hand back the state.
+//! dispatches queries in-process (not durable). Instead: load (the cached aggregate plus the
+//! events stored after it, see [`crate::cache`]), check the tenant, handle, commit with
+//! metadata, keep the new state in the cache, and hand it back.
 //!
 //! The commit is Ferry's own insert into the same table (the columns postgres-es and
 //! sqlite-es write), so that a [`LinkedWrite`] can commit in the same transaction as the
 //! events: a record that the effect happened (e.g. an inbound message marked handled)
 //! exists exactly when the effect does.
 
-use crate::database::{is_unavailable, Database, Pool};
-use crate::events::StoredAggregate;
+use crate::cache::{AggregateCache, Cached};
+use crate::database::{is_unavailable, Database};
+use crate::events::{events_after, ReadError, StoredAggregate};
 use crate::metadata::EventMetadata;
 use crate::stream::{Param, Tx};
 use cqrs_es::event_sink::EventSink;
-use cqrs_es::persist::PersistedEventStore;
-use cqrs_es::{Aggregate, AggregateError, DomainEvent, EventStore};
+use cqrs_es::{Aggregate, AggregateError, DomainEvent};
 use ferry_domain::{TenantId, TenantOwned};
-use postgres_es::PostgresEventRepository;
-use sqlite_es::SqliteEventRepository;
+use std::sync::Arc;
 
 /// Why a command did not take effect.
 #[derive(Debug, thiserror::Error)]
@@ -134,44 +134,82 @@ pub struct Executed<A: Aggregate> {
     pub sequence: usize,
     /// The events the command produced (possibly none).
     pub events: Vec<A::Event>,
-    /// Every event of the aggregate, the new ones included, oldest first.
-    pub history: Vec<A::Event>,
-}
-
-enum Store<A: Aggregate + Send + Sync> {
-    Postgres(PersistedEventStore<PostgresEventRepository, A>),
-    Sqlite(PersistedEventStore<SqliteEventRepository, A>),
+    /// Every event of the aggregate, the new ones included, oldest first, when the
+    /// repository keeps histories ([`Repository::with_history`]).
+    pub history: Option<Vec<A::Event>>,
 }
 
 /// Commands and loads for one aggregate type.
 pub struct Repository<A: Aggregate + Send + Sync> {
     db: Database,
-    store: Store<A>,
     services: A::Services,
+    cache: Option<Arc<AggregateCache<A>>>,
+    histories: bool,
 }
 
 impl<A> Repository<A>
 where
-    A: StoredAggregate + TenantOwned + Clone + Send + Sync,
+    A: StoredAggregate + TenantOwned + Clone + Send + Sync + 'static,
 {
     /// A repository over `db`. It loads events through `A`'s upcasters, as the global
-    /// stream's readers do.
+    /// stream's readers do, and keeps the aggregates it loads in `db`'s aggregate cache.
     pub fn new(db: Database, services: A::Services) -> Self {
+        Self::build(db, services, false)
+    }
+
+    /// As [`Repository::new`], and every [`Executed`] carries the aggregate's whole history,
+    /// which the cache then keeps beside the aggregate: for aggregates with short histories
+    /// whose callers fold a view from the events (provisioning runs).
+    pub fn with_history(db: Database, services: A::Services) -> Self {
+        Self::build(db, services, true)
+    }
+
+    fn build(db: Database, services: A::Services, histories: bool) -> Self {
         crate::events::register::<A>();
-        let store = match db.pool() {
-            Pool::Postgres(pool) => Store::Postgres(
-                PersistedEventStore::new_event_store(PostgresEventRepository::new(pool.clone()))
-                    .with_upcasters(A::upcasters()),
-            ),
-            Pool::Sqlite(pool) => Store::Sqlite(
-                PersistedEventStore::new_event_store(SqliteEventRepository::new(pool.clone()))
-                    .with_upcasters(A::upcasters()),
-            ),
-        };
+        let cache = db.caches().of::<A>(histories);
         Self {
             db,
-            store,
             services,
+            cache,
+            histories,
+        }
+    }
+
+    /// The aggregate as stored now: the cached state (if any) with the events stored after
+    /// it folded in. Only committed events ever reach the cache, so it always holds a true
+    /// prefix of the history and the events after it complete it.
+    async fn current(&self, id: &str) -> Result<Cached<A>, CommandError<A::Error>> {
+        let mut current = match self.cache.as_ref().and_then(|c| c.get(id)) {
+            Some(cached) => Cached::clone(&cached),
+            None => Cached {
+                aggregate: A::default(),
+                sequence: 0,
+                history: self.histories.then(Vec::new),
+            },
+        };
+        let tail = events_after::<A>(&self.db, id, current.sequence)
+            .await
+            .map_err(|e| match e {
+                ReadError::Sql(e) => CommandError::from_sql(e),
+                other => CommandError::store(other),
+            })?;
+        if tail.is_empty() {
+            return Ok(current);
+        }
+        for typed in tail {
+            if let Some(history) = &mut current.history {
+                history.push(typed.event.clone());
+            }
+            current.aggregate.apply(typed.event);
+            current.sequence += 1;
+        }
+        self.remember(id, &current);
+        Ok(current)
+    }
+
+    fn remember(&self, id: &str, state: &Cached<A>) {
+        if let Some(cache) = &self.cache {
+            cache.put(id, state.clone());
         }
     }
 
@@ -182,34 +220,30 @@ where
         tenant: &TenantId,
         id: &str,
     ) -> Result<Option<(A, usize)>, CommandError<A::Error>> {
-        let (aggregate, sequence) = match &self.store {
-            Store::Postgres(s) => {
-                let c = s.load_aggregate(id).await?;
-                (c.aggregate, c.current_sequence)
-            }
-            Store::Sqlite(s) => {
-                let c = s.load_aggregate(id).await?;
-                (c.aggregate, c.current_sequence)
-            }
-        };
-        Ok(match aggregate.tenant() {
-            Some(owner) if owner == tenant => Some((aggregate, sequence)),
+        let current = self.current(id).await?;
+        Ok(match current.aggregate.tenant() {
+            Some(owner) if owner == tenant => Some((current.aggregate, current.sequence)),
             _ => None,
         })
     }
 
-    /// Every event of the aggregate, oldest first, or `None` as for [`Repository::load`].
+    /// Every event of the aggregate, oldest first, read from the store (not the cache), or
+    /// `None` as for [`Repository::load`].
     pub async fn load_events(
         &self,
         tenant: &TenantId,
         id: &str,
     ) -> Result<Option<Vec<A::Event>>, CommandError<A::Error>> {
-        let envelopes = match &self.store {
-            Store::Postgres(s) => s.load_events(id).await?,
-            Store::Sqlite(s) => s.load_events(id).await?,
-        };
+        let events: Vec<A::Event> = events_after::<A>(&self.db, id, 0)
+            .await
+            .map_err(|e| match e {
+                ReadError::Sql(e) => CommandError::from_sql(e),
+                other => CommandError::store(other),
+            })?
+            .into_iter()
+            .map(|typed| typed.event)
+            .collect();
         let mut aggregate = A::default();
-        let events: Vec<A::Event> = envelopes.into_iter().map(|e| e.payload).collect();
         for event in &events {
             aggregate.apply(event.clone());
         }
@@ -244,47 +278,18 @@ where
         may_create: bool,
         linked: Option<&LinkedWrite>,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
-        match &self.store {
-            Store::Postgres(s) => {
-                self.execute_in(s, tenant, id, command, metadata, may_create, linked)
-                    .await
-            }
-            Store::Sqlite(s) => {
-                self.execute_in(s, tenant, id, command, metadata, may_create, linked)
-                    .await
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn execute_in<R: cqrs_es::persist::PersistedEventRepository>(
-        &self,
-        store: &PersistedEventStore<R, A>,
-        tenant: &TenantId,
-        id: &str,
-        command: A::Command,
-        metadata: &EventMetadata,
-        may_create: bool,
-        linked: Option<&LinkedWrite>,
-    ) -> Result<Executed<A>, CommandError<A::Error>> {
-        // Load the events ourselves (not `load_aggregate`) so the caller also gets the
-        // history, e.g. to fold the view it returns.
-        let mut history: Vec<A::Event> = store
-            .load_events(id)
-            .await?
-            .into_iter()
-            .map(|e| e.payload)
-            .collect();
-        let mut aggregate = A::default();
-        for event in &history {
-            aggregate.apply(event.clone());
-        }
+        // The command runs on a copy: a refused command may have changed it half-way, and
+        // only a committed state may reach the cache.
+        let Cached {
+            mut aggregate,
+            sequence: current_sequence,
+            mut history,
+        } = self.current(id).await?;
         match aggregate.tenant() {
             Some(owner) if owner != tenant => return Err(CommandError::NotFound),
             None if !may_create => return Err(CommandError::NotFound),
             _ => {}
         }
-        let current_sequence = history.len();
         let sink = EventSink::default();
         aggregate
             .handle(command, &self.services, &sink)
@@ -298,7 +303,16 @@ where
         }
         if !events.is_empty() {
             self.db.signal_commit();
-            history.extend(events.iter().cloned());
+            if let Some(history) = &mut history {
+                history.extend(events.iter().cloned());
+            }
+            let state = Cached {
+                aggregate,
+                sequence,
+                history,
+            };
+            self.remember(id, &state);
+            (aggregate, history) = (state.aggregate, state.history);
         }
         Ok(Executed {
             aggregate,

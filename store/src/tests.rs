@@ -9,6 +9,7 @@ use crate::stream::{self, Handler, HandlerError, Position, StoredEvent, Tx};
 use crate::testing::{eventually, TestDatabase};
 use chrono::Utc;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunRequest};
+use ferry_domain::specification::DeploymentSpecification;
 use ferry_domain::*;
 use std::sync::Mutex;
 use uuid::Uuid;
@@ -147,6 +148,97 @@ crate::test_on_both_engines! {
                     "{e:?}"
                 );
             }
+        }
+        t.cleanup().await;
+    }
+}
+
+fn declaration(t: &str, commit: &str) -> Box<specification::Declaration> {
+    let environment = EnvironmentId::parse("payments-dev").unwrap();
+    Box::new(specification::Declaration {
+        specification_id: SpecificationId::for_environment(
+            &tenant(t),
+            &environment,
+            SpecificationKind::Environment,
+        ),
+        tenant_id: tenant(t),
+        project_id: ProjectId::parse("payments").unwrap(),
+        environment_id: environment,
+        kind: SpecificationKind::Environment,
+        program_ref: ProgramRef::parse("/srv/infra#envs/dev").unwrap(),
+        program_version: ProgramVersion::parse(commit).unwrap(),
+        release_id: None,
+        strategy: None,
+        config_refs: RefMap::new(),
+        secret_refs: RefMap::new(),
+        declared_by: Actor::parse("alice").unwrap(),
+        declared_at: Utc::now(),
+    })
+}
+
+crate::test_on_both_engines! {
+    async fn a_cached_aggregate_still_sees_what_another_instance_wrote(backend) {
+        let t = TestDatabase::new(backend).await;
+        // A second handle on the same pool has a cache of its own, as another process has.
+        let elsewhere = crate::Database::from_pool(t.db.pool().clone());
+        let here: Repository<DeploymentSpecification> = Repository::new(t.db.clone(), ());
+        let there: Repository<DeploymentSpecification> = Repository::new(elsewhere.clone(), ());
+        let id = declaration("a", "aaaaaaa").specification_id.to_string();
+        let declare = |commit: &'static str| specification::SpecificationCommand::Declare(declaration("a", commit));
+        let (a, m) = (tenant("a"), meta("a"));
+        assert_eq!(here.execute(&a, &id, declare("aaaaaaa"), &m, true).await.unwrap().sequence, 1);
+        assert_eq!(there.execute(&a, &id, declare("bbbbbbb"), &m, true).await.unwrap().sequence, 2);
+        // `here` cached version 1; it must read version 2 before deciding on version 3.
+        let done = here.execute(&a, &id, declare("ccccccc"), &m, true).await.unwrap();
+        assert_eq!(done.sequence, 3, "{backend:?}");
+        let versions: Vec<u32> = done.aggregate.versions().iter().map(|v| v.version).collect();
+        assert_eq!(versions, [1, 2, 3]);
+        let (loaded, sequence) = there.load(&a, &id).await.unwrap().unwrap();
+        assert_eq!((loaded.latest().unwrap().version, sequence), (3, 3));
+        assert!(here.load(&tenant("b"), &id).await.unwrap().is_none(), "still scoped to its tenant");
+
+        // Runs with histories: the history is the cached one plus what was stored after it.
+        let runs: Repository<ProvisioningRun> = Repository::with_history(t.db.clone(), ());
+        let other_runs: Repository<ProvisioningRun> = Repository::new(elsewhere, ());
+        let run_id = ProvisioningRunId::new_random();
+        let key = run_id.to_string();
+        let requested = runs.execute(&a, &key, request("a", run_id), &m, true).await.unwrap();
+        assert_eq!(requested.history.as_ref().map(Vec::len), Some(1));
+        assert!(other_runs.execute(&a, &key, cancel(), &m, false).await.unwrap().history.is_none());
+        let (run, sequence) = runs.load(&a, &key).await.unwrap().unwrap();
+        assert_eq!((run.state(), sequence), (Some(ProvisioningState::Cancelled), 2));
+        // Cancelling again is the domain's refusal, decided on the current state, not a
+        // conflict over a stale sequence.
+        let again = runs.execute(&a, &key, cancel(), &m, false).await.unwrap_err();
+        assert!(matches!(again, CommandError::Domain(_)), "{backend:?}: {again:?}");
+        t.cleanup().await;
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn a_cached_command_reads_only_the_events_after_the_cache(backend) {
+        let t = TestDatabase::new(backend).await;
+        let specs: Repository<DeploymentSpecification> = Repository::new(t.db.clone(), ());
+        let id = declaration("a", "aaaaaaa").specification_id.to_string();
+        let declare = |commit: &'static str| specification::SpecificationCommand::Declare(declaration("a", commit));
+        let (a, m) = (tenant("a"), meta("a"));
+        for commit in ["aaaaaaa", "bbbbbbb"] {
+            specs.execute(&a, &id, declare(commit), &m, true).await.unwrap();
+        }
+        // Spoil the first stored event. Only a repository that reads the whole history again
+        // can notice; the cached one reads the events after version 2, of which there are none.
+        let spoil = t.db.sql("UPDATE events SET payload = $1 WHERE aggregate_id = $2 AND sequence = 1");
+        let json = sqlx::types::Json(serde_json::json!({"spoiled": true}));
+        crate::on_pool!(t.db, pool => sqlx::query(&spoil).bind(&json).bind(&id).execute(pool).await.unwrap().rows_affected());
+        let done = specs.execute(&a, &id, declare("ccccccc"), &m, true).await.unwrap();
+        assert_eq!(done.sequence, 3, "{backend:?}");
+        for uncached in [
+            crate::Database::from_pool(t.db.pool().clone()),
+            t.db.clone().with_aggregate_cache(0),
+        ] {
+            let fresh: Repository<DeploymentSpecification> = Repository::new(uncached, ());
+            let err = fresh.execute(&a, &id, declare("ddddddd"), &m, true).await.unwrap_err();
+            assert!(matches!(err, CommandError::Store(_)), "{backend:?}: {err:?}");
         }
         t.cleanup().await;
     }
