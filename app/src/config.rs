@@ -395,8 +395,10 @@ settings! {
     /// 3600000).
     stream_hold_warn_ms: Whole = 5000;
     /// Events' worth of aggregates each aggregate type keeps in memory, so that a command
-    /// reads only the events stored after them (0 to 10000000; 0 turns the cache off).
-    aggregate_cache_events: Whole = 100000;
+    /// reads only the events stored after them; keep it above what the aggregates in use
+    /// hold, or they are reloaded in full again and again (0 to 10000000; 0 turns the cache
+    /// off).
+    aggregate_cache_events: Whole = 1000000;
     /// Absolute folders (comma-separated, or a TOML array; `{tenant}` = the tenant) that a
     /// tenant's `file://` secrets and configuration may name. A root that could hold Ferry's
     /// own files stops start-up.
