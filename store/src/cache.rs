@@ -1,6 +1,6 @@
 //! The aggregates this process last loaded or changed, each with the sequence it was
 //! folded to, so that a command reads only the events stored after that sequence instead of
-//! the aggregate's whole history (ARCHITECTURE.md, Commands).
+//! the aggregate's whole history (ARCHITECTURE.md, The path of one request).
 //!
 //! The cache is never trusted on its own: every load still asks the store for the events
 //! after the cached sequence (one indexed query that usually returns nothing), so an event
