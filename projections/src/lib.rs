@@ -9,7 +9,9 @@
 //! | `runs` | `rm_runs` | runs with state, receipts, approval, timestamps |
 //! | `environments` | `rm_environment_specifications` | latest and last applied specification per environment |
 //!
-//! A projection writes its rows and its checkpoint in one transaction. [`queries`] reads
+//! A projection writes its rows and its checkpoint in one transaction, a batch of events at
+//! a time: each subscriber folds the batch into the stored documents in memory and writes
+//! each changed row once (ARCHITECTURE.md, The global stream). [`queries`] reads
 //! them; [`rebuild`] replays the stream into fresh tables and swaps them in.
 #![forbid(unsafe_code)]
 

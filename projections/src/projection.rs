@@ -6,13 +6,15 @@
 
 use crate::views::{AppliedSpecification, RunView};
 use ferry_domain::run::{ProvisioningRun, RunEvent};
-use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
+use ferry_domain::specification::{
+    DeploymentSpecification, SpecificationEvent, SpecificationVersion,
+};
 use ferry_domain::{ProvisioningRunId, SpecificationId};
 use ferry_store::database::Backend;
 use ferry_store::stream::{run_subscription, Handler, HandlerError, Param, StoredEvent, Tx};
 use ferry_store::{Database, Subscriber, Subscription, Typed};
 use serde::de::DeserializeOwned;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -119,15 +121,18 @@ struct SpecificationRows(TableNames);
 #[async_trait::async_trait]
 impl Subscriber<DeploymentSpecification> for SpecificationRows {
     async fn on(&self, tx: &mut Tx, event: &Typed<SpecificationEvent>) -> Result<(), HandlerError> {
-        let SpecificationEvent::SpecificationDeclared(v) = &event.event;
-        let sql = format!(
-            "INSERT INTO {} (tenant_id, specification_id, version, environment_id, project_id, kind, position, declared_at, document)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
-            self.0.get("rm_specification_versions")
-        );
-        tx.execute(
-            &sql,
-            &[
+        self.on_batch(tx, std::slice::from_ref(event)).await
+    }
+
+    async fn on_batch(
+        &self,
+        tx: &mut Tx,
+        events: &[Typed<SpecificationEvent>],
+    ) -> Result<(), HandlerError> {
+        let mut rows = Vec::with_capacity(events.len());
+        for event in events {
+            let SpecificationEvent::SpecificationDeclared(v) = &event.event;
+            rows.push(vec![
                 text(&v.tenant_id),
                 text(v.specification_id),
                 int(v.version),
@@ -137,7 +142,23 @@ impl Subscriber<DeploymentSpecification> for SpecificationRows {
                 int(event.position.global_position),
                 Param::Time(Some(v.declared_at)),
                 json(v)?,
+            ]);
+        }
+        tx.insert_rows(
+            self.0.get("rm_specification_versions"),
+            &[
+                "tenant_id",
+                "specification_id",
+                "version",
+                "environment_id",
+                "project_id",
+                "kind",
+                "position",
+                "declared_at",
+                "document",
             ],
+            rows,
+            "ON CONFLICT DO NOTHING",
         )
         .await?;
         Ok(())
@@ -229,6 +250,118 @@ impl Subscriber<ProvisioningRun> for RunRows {
         .await?;
         Ok(())
     }
+
+    /// Reads the stored documents of every run in the batch at once, folds the events into
+    /// them in memory and writes each changed run once: the same rows as event by event.
+    async fn on_batch(&self, tx: &mut Tx, events: &[Typed<RunEvent>]) -> Result<(), HandlerError> {
+        let table = self.0.get("rm_runs");
+        let ids: BTreeSet<&str> = events.iter().map(|e| e.aggregate_id.as_str()).collect();
+        let select = format!(
+            "SELECT provisioning_run_id, document FROM {table} WHERE provisioning_run_id IN"
+        );
+        let keys: Vec<Param> = ids.iter().map(text).collect();
+        let mut runs: BTreeMap<String, Folded<RunView>> = BTreeMap::new();
+        for (id, doc) in tx.fetch_documents(&select, &keys).await? {
+            let view = read_document(|| format!("the {table} row of run {id}"), doc)?;
+            runs.insert(id, Folded::stored(view));
+        }
+        for event in events {
+            let start = RunView::start(&event.event);
+            match (runs.get_mut(&event.aggregate_id), start) {
+                (Some(_), Some(_)) => {} // requested again: the row stays as it is
+                (None, Some(view)) => {
+                    let folded = Folded::new(view, event.position.global_position, event.sequence);
+                    runs.insert(event.aggregate_id.clone(), folded);
+                }
+                (None, None) => {
+                    return Err(HandlerError::Record {
+                        what: format!("the {table} row of run {}", event.aggregate_id),
+                        source: "missing: the run's ProvisioningRequested was not projected".into(),
+                    })
+                }
+                (Some(run), None) => {
+                    if run.view.version < event.sequence as u64 {
+                        run.view.apply(&event.event);
+                        run.changed(event.sequence);
+                    }
+                }
+            }
+        }
+        let mut rows = Vec::new();
+        for run in runs.into_values().filter(|r| r.changed) {
+            let view = run.view;
+            rows.push(vec![
+                text(view.provisioning_run_id),
+                text(&view.tenant_id),
+                text(&view.environment_id),
+                text(view.kind.as_str()),
+                text(view.state.as_str()),
+                int(run.position),
+                int(run.sequence),
+                Param::Time(Some(view.updated_at)),
+                json(&view)?,
+            ]);
+        }
+        tx.insert_rows(
+            table,
+            &[
+                "provisioning_run_id",
+                "tenant_id",
+                "environment_id",
+                "kind",
+                "state",
+                "position",
+                "version",
+                "updated_at",
+                "document",
+            ],
+            rows,
+            "ON CONFLICT (provisioning_run_id) DO UPDATE SET state = excluded.state,
+             version = excluded.version, updated_at = excluded.updated_at, document = excluded.document",
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// A document a batch folds its events into before writing it once.
+pub struct Folded<V> {
+    /// The document.
+    pub view: V,
+    /// Where its row starts in the stream (used only when the batch inserts it).
+    pub position: i64,
+    /// The sequence of the last event folded in.
+    pub sequence: i64,
+    /// Whether the batch changed it (only changed documents are written).
+    pub changed: bool,
+}
+
+impl<V> Folded<V> {
+    /// A document as stored before the batch.
+    pub fn stored(view: V) -> Self {
+        Self {
+            view,
+            position: 0,
+            sequence: 0,
+            changed: false,
+        }
+    }
+
+    /// A document the batch starts, at the event at `position` with `sequence`.
+    pub fn new(view: V, position: i64, sequence: i64) -> Self {
+        Self {
+            view,
+            position,
+            sequence,
+            changed: true,
+        }
+    }
+
+    /// The event with `sequence` changed it.
+    pub fn changed(&mut self, sequence: i64) {
+        self.sequence = sequence;
+        self.changed = true;
+    }
 }
 
 /// `rm_environment_specifications`: newest and last applied specification per environment
@@ -261,9 +394,12 @@ impl Projection for EnvironmentsProjection {
     }
     fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
         let rows = Arc::new(EnvironmentRows(tables.clone()));
+        // A run's apply updates the row its specification's declaration wrote, and nothing
+        // else crosses: declarations first, then runs, is the stream's effect.
         subscription
             .on::<DeploymentSpecification>(rows.clone())
             .on::<ProvisioningRun>(rows)
+            .by_aggregate()
     }
 }
 
@@ -283,20 +419,67 @@ impl Subscriber<DeploymentSpecification> for EnvironmentRows {
              DO UPDATE SET latest_version = excluded.latest_version, latest = excluded.latest
              WHERE {specs}.latest_version < excluded.latest_version"
         );
-        tx.execute(
-            &sql,
+        tx.execute(&sql, &latest_row(v)?).await?;
+        Ok(())
+    }
+
+    /// One row per environment and kind: the declaration that the event-by-event upserts
+    /// would leave (the first of the highest version), written with the same upsert.
+    async fn on_batch(
+        &self,
+        tx: &mut Tx,
+        events: &[Typed<SpecificationEvent>],
+    ) -> Result<(), HandlerError> {
+        let specs = self.0.get("rm_environment_specifications");
+        let mut latest: BTreeMap<(&str, &str, &str), &SpecificationVersion> = BTreeMap::new();
+        for event in events {
+            let SpecificationEvent::SpecificationDeclared(v) = &event.event;
+            let key = (
+                v.tenant_id.as_str(),
+                v.environment_id.as_str(),
+                v.kind.as_str(),
+            );
+            let entry = latest.entry(key).or_insert(&**v);
+            if entry.version < v.version {
+                *entry = &**v;
+            }
+        }
+        let mut rows = Vec::with_capacity(latest.len());
+        for v in latest.into_values() {
+            rows.push(latest_row(v)?);
+        }
+        tx.insert_rows(
+            specs,
             &[
-                text(&v.tenant_id),
-                text(&v.environment_id),
-                text(v.kind.as_str()),
-                text(v.specification_id),
-                int(v.version),
-                json(v)?,
+                "tenant_id",
+                "environment_id",
+                "kind",
+                "specification_id",
+                "latest_version",
+                "latest",
             ],
+            rows,
+            &format!(
+                "ON CONFLICT (tenant_id, environment_id, kind)
+                 DO UPDATE SET latest_version = excluded.latest_version, latest = excluded.latest
+                 WHERE {specs}.latest_version < excluded.latest_version"
+            ),
         )
         .await?;
         Ok(())
     }
+}
+
+/// The `rm_environment_specifications` row of a declaration as the latest.
+fn latest_row(v: &SpecificationVersion) -> Result<Vec<Param>, HandlerError> {
+    Ok(vec![
+        text(&v.tenant_id),
+        text(&v.environment_id),
+        text(v.kind.as_str()),
+        text(v.specification_id),
+        int(v.version),
+        json(v)?,
+    ])
 }
 
 #[async_trait::async_trait]
@@ -360,6 +543,51 @@ impl Subscriber<ProvisioningRun> for EnvironmentRows {
         }
         Ok(())
     }
+
+    /// Requests' targets are inserted together; an apply, which reads them, first writes
+    /// those gathered so far and is then handled on its own.
+    async fn on_batch(&self, tx: &mut Tx, events: &[Typed<RunEvent>]) -> Result<(), HandlerError> {
+        let targets = self.0.get("rm_environment_run_targets");
+        let mut rows = Vec::new();
+        for event in events {
+            match &event.event {
+                RunEvent::ProvisioningRequested(r) => {
+                    let target = RunTarget {
+                        specification_id: r.specification_id,
+                        specification_version: r.specification_version,
+                    };
+                    rows.push(vec![
+                        text(r.provisioning_run_id),
+                        text(&r.tenant_id),
+                        text(r.specification_id),
+                        json(&target)?,
+                    ]);
+                }
+                RunEvent::ProvisioningApplied { .. } => {
+                    insert_targets(tx, targets, std::mem::take(&mut rows)).await?;
+                    Subscriber::<ProvisioningRun>::on(self, tx, event).await?;
+                }
+                _ => {}
+            }
+        }
+        insert_targets(tx, targets, rows).await
+    }
+}
+
+async fn insert_targets(
+    tx: &mut Tx,
+    table: &str,
+    rows: Vec<Vec<Param>>,
+) -> Result<(), HandlerError> {
+    let columns = [
+        "provisioning_run_id",
+        "tenant_id",
+        "specification_id",
+        "target",
+    ];
+    tx.insert_rows(table, &columns, rows, "ON CONFLICT DO NOTHING")
+        .await?;
+    Ok(())
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -460,6 +688,9 @@ impl Handler for ProjectionRunner {
     }
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
         self.subscription.handle(tx, event).await
+    }
+    async fn handle_batch(&self, tx: &mut Tx, events: &[StoredEvent]) -> Result<(), HandlerError> {
+        self.subscription.handle_batch(tx, events).await
     }
 }
 

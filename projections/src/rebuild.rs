@@ -57,7 +57,7 @@ const SUFFIX: &str = "_rebuild";
 
 /// Events per transaction while replaying into the fresh tables: nobody else waits on
 /// them, so larger transactions only save commits.
-const REBUILD_BATCH: i64 = 2048;
+const REBUILD_BATCH: i64 = 4096;
 
 /// How often (in events) a long replay reports its progress.
 const PROGRESS_EVERY: usize = 100_000;
@@ -76,26 +76,58 @@ pub async fn table_exists(tx: &mut Tx, name: &str) -> Result<bool, sqlx::Error> 
     Ok(found.and_then(|v| v.as_bool()).unwrap_or(false))
 }
 
-/// Replays the stream into one projection's fresh tables, batch by batch, reporting progress.
-async fn replay(db: &Database, fresh: &ProjectionRunner) -> Result<usize, RebuildError> {
+/// Replays the stream into the fresh tables of `runners`, which all start at the stream's
+/// beginning: each batch is read once and handed to every runner, each in its own
+/// transaction and on its own connection, side by side on Postgres (SQLite has one writer,
+/// so there they take turns), while the next batch is read. Returns the events replayed.
+async fn replay(db: &Database, runners: &[ProjectionRunner]) -> Result<usize, RebuildError> {
     let started = std::time::Instant::now();
     let mut events = 0;
-    loop {
-        let n = stream::run_batch_of(db, fresh, REBUILD_BATCH).await?;
-        events += n;
-        if n < REBUILD_BATCH as usize {
-            return Ok(events);
-        }
+    let mut position = Position::default();
+    let mut batch = stream::read_after(db, position, REBUILD_BATCH).await?;
+    while let Some(last) = batch.last().map(|e| e.position) {
+        let more = batch.len() == REBUILD_BATCH as usize;
+        let read_next = async {
+            match more {
+                true => stream::read_after(db, last, REBUILD_BATCH).await,
+                false => Ok(Vec::new()),
+            }
+        };
+        let (next, applied) = tokio::join!(read_next, apply_to_all(db, runners, position, &batch));
+        applied?;
+        events += batch.len();
+        position = last;
+        batch = next?;
         if events % PROGRESS_EVERY < REBUILD_BATCH as usize {
             let rate = events as f64 / started.elapsed().as_secs_f64().max(0.001);
-            tracing::info!(
-                projection = fresh.projection().name(),
-                events,
-                per_second = rate.round(),
-                "replaying"
-            );
+            tracing::info!(events, per_second = rate.round(), "replaying");
         }
     }
+    Ok(events)
+}
+
+async fn apply_to_all(
+    db: &Database,
+    runners: &[ProjectionRunner],
+    from: Position,
+    batch: &[stream::StoredEvent],
+) -> Result<(), RebuildError> {
+    match db.backend() {
+        Backend::Postgres => {
+            futures::future::try_join_all(
+                runners
+                    .iter()
+                    .map(|r| stream::apply_read_batch(db, r, from, batch)),
+            )
+            .await?;
+        }
+        Backend::Sqlite => {
+            for runner in runners {
+                stream::apply_read_batch(db, runner, from, batch).await?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Rebuilds `projections` and swaps them in together. On Postgres their replays run side
@@ -136,18 +168,8 @@ pub async fn rebuild(
     tx.commit().await?;
     let names: Vec<&str> = projections.iter().map(|p| p.name()).collect();
     tracing::info!(projections = ?names, "replaying the stream into fresh tables");
-    let mut events = match db.backend() {
-        Backend::Postgres => {
-            futures::future::try_join_all(fresh.iter().map(|runner| replay(db, runner))).await?
-        }
-        Backend::Sqlite => {
-            let mut counts = Vec::with_capacity(fresh.len());
-            for runner in &fresh {
-                counts.push(replay(db, runner).await?);
-            }
-            counts
-        }
-    };
+    let replayed = replay(db, &fresh).await?;
+    let mut events = vec![replayed; fresh.len()];
 
     // Swap: hold the live checkpoints, replay the tails, rename, move the checkpoints.
     let mut tx = Tx::begin(db).await?;
@@ -160,9 +182,7 @@ pub async fn rebuild(
             let Some(last) = batch.last().map(|e| e.position) else {
                 break;
             };
-            for event in &batch {
-                runner.handle(&mut tx, event).await?;
-            }
+            runner.handle_batch(&mut tx, &batch).await?;
             *count += batch.len();
             position = last;
         }

@@ -268,6 +268,17 @@ fn same_version(a: &str, b: &str) -> bool {
 pub trait Subscriber<A: Aggregate>: Send + Sync {
     /// Applies one event. An error rolls the whole batch back; it is retried later.
     async fn on(&self, tx: &mut Tx, event: &Typed<A::Event>) -> Result<(), HandlerError>;
+
+    /// Applies consecutive events of `A` (no event of another aggregate the subscription
+    /// reads comes between them), in stream order. The default hands them to
+    /// [`Subscriber::on`] one by one; a subscriber that can write them with fewer statements
+    /// overrides it, with the same result.
+    async fn on_batch(&self, tx: &mut Tx, events: &[Typed<A::Event>]) -> Result<(), HandlerError> {
+        for event in events {
+            self.on(tx, event).await?;
+        }
+        Ok(())
+    }
 }
 
 #[async_trait::async_trait]
@@ -275,12 +286,16 @@ impl<A: Aggregate, S: Subscriber<A> + ?Sized> Subscriber<A> for Arc<S> {
     async fn on(&self, tx: &mut Tx, event: &Typed<A::Event>) -> Result<(), HandlerError> {
         self.as_ref().on(tx, event).await
     }
+    async fn on_batch(&self, tx: &mut Tx, events: &[Typed<A::Event>]) -> Result<(), HandlerError> {
+        self.as_ref().on_batch(tx, events).await
+    }
 }
 
 /// One aggregate's part of a [`Subscription`]: decode, then hand to the subscriber.
 #[async_trait::async_trait]
 trait Route: Send + Sync {
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError>;
+    async fn handle_run(&self, tx: &mut Tx, events: &[&StoredEvent]) -> Result<(), HandlerError>;
 }
 
 struct AggregateRoute<A: StoredAggregate> {
@@ -293,6 +308,17 @@ impl<A: StoredAggregate> Route for AggregateRoute<A> {
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
         let typed = decode_with::<A>(&self.upcasters, event)?;
         self.subscriber.on(tx, &typed).await
+    }
+
+    async fn handle_run(&self, tx: &mut Tx, events: &[&StoredEvent]) -> Result<(), HandlerError> {
+        let mut typed = Vec::with_capacity(events.len());
+        for event in events {
+            typed.push(
+                decode_with::<A>(&self.upcasters, event)
+                    .map_err(|e| HandlerError::at(event, e.into()))?,
+            );
+        }
+        self.subscriber.on_batch(tx, &typed).await
     }
 }
 
@@ -307,6 +333,9 @@ impl<A: StoredAggregate> Route for AggregateRoute<A> {
 pub struct Subscription {
     name: String,
     routes: BTreeMap<&'static str, Box<dyn Route>>,
+    /// The aggregates in the order `on` declared them.
+    order: Vec<&'static str>,
+    by_aggregate: bool,
 }
 
 impl Subscription {
@@ -315,7 +344,20 @@ impl Subscription {
         Self {
             name: name.into(),
             routes: BTreeMap::new(),
+            order: Vec::new(),
+            by_aggregate: false,
         }
+    }
+
+    /// Hands all of a batch's events of one aggregate to its subscriber at once, the
+    /// aggregates in the order `on` declared them, instead of keeping the stream's order
+    /// across aggregates. Only for subscribers whose writes for different aggregates
+    /// commute, or for which the declared order is the right one (a row another aggregate's
+    /// events update is written by an aggregate declared before it); each aggregate's own
+    /// events keep their order.
+    pub fn by_aggregate(mut self) -> Self {
+        self.by_aggregate = true;
+        self
     }
 
     /// Hands the events of aggregate `A` to `subscriber` (replacing an earlier subscriber
@@ -326,7 +368,9 @@ impl Subscription {
             upcasters: A::upcasters(),
             subscriber: Box::new(subscriber),
         };
-        self.routes.insert(A::TYPE, Box::new(route));
+        if self.routes.insert(A::TYPE, Box::new(route)).is_none() {
+            self.order.push(A::TYPE);
+        }
         self
     }
 
@@ -351,6 +395,72 @@ impl Handler for Subscription {
             }
             .into()),
         }
+    }
+
+    /// Hands each run of consecutive events of one aggregate (passing over the aggregates it
+    /// does not read) to that aggregate's subscriber at once, so the order of the events it
+    /// reads is kept across aggregates.
+    async fn handle_batch(&self, tx: &mut Tx, events: &[StoredEvent]) -> Result<(), HandlerError> {
+        if self.by_aggregate {
+            return self.handle_by_aggregate(tx, events).await;
+        }
+        let mut run: Vec<&StoredEvent> = Vec::new();
+        let mut route_of_run: Option<(&str, &dyn Route)> = None;
+        for event in events {
+            let kind = event.aggregate_type.as_str();
+            let route = match self.routes.get(kind) {
+                Some(route) => route.as_ref(),
+                None if is_known(kind) => continue,
+                None => {
+                    let error = DecodeError::UnknownAggregate {
+                        event: EventRef::of(event),
+                    };
+                    return Err(HandlerError::at(event, error.into()));
+                }
+            };
+            match route_of_run {
+                Some((current, _)) if current == kind => {}
+                Some((_, previous)) => {
+                    previous.handle_run(tx, &run).await?;
+                    run.clear();
+                    route_of_run = Some((kind, route));
+                }
+                None => route_of_run = Some((kind, route)),
+            }
+            run.push(event);
+        }
+        if let Some((_, route)) = route_of_run {
+            route.handle_run(tx, &run).await?;
+        }
+        Ok(())
+    }
+}
+
+impl Subscription {
+    /// [`Subscription::by_aggregate`]'s way through a batch.
+    async fn handle_by_aggregate(
+        &self,
+        tx: &mut Tx,
+        events: &[StoredEvent],
+    ) -> Result<(), HandlerError> {
+        let mut groups: BTreeMap<&str, Vec<&StoredEvent>> = BTreeMap::new();
+        for event in events {
+            let kind = event.aggregate_type.as_str();
+            if self.routes.contains_key(kind) {
+                groups.entry(kind).or_default().push(event);
+            } else if !is_known(kind) {
+                let error = DecodeError::UnknownAggregate {
+                    event: EventRef::of(event),
+                };
+                return Err(HandlerError::at(event, error.into()));
+            }
+        }
+        for kind in &self.order {
+            if let (Some(group), Some(route)) = (groups.get(kind), self.routes.get(kind)) {
+                route.handle_run(tx, group).await?;
+            }
+        }
+        Ok(())
     }
 }
 

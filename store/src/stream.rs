@@ -78,6 +78,17 @@ pub enum Param {
     Time(Option<DateTime<Utc>>),
 }
 
+/// The most parameters one statement binds: SQLite allows 32,766, Postgres 65,535.
+const MAX_PARAMETERS: usize = 30_000;
+
+/// `$from, $from+1, …` for `count` parameters.
+fn placeholders(from: usize, count: usize) -> String {
+    (from..from + count)
+        .map(|n| format!("${n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A transaction on either engine.
 pub enum Tx {
     /// Postgres.
@@ -93,9 +104,10 @@ macro_rules! bind_params {
         let mut q = $query;
         for p in $params {
             q = match p {
-                $crate::stream::Param::Text(v) => q.bind(v.clone()),
+                // Borrowed, not cloned: a batch's documents are bound as they are.
+                $crate::stream::Param::Text(v) => q.bind(v.as_deref()),
                 $crate::stream::Param::Int(v) => q.bind(*v),
-                $crate::stream::Param::Json(v) => q.bind(v.clone().map(sqlx::types::Json)),
+                $crate::stream::Param::Json(v) => q.bind(v.as_ref().map(sqlx::types::Json)),
                 $crate::stream::Param::Time(v) => q.bind(*v),
             };
         }
@@ -238,6 +250,74 @@ impl Tx {
                 }
             }
         }
+    }
+
+    /// Inserts `rows` (one value per column each) with multi-row `INSERT INTO {table}
+    /// ({columns}) VALUES (..), (..) {tail}` statements, as many rows to a statement as the
+    /// engines' limits on parameters allow; `tail` is the conflict clause. A batch of a
+    /// subscription writes its rows this way in a few statements instead of one per event.
+    /// Returns the rows affected.
+    pub async fn insert_rows(
+        &mut self,
+        table: &str,
+        columns: &[&str],
+        rows: Vec<Vec<Param>>,
+        tail: &str,
+    ) -> Result<u64, sqlx::Error> {
+        let per_statement = (MAX_PARAMETERS / columns.len().max(1)).max(1);
+        let mut affected = 0;
+        let mut rows = rows.into_iter().peekable();
+        while rows.peek().is_some() {
+            let mut sql = format!("INSERT INTO {table} ({}) VALUES ", columns.join(", "));
+            let mut params = Vec::new();
+            for (i, row) in rows.by_ref().take(per_statement).enumerate() {
+                sql.push_str(if i == 0 { "(" } else { ", (" });
+                sql.push_str(&placeholders(params.len() + 1, row.len()));
+                sql.push(')');
+                params.extend(row);
+            }
+            sql.push(' ');
+            sql.push_str(tail);
+            affected += self.execute(&sql, &params).await?;
+        }
+        Ok(affected)
+    }
+
+    /// The rows of `select`, whose first column is text (a key) and second a JSON document,
+    /// for `keys`: `select` ends in `IN`, and it runs once per chunk of keys that one
+    /// statement can bind (e.g. the stored documents of a batch's aggregates).
+    pub async fn fetch_documents(
+        &mut self,
+        select: &str,
+        keys: &[Param],
+    ) -> Result<Vec<(String, Value)>, sqlx::Error> {
+        let mut found = Vec::new();
+        for chunk in keys.chunks(MAX_PARAMETERS) {
+            let sql = format!("{select} ({})", placeholders(1, chunk.len()));
+            let sql = crate::database::sql_for(self.backend(), &sql).into_owned();
+            match self {
+                Tx::Postgres(t) => {
+                    let rows = crate::bind_params!(sqlx::query(&sql), chunk)
+                        .fetch_all(&mut **t)
+                        .await?;
+                    for row in rows {
+                        found.push((row.try_get(0)?, row.try_get(1)?));
+                    }
+                }
+                Tx::Sqlite(t) => {
+                    let rows = crate::bind_params!(sqlx::query(&sql), chunk)
+                        .fetch_all(&mut **t)
+                        .await?;
+                    for row in rows {
+                        let document: String = row.try_get(1)?;
+                        let document = serde_json::from_str(&document)
+                            .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                        found.push((row.try_get(0)?, document));
+                    }
+                }
+            }
+        }
+        Ok(found)
     }
 
     /// Takes the subscription's checkpoint and holds it until commit: the row is locked on
@@ -529,6 +609,18 @@ pub trait Handler: Send + Sync {
     fn name(&self) -> &str;
     /// Applies one event. An error rolls the whole batch back; it is retried later.
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError>;
+
+    /// Applies a batch of events in stream order. The default hands them to
+    /// [`Handler::handle`] one by one; a handler that can write a batch with fewer statements
+    /// overrides it. Its result must equal handling the events one by one.
+    async fn handle_batch(&self, tx: &mut Tx, events: &[StoredEvent]) -> Result<(), HandlerError> {
+        for event in events {
+            self.handle(tx, event)
+                .await
+                .map_err(|source| HandlerError::at(event, source))?;
+        }
+        Ok(())
+    }
 }
 
 /// A handler's failure.
@@ -550,6 +642,17 @@ pub enum HandlerError {
         /// What is wrong with it.
         source: BoxError,
     },
+    /// A batch read for a subscription at one position found its checkpoint elsewhere
+    /// (another runner moved it); nothing was applied.
+    #[error("subscription {name}'s checkpoint is at {}, not at {} where its batch was read", .found.global_position, .expected.global_position)]
+    Moved {
+        /// The subscription.
+        name: String,
+        /// Where the batch was read from.
+        expected: Position,
+        /// Where the checkpoint stood.
+        found: Position,
+    },
     /// The handler failed on this event; the batch was rolled back and nothing is skipped.
     #[error("event {event_id} ({event_type}) at position {}: {source}", .position.global_position)]
     AtEvent {
@@ -562,6 +665,21 @@ pub enum HandlerError {
         /// What the handler said.
         source: Box<HandlerError>,
     },
+}
+
+impl HandlerError {
+    /// `source`, tied to the event it failed on (unless it already is).
+    pub fn at(event: &StoredEvent, source: HandlerError) -> Self {
+        match source {
+            at @ HandlerError::AtEvent { .. } => at,
+            source => HandlerError::AtEvent {
+                position: event.position,
+                event_id: event.event_id,
+                event_type: event.event_type.clone(),
+                source: Box::new(source),
+            },
+        }
+    }
 }
 
 /// A subscription that keeps failing on the same event: it retries, never skips, and says
@@ -663,10 +781,29 @@ pub async fn run_batch(db: &Database, handler: &dyn Handler) -> Result<usize, Ha
 }
 
 /// Handles one batch of at most `limit` events in one transaction; returns how many it took.
+///
+/// The batch goes to [`Handler::handle_batch`]. When that fails without naming the event, the
+/// batch is rolled back and handled again one event at a time, so that the error, and the
+/// subscription's reported problem, name the event that fails.
 pub async fn run_batch_of(
     db: &Database,
     handler: &dyn Handler,
     limit: i64,
+) -> Result<usize, HandlerError> {
+    match run_one_batch(db, handler, limit, true).await {
+        Err(error) if !matches!(error, HandlerError::AtEvent { .. }) => {
+            tracing::debug!(%error, "batch failed; handling it one event at a time");
+            run_one_batch(db, handler, limit, false).await
+        }
+        done => done,
+    }
+}
+
+async fn run_one_batch(
+    db: &Database,
+    handler: &dyn Handler,
+    limit: i64,
+    batched: bool,
 ) -> Result<usize, HandlerError> {
     let mut tx = Tx::begin(db).await?;
     let from = tx.claim_checkpoint(handler.name()).await?;
@@ -675,20 +812,46 @@ pub async fn run_batch_of(
         tx.commit().await?;
         return Ok(0);
     };
-    for event in &events {
-        handler
-            .handle(&mut tx, event)
-            .await
-            .map_err(|source| HandlerError::AtEvent {
-                position: event.position,
-                event_id: event.event_id,
-                event_type: event.event_type.clone(),
-                source: Box::new(source),
-            })?;
+    if batched {
+        handler.handle_batch(&mut tx, &events).await?;
+    } else {
+        for event in &events {
+            handler
+                .handle(&mut tx, event)
+                .await
+                .map_err(|source| HandlerError::at(event, source))?;
+        }
     }
     tx.save_checkpoint(handler.name(), last).await?;
     tx.commit().await?;
     Ok(events.len())
+}
+
+/// Applies `events`, read after `from` by the caller, to a subscription whose checkpoint
+/// stands at `from`, and moves the checkpoint past them, in one transaction. Several
+/// subscriptions replaying the same stretch (a rebuild) read it once this way.
+pub async fn apply_read_batch(
+    db: &Database,
+    handler: &dyn Handler,
+    from: Position,
+    events: &[StoredEvent],
+) -> Result<(), HandlerError> {
+    let Some(last) = events.last().map(|e| e.position) else {
+        return Ok(());
+    };
+    let mut tx = Tx::begin(db).await?;
+    let found = tx.claim_checkpoint(handler.name()).await?;
+    if found != from {
+        return Err(HandlerError::Moved {
+            name: handler.name().to_string(),
+            expected: from,
+            found,
+        });
+    }
+    handler.handle_batch(&mut tx, events).await?;
+    tx.save_checkpoint(handler.name(), last).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Handles batches until the subscription has nothing left to read; returns the count.

@@ -521,3 +521,113 @@ async fn the_batch_read_walks_the_stream_order_index() {
     drop(tx);
     t.cleanup().await;
 }
+
+/// A handler whose batch write always fails without naming an event (as a multi-row
+/// statement does), and whose event-by-event path fails on the event `fails_on` (if any).
+struct FailingBatch {
+    fails_on: Option<String>,
+    seen: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl Handler for FailingBatch {
+    fn name(&self) -> &str {
+        "failing-batch"
+    }
+    async fn handle(&self, _tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
+        if self.fails_on.as_deref() == Some(event.aggregate_id.as_str()) {
+            return Err(HandlerError::Record {
+                what: "the event's row".to_string(),
+                source: "refused".into(),
+            });
+        }
+        self.seen.lock().unwrap().push(event.aggregate_id.clone());
+        Ok(())
+    }
+    async fn handle_batch(&self, _tx: &mut Tx, _: &[StoredEvent]) -> Result<(), HandlerError> {
+        Err(HandlerError::Record {
+            what: "a multi-row statement".to_string(),
+            source: "refused".into(),
+        })
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn a_failed_batch_is_handled_again_event_by_event_and_names_the_failing_event(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let id = ProvisioningRunId::new_random();
+            runs.execute(&tenant("a"), &id.to_string(), request("a", id), &meta("a"), true)
+                .await
+                .unwrap();
+            ids.push(id.to_string());
+        }
+        let failing = FailingBatch { fails_on: Some(ids[1].clone()), seen: Mutex::new(vec![]) };
+        let error = eventually("the failure", || async {
+            stream::catch_up(&t.db, &failing).await.err()
+        })
+        .await;
+        let HandlerError::AtEvent { position, source, .. } = &error else {
+            panic!("{backend:?}: {error:?}")
+        };
+        assert!(matches!(**source, HandlerError::Record { .. }), "{error:?}");
+        let stored = stream::read_after(&t.db, Position::default(), 10).await.unwrap();
+        assert_eq!(*position, stored[1].position, "{backend:?}: the second event is named");
+        // Nothing moved: the checkpoint is where it was.
+        let status = stream::subscription_status(&t.db).await.unwrap();
+        assert!(status.iter().all(|s| s.position.global_position == 0), "{backend:?}: {status:?}");
+
+        // When the events go through one by one, the batch is done that way.
+        let passing = FailingBatch { fails_on: None, seen: Mutex::new(vec![]) };
+        eventually("three events", || async {
+            stream::catch_up(&t.db, &passing).await.unwrap();
+            (passing.seen.lock().unwrap().len() == 3).then_some(())
+        })
+        .await;
+        assert_eq!(*passing.seen.lock().unwrap(), ids);
+        t.cleanup().await;
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn rows_are_inserted_and_read_in_as_many_statements_as_the_parameter_limit_needs(backend) {
+        use stream::Param;
+        let t = TestDatabase::new(backend).await;
+        let mut tx = Tx::begin(&t.db).await.unwrap();
+        let json = match backend { Backend::Postgres => "jsonb", Backend::Sqlite => "text" };
+        tx.execute(&format!("CREATE TABLE wide (a text NOT NULL, b text NOT NULL, doc {json} NOT NULL, PRIMARY KEY (a, b))"), &[])
+            .await
+            .unwrap();
+        // 12,000 rows of three columns: more parameters than one statement may bind.
+        let rows: Vec<Vec<Param>> = (0..12_000)
+            .map(|n| vec![
+                Param::Text(Some(format!("a{}", n % 7))),
+                Param::Text(Some(format!("b{n}"))),
+                Param::Json(Some(serde_json::json!({"n": n}))),
+            ])
+            .collect();
+        let inserted = tx.insert_rows("wide", &["a", "b", "doc"], rows, "ON CONFLICT DO NOTHING").await.unwrap();
+        assert_eq!(inserted, 12_000, "{backend:?}");
+        // Again: the conflict clause applies to every statement.
+        let again = vec![vec![
+            Param::Text(Some("a0".to_string())),
+            Param::Text(Some("b0".to_string())),
+            Param::Json(Some(serde_json::json!({"n": -1}))),
+        ]];
+        assert_eq!(tx.insert_rows("wide", &["a", "b", "doc"], again, "ON CONFLICT DO NOTHING").await.unwrap(), 0);
+        // Read back by key, 31,000 of them (more than one statement binds).
+        let keys: Vec<Param> = (0..31_000).map(|n| Param::Text(Some(format!("b{n}")))).collect();
+        let mut found = tx.fetch_documents("SELECT b, doc FROM wide WHERE b IN", &keys).await.unwrap();
+        assert_eq!(found.len(), 12_000, "{backend:?}: keys that are not there are not found");
+        found.sort_by_key(|(_, doc)| doc["n"].as_i64());
+        assert_eq!(found[0], ("b0".to_string(), serde_json::json!({"n": 0})));
+        assert_eq!(found[11_999], ("b11999".to_string(), serde_json::json!({"n": 11_999})));
+        // Nothing to write or read is no statement at all.
+        assert_eq!(tx.insert_rows("wide", &["a", "b", "doc"], vec![], "").await.unwrap(), 0);
+        assert!(tx.fetch_documents("SELECT b, doc FROM wide WHERE b IN", &[]).await.unwrap().is_empty());
+        tx.commit().await.unwrap();
+        t.cleanup().await;
+    }
+}

@@ -402,3 +402,92 @@ fn an_aggregate_is_known_once_registered_and_not_before() {
     assert!(is_known("Tally"));
     assert!(known_aggregates().contains(&"Tally"));
 }
+
+/// Each call a subscriber got: the aggregate and how many events it held.
+#[derive(Default)]
+struct Calls(Mutex<Vec<String>>);
+
+#[async_trait::async_trait]
+impl<A: StoredAggregate> Subscriber<A> for Calls {
+    async fn on(&self, _tx: &mut Tx, _event: &Typed<A::Event>) -> Result<(), HandlerError> {
+        self.0.lock().unwrap().push(format!("{} x1", A::TYPE));
+        Ok(())
+    }
+    async fn on_batch(&self, _tx: &mut Tx, events: &[Typed<A::Event>]) -> Result<(), HandlerError> {
+        let call = format!("{} x{}", A::TYPE, events.len());
+        self.0.lock().unwrap().push(call);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_batch_goes_to_subscribers_in_runs_of_one_aggregate_and_keeps_the_stream_order() {
+    let t = TestDatabase::new(Backend::Sqlite).await;
+    register::<Environment>();
+    let tally = |by| {
+        stored(
+            "Tally",
+            "Counted",
+            "2.0",
+            json!({"Counted": {"tenant": "a", "by": by}}),
+        )
+    };
+    let run = || {
+        stored(
+            "ProvisioningRun",
+            "ProvisioningCancelled",
+            "1.0",
+            cancelled(),
+        )
+    };
+    let other = stored("Environment", "Whatever", "9.9", json!(null));
+    let batch = vec![tally(1), tally(2), other, run(), tally(3), run(), run()];
+
+    let calls = Arc::new(Calls::default());
+    let ordered = Subscription::new("ordered")
+        .on::<Tally>(calls.clone())
+        .on::<ProvisioningRun>(calls.clone());
+    let mut tx = Tx::begin(&t.db).await.unwrap();
+    ordered.handle_batch(&mut tx, &batch).await.unwrap();
+    // Another aggregate's event between two of Tally's does not split them.
+    assert_eq!(
+        *calls.0.lock().unwrap(),
+        [
+            "Tally x2",
+            "ProvisioningRun x1",
+            "Tally x1",
+            "ProvisioningRun x2"
+        ]
+    );
+
+    // Grouped: one call per aggregate, in the order `on` declared them.
+    let calls = Arc::new(Calls::default());
+    let grouped = Subscription::new("grouped")
+        .on::<ProvisioningRun>(calls.clone())
+        .on::<Tally>(calls.clone())
+        .by_aggregate();
+    grouped.handle_batch(&mut tx, &batch).await.unwrap();
+    assert_eq!(*calls.0.lock().unwrap(), ["ProvisioningRun x3", "Tally x3"]);
+
+    // An event that does not decode is named, in either way through a batch.
+    let broken = stored(
+        "ProvisioningRun",
+        "ProvisioningCancelled",
+        "1.0",
+        json!({"ProvisioningCancelled": 1}),
+    );
+    let batch = vec![tally(1), broken.clone()];
+    for subscription in [&ordered, &grouped] {
+        let error = subscription
+            .handle_batch(&mut tx, &batch)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, HandlerError::AtEvent { event_id, source, .. }
+                if *event_id == broken.event_id && matches!(**source, HandlerError::Decode(_))),
+            "{error:?}"
+        );
+    }
+    tx.commit().await.unwrap();
+    t.cleanup().await;
+}

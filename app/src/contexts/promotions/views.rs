@@ -13,7 +13,7 @@ use ferry_domain::{
     Actor, ApprovalId, EnvironmentClass, EnvironmentId, FactoryRunId, ProjectId, PromotionId,
     ProvisioningRunId, ReleaseId, TenantId,
 };
-use ferry_projections::projection::TableNames;
+use ferry_projections::projection::{Folded, TableNames};
 use ferry_projections::queries::{page, Page, QueryError};
 use ferry_projections::{Projection, TableSpec};
 use ferry_store::stream::{HandlerError, Param, Tx};
@@ -21,6 +21,7 @@ use ferry_store::{on_pool, Database, Subscriber, Subscription, Typed};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::types::Json;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A release's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -491,9 +492,11 @@ impl Projection for DeliveryProjection {
         TABLES
     }
     fn subscribe(&self, subscription: Subscription, tables: &TableNames) -> Subscription {
+        // Releases' rows and promotions' rows never read one another: any order will do.
         subscription
             .on::<Release>(ReleaseRows(tables.clone()))
             .on::<Promotion>(PromotionRows(tables.clone()))
+            .by_aggregate()
     }
 }
 
@@ -505,27 +508,8 @@ impl Subscriber<Release> for ReleaseRows {
         let table = self.0.get("rm_releases");
         match &event.event {
             ReleaseEvent::ReleaseRecorded(record) => {
-                let view = ReleaseView {
-                    release: (**record).clone(),
-                    state: ReleaseState::Ready,
-                    withdrawal: None,
-                    completed_in: Vec::new(),
-                };
-                let sql = format!(
-                    "INSERT INTO {table} (tenant_id, release_id, project_id, state, position, document)
-                     VALUES ($1, $2, $3, 'Ready', $4, $5) ON CONFLICT DO NOTHING"
-                );
-                tx.execute(
-                    &sql,
-                    &[
-                        text(&record.tenant_id),
-                        text(record.release_id),
-                        text(&record.project_id),
-                        int(event.position.global_position),
-                        json(&view)?,
-                    ],
-                )
-                .await?;
+                let row = recorded_row(record, event.position.global_position)?;
+                insert_releases(tx, table, vec![row]).await?;
             }
             ReleaseEvent::ReleaseWithdrawn {
                 reason,
@@ -599,63 +583,125 @@ impl Subscriber<Release> for ReleaseRows {
         }
         Ok(())
     }
+
+    /// Recorded releases are inserted together; any other event first writes those
+    /// gathered so far and is then handled on its own.
+    async fn on_batch(
+        &self,
+        tx: &mut Tx,
+        events: &[Typed<ReleaseEvent>],
+    ) -> Result<(), HandlerError> {
+        let table = self.0.get("rm_releases");
+        let mut rows = Vec::new();
+        for event in events {
+            if let ReleaseEvent::ReleaseRecorded(record) = &event.event {
+                rows.push(recorded_row(record, event.position.global_position)?);
+            } else {
+                insert_releases(tx, table, std::mem::take(&mut rows)).await?;
+                self.on(tx, event).await?;
+            }
+        }
+        insert_releases(tx, table, rows).await
+    }
+}
+
+/// The `rm_releases` row of a release as recorded.
+fn recorded_row(record: &ReleaseRecord, position: i64) -> Result<Vec<Param>, HandlerError> {
+    let view = ReleaseView {
+        release: record.clone(),
+        state: ReleaseState::Ready,
+        withdrawal: None,
+        completed_in: Vec::new(),
+    };
+    Ok(vec![
+        text(&record.tenant_id),
+        text(record.release_id),
+        text(&record.project_id),
+        text("Ready"),
+        int(position),
+        json(&view)?,
+    ])
+}
+
+async fn insert_releases(
+    tx: &mut Tx,
+    table: &str,
+    rows: Vec<Vec<Param>>,
+) -> Result<(), HandlerError> {
+    let columns = [
+        "tenant_id",
+        "release_id",
+        "project_id",
+        "state",
+        "position",
+        "document",
+    ];
+    tx.insert_rows(table, &columns, rows, "ON CONFLICT DO NOTHING")
+        .await?;
+    Ok(())
 }
 
 struct PromotionRows(TableNames);
 
-#[async_trait::async_trait]
-impl Subscriber<Promotion> for PromotionRows {
-    async fn on(&self, tx: &mut Tx, event: &Typed<PromotionEvent>) -> Result<(), HandlerError> {
-        let promotions = self.0.get("rm_promotions");
+const PROMOTION_COLUMNS: [&str; 10] = [
+    "promotion_id",
+    "tenant_id",
+    "environment_id",
+    "release_id",
+    "environment_class",
+    "state",
+    "position",
+    "version",
+    "document",
+    "rollback_of",
+];
+
+/// A promotion's row is inserted with the event that starts it; later events change its
+/// state, version and document.
+const PROMOTION_UPSERT: &str = "ON CONFLICT (promotion_id) DO UPDATE SET state = excluded.state,
+    version = excluded.version, document = excluded.document";
+
+fn class_name(view: &PromotionView) -> String {
+    serde_json::to_value(view.environment_class)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// The `rm_promotions` row of `view` after the event with `sequence` (`position`: where the
+/// row starts, when it is inserted).
+fn promotion_row(
+    view: &PromotionView,
+    position: i64,
+    sequence: i64,
+) -> Result<Vec<Param>, HandlerError> {
+    Ok(vec![
+        text(view.promotion_id),
+        text(&view.tenant_id),
+        text(&view.environment_id),
+        text(view.release_id),
+        text(class_name(view)),
+        text(view.state.as_str()),
+        int(position),
+        int(sequence),
+        json(view)?,
+        Param::Text(
+            view.rollback_of
+                .as_ref()
+                .map(|r| r.promotion_id.to_string()),
+        ),
+    ])
+}
+
+impl PromotionRows {
+    /// What `event` does to the release completions, given the promotion after it.
+    async fn completions(
+        &self,
+        tx: &mut Tx,
+        view: &PromotionView,
+        event: &Typed<PromotionEvent>,
+    ) -> Result<(), HandlerError> {
         let completions = self.0.get("rm_release_completions");
-        let sequence = u64::try_from(event.sequence).unwrap_or_default();
-        let view = if let PromotionEvent::PromotionRequested(request) = &event.event {
-            PromotionView::start(request)
-        } else {
-            let select = format!("SELECT document FROM {promotions} WHERE promotion_id = $1");
-            let Some(doc) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await? else {
-                return Ok(());
-            };
-            let mut view: PromotionView = document(
-                format!("the {promotions} row of promotion {}", event.aggregate_id),
-                doc,
-            )?;
-            if view.version >= sequence {
-                return Ok(());
-            }
-            view.apply(&event.event, sequence);
-            view
-        };
-        let class = serde_json::to_value(view.environment_class)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
-        let upsert = format!(
-            "INSERT INTO {promotions} (promotion_id, tenant_id, environment_id, release_id, environment_class, state, position, version, document, rollback_of)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-             ON CONFLICT (promotion_id) DO UPDATE SET state = excluded.state,
-                 version = excluded.version, document = excluded.document"
-        );
-        tx.execute(
-            &upsert,
-            &[
-                text(view.promotion_id),
-                text(&view.tenant_id),
-                text(&view.environment_id),
-                text(view.release_id),
-                text(&class),
-                text(view.state.as_str()),
-                int(event.position.global_position),
-                int(i64::try_from(sequence).unwrap_or(i64::MAX)),
-                json(&view)?,
-                Param::Text(
-                    view.rollback_of
-                        .as_ref()
-                        .map(|r| r.promotion_id.to_string()),
-                ),
-            ],
-        )
-        .await?;
         match &event.event {
             PromotionEvent::PromotionCompleted { completed_at } => {
                 let completion = Completion {
@@ -675,7 +721,7 @@ impl Subscriber<Promotion> for PromotionRows {
                         text(&view.tenant_id),
                         text(view.release_id),
                         text(&view.environment_id),
-                        text(&class),
+                        text(class_name(view)),
                         int(event.position.global_position),
                         json(&completion)?,
                     ],
@@ -689,6 +735,101 @@ impl Subscriber<Promotion> for PromotionRows {
             }
             _ => {}
         }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Subscriber<Promotion> for PromotionRows {
+    async fn on(&self, tx: &mut Tx, event: &Typed<PromotionEvent>) -> Result<(), HandlerError> {
+        let promotions = self.0.get("rm_promotions");
+        let sequence = u64::try_from(event.sequence).unwrap_or_default();
+        let view = if let PromotionEvent::PromotionRequested(request) = &event.event {
+            PromotionView::start(request)
+        } else {
+            let select = format!("SELECT document FROM {promotions} WHERE promotion_id = $1");
+            let Some(doc) = tx.fetch_json(&select, &[text(&event.aggregate_id)]).await? else {
+                return Ok(());
+            };
+            let mut view: PromotionView = document(
+                format!("the {promotions} row of promotion {}", event.aggregate_id),
+                doc,
+            )?;
+            if view.version >= sequence {
+                return Ok(());
+            }
+            view.apply(&event.event, sequence);
+            view
+        };
+        let row = promotion_row(&view, event.position.global_position, event.sequence)?;
+        tx.insert_rows(promotions, &PROMOTION_COLUMNS, vec![row], PROMOTION_UPSERT)
+            .await?;
+        self.completions(tx, &view, event).await
+    }
+
+    /// Reads the stored documents of the batch's promotions at once, folds the events into
+    /// them in memory (completions written as they come) and writes each changed
+    /// promotion once: the same rows as event by event.
+    async fn on_batch(
+        &self,
+        tx: &mut Tx,
+        events: &[Typed<PromotionEvent>],
+    ) -> Result<(), HandlerError> {
+        let promotions = self.0.get("rm_promotions");
+        let ids: BTreeSet<&str> = events
+            .iter()
+            .filter(|e| !matches!(e.event, PromotionEvent::PromotionRequested(_)))
+            .map(|e| e.aggregate_id.as_str())
+            .collect();
+        let mut folded: BTreeMap<String, Folded<PromotionView>> = BTreeMap::new();
+        if !ids.is_empty() {
+            let select =
+                format!("SELECT promotion_id, document FROM {promotions} WHERE promotion_id IN");
+            let keys: Vec<Param> = ids.iter().map(text).collect();
+            for (id, doc) in tx.fetch_documents(&select, &keys).await? {
+                let view = document(format!("the {promotions} row of promotion {id}"), doc)?;
+                folded.insert(id, Folded::stored(view));
+            }
+        }
+        for event in events {
+            let sequence = u64::try_from(event.sequence).unwrap_or_default();
+            if let PromotionEvent::PromotionRequested(request) = &event.event {
+                let view = PromotionView::start(request);
+                match folded.get_mut(&event.aggregate_id) {
+                    Some(promotion) => {
+                        promotion.view = view;
+                        promotion.changed(event.sequence);
+                    }
+                    None => {
+                        let position = event.position.global_position;
+                        let promotion = Folded::new(view, position, event.sequence);
+                        folded.insert(event.aggregate_id.clone(), promotion);
+                    }
+                }
+            } else {
+                let Some(promotion) = folded.get_mut(&event.aggregate_id) else {
+                    continue;
+                };
+                if promotion.view.version >= sequence {
+                    continue;
+                }
+                promotion.view.apply(&event.event, sequence);
+                promotion.changed(event.sequence);
+            }
+            if let Some(promotion) = folded.get(&event.aggregate_id) {
+                self.completions(tx, &promotion.view, event).await?;
+            }
+        }
+        let mut rows = Vec::new();
+        for promotion in folded.into_values().filter(|p| p.changed) {
+            rows.push(promotion_row(
+                &promotion.view,
+                promotion.position,
+                promotion.sequence,
+            )?);
+        }
+        tx.insert_rows(promotions, &PROMOTION_COLUMNS, rows, PROMOTION_UPSERT)
+            .await?;
         Ok(())
     }
 }
