@@ -55,9 +55,11 @@ pub enum RebuildError {
 
 const SUFFIX: &str = "_rebuild";
 
-/// Events per transaction while replaying into the fresh tables: nobody else waits on
-/// them, so larger transactions only save commits.
-const REBUILD_BATCH: i64 = 4096;
+/// Events per transaction while replaying into the fresh tables. Larger batches save
+/// commits but hold more at once (every projection's documents of a batch, and the next
+/// batch read ahead): measured over 300,000 events, 1,024 replayed as fast as 4,096 with a
+/// peak of 80 MB instead of 154 MB.
+const REBUILD_BATCH: i64 = 1024;
 
 /// How often (in events) a long replay reports its progress.
 const PROGRESS_EVERY: usize = 100_000;
