@@ -90,9 +90,10 @@ async fn replay(db: &Database, runners: &[ProjectionRunner]) -> Result<usize, Re
     while let Some(last) = batch.last().map(|e| e.position) {
         let more = batch.len() == REBUILD_BATCH as usize;
         let read_next = async {
-            match more {
-                true => stream::read_after(db, last, REBUILD_BATCH).await,
-                false => Ok(Vec::new()),
+            if more {
+                stream::read_after(db, last, REBUILD_BATCH).await
+            } else {
+                Ok(Vec::new())
             }
         };
         let (next, applied) = tokio::join!(read_next, apply_to_all(db, runners, position, &batch));
@@ -132,9 +133,9 @@ async fn apply_to_all(
     Ok(())
 }
 
-/// Rebuilds `projections` and swaps them in together. On Postgres their replays run side
-/// by side (each on its own connection and checkpoint); SQLite has one writer, so there
-/// they run one after the other.
+/// Rebuilds `projections` and swaps them in together. Their replays share each read of
+/// the stream; on Postgres they write side by side (each on its own connection and
+/// checkpoint); SQLite has one writer, so there they write one after the other.
 pub async fn rebuild(
     db: &Database,
     projections: &[Arc<dyn Projection>],
