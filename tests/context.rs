@@ -373,14 +373,20 @@ async fn a_context_registered_in_one_place_is_served_documented_projected_and_pu
     })
     .await;
     let stream = &stream;
-    let message = eventually_showing("a counter-added message", 15, || async move {
-        stream
+    // The relay publishes in the background: wait for the second addition, not just any.
+    let event = eventually_showing("the second counter-added message", 15, || async move {
+        let message = stream
             .get_last_raw_message_by_subject("ferry.events.counter.counter-added")
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        let event: Value = serde_json::from_slice(&message.payload).map_err(|e| e.to_string())?;
+        if event["data"]["total"] == 5 {
+            Ok(event)
+        } else {
+            Err(event.to_string())
+        }
     })
     .await;
-    let event: Value = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(
         event["data"],
         json!({"tenantId": "acme", "by": 3, "total": 5})
