@@ -15,6 +15,8 @@
 //! * The checkpoint (`nats-relay:<stream>` in `subscription_checkpoints`) moves only after
 //!   the PubAcks, in a short transaction of its own: no database transaction stays open
 //!   while NATS is slow or down (an open one would hold back every reader of the stream).
+//! * Reading, encoding and publishing overlap, each on a task of its own: while one batch
+//!   is published the next is encoded and the one after it read (see `Worker::pump`).
 //! * **Lining up** (at start, after every reconnection and after a refused publish): the
 //!   relay reads the `Ferry-Position` header of the stream's newest Ferry message. Behind the
 //!   checkpoint, NATS lost messages it had acknowledged: exactly those are proven lost and
@@ -45,7 +47,7 @@ use async_nats::jetstream::{self, message::PublishMessage, stream};
 use chrono::{DateTime, Utc};
 use ferry_store::events::{DecodeError, ReadError};
 use ferry_store::stream::read_after;
-use ferry_store::{Database, Position, Tx};
+use ferry_store::{Database, Position, StoredEvent, Tx};
 use prometheus::proto::MetricFamily;
 use prometheus::Registry;
 use serde::Serialize;
@@ -53,7 +55,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
@@ -80,7 +82,7 @@ pub struct RelayConfig {
     pub duplicate_window: Duration,
     /// How often to look for new events when no commit signal arrives.
     pub poll: Duration,
-    /// Events read per batch (the checkpoint moves once per batch).
+    /// Events read per batch (batches are read and encoded while earlier ones publish).
     pub batch: i64,
     /// Subjects the stream stores (default [`STREAM_SUBJECTS`]). No other service may
     /// publish on them: every publish expects the stream's last sequence to be the relay's.
@@ -408,6 +410,10 @@ pub enum RelayError {
     /// An aggregate's stored history has a hole where an event should be.
     #[error("store: {0}")]
     History(Box<ReadError>),
+    /// The task reading and encoding the stream's batches ended without a batch (it
+    /// panicked); the relay starts it again.
+    #[error("the relay's reader stopped unexpectedly")]
+    Stopped,
     /// An event could not be serialized.
     #[error("serialize: {0}")]
     Serialize(#[from] serde_json::Error),
@@ -484,6 +490,122 @@ struct Worker {
     anchor: Option<u64>,
     /// The subjects the stream stores (the expectation is only sent for those).
     stored_subjects: Vec<String>,
+}
+
+/// Reads the stream's batches and encodes their messages, each on a task of its own, while
+/// the relay publishes (see [`Worker::pump`]). It owns what it needs.
+struct Encoder {
+    db: Database,
+    publishers: Publishers,
+    source: String,
+    limit: i64,
+}
+
+/// A batch read after a checkpoint: the messages up to the first event that could not be
+/// encoded, and why that one could not.
+struct Batch {
+    /// True when the read returned as many events as it asked for: there may be more.
+    full: bool,
+    ready: Vec<Ready>,
+    failure: Option<RelayError>,
+}
+
+/// One event's message, encoded and ready to send.
+struct Ready {
+    position: Position,
+    position_token: String,
+    subject: String,
+    /// The CloudEvent id (the event id): also the message id NATS deduplicates by.
+    id: String,
+    body: bytes::Bytes,
+    degraded: bool,
+}
+
+impl Encoder {
+    /// Reads the batches after `from` (one task) and encodes them (this one), sending each
+    /// to `out` in order; stops after a batch that is not full, that holds an event it could
+    /// not encode, or whose read failed, and when `out` is closed. Each stage waits for the
+    /// next to take its last batch, so at most a few batches are in memory.
+    async fn run(self, from: Position, out: mpsc::Sender<Result<Batch, RelayError>>) {
+        let (read_to, mut reads) = mpsc::channel::<Result<Vec<StoredEvent>, sqlx::Error>>(1);
+        let (db, limit) = (self.db.clone(), self.limit);
+        let full = usize::try_from(limit).unwrap_or(usize::MAX);
+        let reader = tokio::spawn(
+            async move {
+                let mut at = from;
+                loop {
+                    let read = read_after(&db, at, limit).await;
+                    let next = match &read {
+                        Ok(events) if events.len() >= full => events.last().map(|e| e.position),
+                        _ => None,
+                    };
+                    if read_to.send(read).await.is_err() {
+                        return;
+                    }
+                    match next {
+                        Some(last) => at = last,
+                        None => return,
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        while let Some(read) = reads.recv().await {
+            let batch = match read {
+                Ok(events) => Ok(self.encode_all(events).await),
+                Err(e) => Err(RelayError::Store(e)),
+            };
+            let more = matches!(&batch, Ok(b) if b.full && b.failure.is_none());
+            if out.send(batch).await.is_err() || !more {
+                break;
+            }
+        }
+        reader.abort();
+    }
+
+    /// Encodes `events` in order, stopping at the first that cannot be (its error is the
+    /// batch's failure).
+    async fn encode_all(&self, events: Vec<StoredEvent>) -> Batch {
+        let mut batch = Batch {
+            full: events.len() >= usize::try_from(self.limit).unwrap_or(usize::MAX),
+            ready: Vec::with_capacity(events.len()),
+            failure: None,
+        };
+        for event in &events {
+            match self.encode(event).await {
+                Ok(ready) => batch.ready.push(ready),
+                Err(e) => {
+                    batch.failure = Some(e);
+                    break;
+                }
+            }
+        }
+        batch
+    }
+
+    async fn encode(&self, event: &StoredEvent) -> Result<Ready, RelayError> {
+        let out = self
+            .publishers
+            .to_outbound(&self.db, &self.source, event)
+            .await
+            .map_err(|e| match e {
+                ReadError::Sql(e) => RelayError::Store(e),
+                ReadError::Decode(source) => RelayError::Undecodable {
+                    event_id: event.event_id,
+                    position: position_token(event.position),
+                    source,
+                },
+                gap @ ReadError::Gap { .. } => RelayError::History(Box::new(gap)),
+            })?;
+        Ok(Ready {
+            position: event.position,
+            position_token: position_token(event.position),
+            body: out.event.to_bytes()?.into(),
+            id: out.event.id,
+            subject: out.subject,
+            degraded: out.degraded.is_some(),
+        })
+    }
 }
 
 impl Worker {
@@ -614,15 +736,15 @@ impl Worker {
                 _ = shutdown.changed() => return,
             };
             match step {
-                Ok(n) => {
+                Ok(more) => {
                     backoff = Duration::from_millis(100);
                     refusals = 0;
                     self.metrics.update(|s| {
                         s.role = RelayRole::Leader;
                         s.last_error = None;
                     });
-                    if n >= usize::try_from(self.config.batch).unwrap_or(usize::MAX) {
-                        continue; // more to read
+                    if more {
+                        continue;
                     }
                 }
                 Err(RelayError::StreamChanged { expected }) if refusals < 3 => {
@@ -879,133 +1001,152 @@ impl Worker {
         });
     }
 
-    /// Publishes one batch after the checkpoint; returns how many events it took.
+    /// Publishes the events after the checkpoint, a batch at a time, for up to
+    /// [`PUMP_FOR`]; returns true when there may be more to read.
     ///
-    /// Publishes are pipelined (up to [`IN_FLIGHT`] PubAcks outstanding): NATS stores one
-    /// connection's publishes in the order sent, so the k-th publish after the last PubAck
-    /// expects the stream's last sequence to be that PubAck's plus k. A publish refused for
-    /// its expectation leaves the stream as it was, so every later one is refused too: the
-    /// stream never gets a gap. A publish without an expectation (the first of a new stream,
-    /// or a subject another stream stores) is sent alone, after every earlier PubAck.
-    async fn pump(&mut self) -> Result<usize, RelayError> {
+    /// Publishes are pipelined (up to [`IN_FLIGHT`] PubAcks outstanding, across batches):
+    /// NATS stores one connection's publishes in the order sent, so the k-th publish after
+    /// the last PubAck expects the stream's last sequence to be that PubAck's plus k. A
+    /// publish refused for its expectation leaves the stream as it was, so every later one
+    /// is refused too: the stream never gets a gap. A publish without an expectation (the
+    /// first of a new stream, or a subject another stream stores) is sent alone, after every
+    /// earlier PubAck.
+    ///
+    /// Reading, encoding and publishing overlap: while one batch is published the next is
+    /// encoded and the one after it read, each on a task of its own (one task doing all
+    /// three in turn kept the publishing waiting for the database). What is read ahead
+    /// belongs to this pump only: the next starts again from the saved checkpoint, so an
+    /// operator's replay or another leader's progress is always seen.
+    ///
+    /// The checkpoint is saved once per pump, after the PubAcks: a crash before the save
+    /// only means the line-up skips what NATS already stores.
+    async fn pump(&mut self) -> Result<bool, RelayError> {
         let name = self.config.checkpoint_name();
         let from = load_checkpoint(&self.db, &name).await?;
-        let events = read_after(&self.db, from, self.config.batch).await?;
+        let until = tokio::time::Instant::now() + PUMP_FOR;
+        let (batches_to, mut batches) = mpsc::channel(1);
+        let encoder = Encoder {
+            db: self.db.clone(),
+            publishers: self.config.publishers.clone(),
+            source: self.config.source.clone(),
+            limit: self.config.batch,
+        };
+        let encoding = tokio::spawn(encoder.run(from, batches_to).in_current_span());
+        let mut window = Window::default();
         let mut done: Option<Position> = None;
-        let result = self.publish_batch(&events, &mut done).await;
-        // Save what was acknowledged even when a later publish failed.
+        let mut publish_failed = false;
+        let result = loop {
+            let batch = match batches.recv().await {
+                Some(Ok(batch)) => batch,
+                Some(Err(e)) => break Err(e),
+                // The encoder ends after the last batch it sends; only a panic ends it early.
+                None => break Err(RelayError::Stopped),
+            };
+            if let Err(e) = self.publish(batch.ready, &mut window, &mut done).await {
+                publish_failed = true;
+                break Err(e);
+            }
+            // An event that could not be encoded stops the relay at it.
+            if let Some(failure) = batch.failure {
+                break Err(failure);
+            }
+            if !batch.full {
+                break Ok(false);
+            }
+            if tokio::time::Instant::now() >= until {
+                break Ok(true);
+            }
+        };
+        encoding.abort();
+        // After a failed publish the rest in flight is refused too: it is not waited for.
+        // Otherwise (a read or an event that failed) what is in flight is acknowledged
+        // first, and a failure of those earlier publishes is the one to report.
+        let settled = if publish_failed {
+            Ok(())
+        } else {
+            self.settle(&mut window, &mut done).await
+        };
+        // Save what was acknowledged, also when a later publish failed.
         if let Some(to) = done {
             move_checkpoint(&self.db, &name, to, false).await?;
             self.metrics
                 .checkpoint
                 .store(to.global_position, Ordering::Relaxed);
         }
-        result.map(|()| events.len())
+        settled?;
+        result
     }
 
-    /// Publishes `events` in order; `done` is the position of the last one acknowledged.
-    async fn publish_batch(
+    /// Sends `ready` in order through the window; `done` is the position of the last
+    /// message acknowledged. After a failed send, what is in flight is settled first (an
+    /// earlier publish's failure is the one to report).
+    async fn publish(
         &mut self,
-        events: &[ferry_store::StoredEvent],
+        ready: Vec<Ready>,
+        window: &mut Window,
         done: &mut Option<Position>,
     ) -> Result<(), RelayError> {
-        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-        let mut failure = None;
-        for event in events {
-            let out = match self.outbound(event).await {
-                Ok(out) => out,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            };
+        for message in ready {
             let ours = self
                 .stored_subjects
                 .iter()
-                .any(|p| subject_matches(p, &out.subject));
-            let mut predicted = self.predicted(&in_flight, ours);
-            if predicted.is_none() && !in_flight.is_empty() {
+                .any(|p| subject_matches(p, &message.subject));
+            let mut predicted = self.predicted(window, ours);
+            if predicted.is_none() && !window.in_flight.is_empty() {
                 // Sent alone: its place in the stream must not depend on earlier publishes.
-                self.settle(&mut in_flight, done).await?;
-                predicted = self.predicted(&in_flight, ours);
+                self.settle(window, done).await?;
+                predicted = self.predicted(window, ours);
             }
-            match self.send(event, out, predicted).await {
-                Ok(sent) => in_flight.push_back(sent),
+            match self.send(message, predicted).await {
+                Ok(sent) => window.push(sent),
                 Err(e) => {
-                    failure = Some(e);
-                    break;
+                    self.settle(window, done).await?;
+                    return Err(e);
                 }
             }
             if predicted.is_none() {
-                self.settle(&mut in_flight, done).await?;
-            } else if in_flight.len() >= IN_FLIGHT {
+                self.settle(window, done).await?;
+            } else if window.in_flight.len() >= IN_FLIGHT {
                 // A sliding window: one PubAck out, one publish in, so the pipe stays full.
-                let first = in_flight.pop_front().expect("not empty");
+                let first = window.pop().expect("not empty");
                 *done = Some(self.acknowledged(first).await?);
             }
         }
-        // An earlier publish's failure is the one to report.
-        self.settle(&mut in_flight, done).await?;
-        failure.map_or(Ok(()), Err)
+        Ok(())
     }
 
     /// The stream's last sequence that the next publish must expect, given what is in
     /// flight; `None` when it must carry no expectation.
-    fn predicted(&self, in_flight: &VecDeque<InFlight>, ours: bool) -> Option<u64> {
+    fn predicted(&self, window: &Window, ours: bool) -> Option<u64> {
         // NATS ignores 0, so the first message of a new stream carries none.
         let anchor = self.anchor.filter(|a| *a > 0 && ours)?;
-        if in_flight.iter().any(|f| f.expected.is_none()) {
+        if window.unexpected > 0 {
             return None;
         }
-        Some(anchor + in_flight.len() as u64)
+        Some(anchor + window.in_flight.len() as u64)
     }
 
     /// Waits for every PubAck in flight, in order.
     async fn settle(
         &mut self,
-        in_flight: &mut VecDeque<InFlight>,
+        window: &mut Window,
         done: &mut Option<Position>,
     ) -> Result<(), RelayError> {
-        while let Some(first) = in_flight.pop_front() {
+        while let Some(first) = window.pop() {
             *done = Some(self.acknowledged(first).await?);
         }
         Ok(())
     }
 
-    async fn outbound(
-        &self,
-        event: &ferry_store::StoredEvent,
-    ) -> Result<crate::outbound::Outbound, RelayError> {
-        self.config
-            .publishers
-            .to_outbound(&self.db, &self.config.source, event)
-            .await
-            .map_err(|e| match e {
-                ReadError::Sql(e) => RelayError::Store(e),
-                ReadError::Decode(source) => RelayError::Undecodable {
-                    event_id: event.event_id,
-                    position: position_token(event.position),
-                    source,
-                },
-                gap @ ReadError::Gap { .. } => RelayError::History(Box::new(gap)),
-            })
-    }
-
     /// Sends one event's message; its PubAck is awaited by [`Worker::acknowledged`].
-    async fn send(
-        &mut self,
-        event: &ferry_store::StoredEvent,
-        out: crate::outbound::Outbound,
-        expected: Option<u64>,
-    ) -> Result<InFlight, RelayError> {
-        if out.degraded.is_some() {
+    async fn send(&mut self, ready: Ready, expected: Option<u64>) -> Result<InFlight, RelayError> {
+        if ready.degraded {
             self.metrics.degraded.fetch_add(1, Ordering::Relaxed);
         }
-        let body = out.event.to_bytes()?;
         let mut message = PublishMessage::build()
-            .payload(body.into())
-            .message_id(event.event_id.to_string())
-            .header(POSITION_HEADER, position_token(event.position).as_str());
+            .payload(ready.body)
+            .message_id(ready.id.as_str())
+            .header(POSITION_HEADER, ready.position_token.as_str());
         // The expectation is checked by the stream that stores the subject: only send it to
         // ours.
         if let Some(seq) = expected {
@@ -1013,13 +1154,13 @@ impl Worker {
         }
         let ack = self
             .js
-            .send_publish(out.subject.clone(), message)
+            .send_publish(ready.subject.clone(), message)
             .await
-            .map_err(|e| publish_failure(&out.subject, &out.event.id, expected, e))?;
+            .map_err(|e| publish_failure(&ready.subject, &ready.id, expected, e))?;
         Ok(InFlight {
-            position: event.position,
-            subject: out.subject,
-            id: out.event.id,
+            position: ready.position,
+            subject: ready.subject,
+            id: ready.id,
             expected,
             ack,
         })
@@ -1063,6 +1204,31 @@ impl Worker {
 
 /// PubAcks the relay waits for at most at once.
 const IN_FLIGHT: usize = 256;
+
+/// How long one pump goes on publishing batch after batch before the relay checks its
+/// leadership, the stream and the checkpoint (an operator's replay) again.
+const PUMP_FOR: Duration = Duration::from_millis(500);
+
+/// The publishes in flight, oldest first.
+#[derive(Default)]
+struct Window {
+    in_flight: VecDeque<InFlight>,
+    /// How many in flight carry no expectation (while any does, the next carries none).
+    unexpected: usize,
+}
+
+impl Window {
+    fn push(&mut self, sent: InFlight) {
+        self.unexpected += usize::from(sent.expected.is_none());
+        self.in_flight.push_back(sent);
+    }
+
+    fn pop(&mut self) -> Option<InFlight> {
+        let first = self.in_flight.pop_front()?;
+        self.unexpected -= usize::from(first.expected.is_none());
+        Some(first)
+    }
+}
 
 /// A publish sent and not yet acknowledged.
 struct InFlight {
