@@ -67,13 +67,23 @@ pub fn inner_payload(payload: &Value) -> Value {
     }
 }
 
+/// [`inner_payload`] of a value the caller owns: nothing is copied.
+fn into_inner_payload(payload: Value) -> Value {
+    match payload {
+        Value::Object(map) if map.len() == 1 => {
+            map.into_iter().next().map_or(Value::Null, |(_, v)| v)
+        }
+        other => other,
+    }
+}
+
 /// The domain event on `ferry.events.<aggregate>.<event>`, its inner object as data.
 pub fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
     let subject = subjects::domain_subject(&stored.aggregate_type, &event.event_type());
     match serde_json::to_value(event) {
         Ok(value) => Message {
             subject,
-            data: inner_payload(&value),
+            data: into_inner_payload(value),
             degraded: None,
         },
         // Ferry's events always serialize; should one not, the stored object still tells.
@@ -378,5 +388,7 @@ mod tests {
         assert_eq!(inner_payload(&v), serde_json::json!({"cancelledBy": "ann"}));
         let flat = serde_json::json!({"a": 1, "b": 2});
         assert_eq!(inner_payload(&flat), flat);
+        assert_eq!(into_inner_payload(v.clone()), inner_payload(&v));
+        assert_eq!(into_inner_payload(flat.clone()), flat);
     }
 }
