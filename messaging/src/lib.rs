@@ -87,7 +87,7 @@ pub use inbound::{
     TrustedSources,
 };
 pub use outbound::{parse_position, position_token, Outbound};
-pub use publish::{DomainEvents, Message, Publisher, Publishers};
+pub use publish::{DomainEvents, EncodeError, Encoded, Message, Publisher, Publishers};
 pub use relay::{Relay, RelayConfig, RelayError, RelayMetrics};
 pub use schemas::{published_schemas, write_schemas};
 pub use sse::{sse_stream, start_position};

@@ -22,7 +22,7 @@ use ferry_domain::environment::Environment;
 use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
 use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
-use ferry_store::events::{decode, first_event, ReadError};
+use ferry_store::events::{decode_event, first_event, ReadError};
 use ferry_store::{Database, Position, StoredEvent, Typed};
 use serde_json::Value;
 use std::sync::Arc;
@@ -67,6 +67,15 @@ pub fn inner_payload(payload: &Value) -> Value {
     }
 }
 
+/// [`inner_payload`] of a stored event's payload (for an event that was not decoded). The
+/// store only holds JSON, so the text is the data only if that JSON is too deep to parse.
+pub fn stored_inner_payload(stored: &StoredEvent) -> Value {
+    stored.payload.to_value().map_or_else(
+        |_| Value::String(stored.payload.get().to_string()),
+        into_inner_payload,
+    )
+}
+
 /// [`inner_payload`] of a value the caller owns: nothing is copied.
 fn into_inner_payload(payload: Value) -> Value {
     match payload {
@@ -92,7 +101,7 @@ pub fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Messag
             log_degraded(stored, &reason);
             Message {
                 subject,
-                data: inner_payload(&stored.payload),
+                data: stored_inner_payload(stored),
                 degraded: Some(reason),
             }
         }
@@ -178,8 +187,8 @@ impl Publisher for SpecificationPublisher {
     }
 
     async fn message(&self, _db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let typed = decode::<DeploymentSpecification>(event)?;
-        Ok(specification_message(event, &typed.event))
+        let decoded = decode_event::<DeploymentSpecification>(event)?;
+        Ok(specification_message(event, &decoded))
     }
 
     fn documents(&self) -> Documents {
@@ -208,8 +217,8 @@ impl Publisher for RunPublisher {
     }
 
     async fn message(&self, db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let typed = decode::<ProvisioningRun>(event)?;
-        run_message(db, event, &typed).await
+        let decoded = decode_event::<ProvisioningRun>(event)?;
+        run_message(db, event, &decoded).await
     }
 
     fn documents(&self) -> Documents {
@@ -271,9 +280,9 @@ enum RunIntegration<'a> {
 async fn run_message(
     db: &Database,
     stored: &StoredEvent,
-    run: &Typed<RunEvent>,
+    run: &RunEvent,
 ) -> Result<Message, ReadError> {
-    let which = match &run.event {
+    let which = match run {
         RunEvent::ProvisioningPlanned { plan_receipt, .. } => RunIntegration::Planned(plan_receipt),
         RunEvent::ProvisioningApplied { apply_receipt, .. } => {
             RunIntegration::Applied(apply_receipt)
@@ -281,9 +290,9 @@ async fn run_message(
         RunEvent::ProvisioningFailed { reason, .. } => RunIntegration::Failed(reason),
         other => return Ok(domain_message(stored, other)),
     };
-    let request = match run_request(db, &run.aggregate_id).await? {
+    let request = match run_request(db, &stored.aggregate_id).await? {
         Ok(request) => request,
-        Err(reason) => return Ok(integration_failed(stored, &run.event, reason)),
+        Err(reason) => return Ok(integration_failed(stored, run, reason)),
     };
     let (subject, data) = match which {
         RunIntegration::Planned(receipt) => (
@@ -328,7 +337,7 @@ async fn run_message(
             }),
         ),
     };
-    Ok(integration(stored, &run.event, subject, data))
+    Ok(integration(stored, run, subject, data))
 }
 
 /// The run's request (its first event), or why there is none.

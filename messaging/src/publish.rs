@@ -8,10 +8,10 @@
 //! on `ferry.events.<aggregate>.<event>`, its inner object as data.
 
 use crate::cloudevent::{CloudEvent, JSON, SPEC_VERSION};
-use crate::outbound::{domain_message, inner_payload, position_token, Outbound};
+use crate::outbound::{domain_message, position_token, stored_inner_payload, Outbound};
 use crate::schemas::{domain_event_docs, Documents};
 use crate::subjects;
-use ferry_store::events::{decode, ReadError, StoredAggregate};
+use ferry_store::events::{decode_event, ReadError, StoredAggregate};
 use ferry_store::{Database, StoredEvent};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -27,6 +27,51 @@ pub struct Message {
     pub data: Value,
     /// Set when an integration payload could not be built and the domain event went instead.
     pub degraded: Option<String>,
+}
+
+/// A message as the relay and the SSE stream send it.
+#[derive(Debug)]
+pub struct Encoded {
+    /// The NATS subject (also the CloudEvent `type`).
+    pub subject: String,
+    /// The CloudEvent's JSON.
+    pub body: String,
+    /// True when an integration payload could not be built and the domain event went instead.
+    pub degraded: bool,
+}
+
+/// Why an event could not be encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// Its message could not be built (the store failed, or the event does not decode).
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    /// The envelope did not serialize.
+    #[error("the CloudEvent does not serialize: {0}")]
+    Serialize(#[from] serde_json::Error),
+}
+
+/// [`CloudEvent`]'s fields in its order, borrowed: the same JSON without copying the strings.
+#[derive(serde::Serialize)]
+struct Envelope<'a> {
+    specversion: &'a str,
+    id: uuid::Uuid,
+    source: &'a str,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    subject: &'a str,
+    time: &'a chrono::DateTime<chrono::Utc>,
+    datacontenttype: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tenantid: Option<&'a str>,
+    ferryaggregatetype: &'a str,
+    ferrysequence: i64,
+    ferryposition: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    correlationid: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    causationid: Option<&'a str>,
+    data: &'a Value,
 }
 
 /// One aggregate's events as Ferry publishes them, with the subjects they go on.
@@ -72,8 +117,7 @@ where
     }
 
     async fn message(&self, _db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let typed = decode::<A>(event)?;
-        Ok(domain_message(event, &typed.event))
+        Ok(domain_message(event, &decode_event::<A>(event)?))
     }
 
     fn documents(&self) -> Documents {
@@ -125,14 +169,7 @@ impl Publishers {
         source: &str,
         event: &StoredEvent,
     ) -> Result<Outbound, ReadError> {
-        let message = match self.0.get(event.aggregate_type.as_str()) {
-            Some(publisher) => publisher.message(db, event).await?,
-            None => Message {
-                subject: subjects::domain_subject(&event.aggregate_type, &event.event_type),
-                data: inner_payload(&event.payload),
-                degraded: None,
-            },
-        };
+        let message = self.message(db, event).await?;
         let meta = |key: &str| {
             event
                 .metadata
@@ -159,6 +196,52 @@ impl Publishers {
             },
             subject: message.subject,
             degraded: message.degraded,
+        })
+    }
+
+    /// The CloudEvent for `event` as JSON bytes, with its subject: the bytes of
+    /// [`to_outbound`](Self::to_outbound)'s event, written from borrowed parts (the relay
+    /// and the SSE stream send only bytes, so the envelope's strings are not copied).
+    pub async fn encode(
+        &self,
+        db: &Database,
+        source: &str,
+        event: &StoredEvent,
+        position: &str,
+    ) -> Result<Encoded, EncodeError> {
+        let message = self.message(db, event).await?;
+        let meta = |key: &str| event.metadata.get(key).and_then(Value::as_str);
+        let envelope = Envelope {
+            specversion: SPEC_VERSION,
+            id: event.event_id,
+            source,
+            event_type: &message.subject,
+            subject: &event.aggregate_id,
+            time: &event.recorded_at,
+            datacontenttype: JSON,
+            tenantid: meta("tenantId"),
+            ferryaggregatetype: &event.aggregate_type,
+            ferrysequence: event.sequence,
+            ferryposition: position,
+            correlationid: meta("correlationId"),
+            causationid: meta("causationId"),
+            data: &message.data,
+        };
+        Ok(Encoded {
+            body: serde_json::to_string(&envelope)?,
+            degraded: message.degraded.is_some(),
+            subject: message.subject,
+        })
+    }
+
+    async fn message(&self, db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
+        Ok(match self.0.get(event.aggregate_type.as_str()) {
+            Some(publisher) => publisher.message(db, event).await?,
+            None => Message {
+                subject: subjects::domain_subject(&event.aggregate_type, &event.event_type),
+                data: stored_inner_payload(event),
+                degraded: None,
+            },
         })
     }
 

@@ -41,7 +41,7 @@ use crate::health::{self, ErrorReport, NatsFailure};
 use crate::inbound::subject_matches;
 use crate::metrics::{Family, ScrapeCollector};
 use crate::outbound::{parse_position, position_token, DEFAULT_SOURCE};
-use crate::publish::Publishers;
+use crate::publish::{EncodeError, Publishers};
 use crate::subjects::STREAM_SUBJECTS;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use chrono::{DateTime, Utc};
@@ -584,26 +584,30 @@ impl Encoder {
     }
 
     async fn encode(&self, event: &StoredEvent) -> Result<Ready, RelayError> {
+        let position_token = position_token(event.position);
         let out = self
             .publishers
-            .to_outbound(&self.db, &self.source, event)
+            .encode(&self.db, &self.source, event, &position_token)
             .await
             .map_err(|e| match e {
-                ReadError::Sql(e) => RelayError::Store(e),
-                ReadError::Decode(source) => RelayError::Undecodable {
+                EncodeError::Read(ReadError::Sql(e)) => RelayError::Store(e),
+                EncodeError::Read(ReadError::Decode(source)) => RelayError::Undecodable {
                     event_id: event.event_id,
-                    position: position_token(event.position),
+                    position: position_token.clone(),
                     source,
                 },
-                gap @ ReadError::Gap { .. } => RelayError::History(Box::new(gap)),
+                EncodeError::Read(gap @ ReadError::Gap { .. }) => {
+                    RelayError::History(Box::new(gap))
+                }
+                EncodeError::Serialize(e) => RelayError::Serialize(e),
             })?;
         Ok(Ready {
             position: event.position,
-            position_token: position_token(event.position),
-            body: out.event.to_bytes()?.into(),
-            id: out.event.id,
+            position_token,
+            body: out.body.into(),
+            id: event.event_id.to_string(),
             subject: out.subject,
-            degraded: out.degraded.is_some(),
+            degraded: out.degraded,
         })
     }
 }

@@ -7,7 +7,7 @@
 //! subject, `data` = the CloudEvent JSON.
 
 use crate::outbound::{parse_position, position_token, DEFAULT_SOURCE};
-use crate::publish::Publishers;
+use crate::publish::{EncodeError, Publishers};
 use axum::response::sse::Event;
 use ferry_store::events::ReadError;
 use ferry_store::stream::read_after;
@@ -117,8 +117,10 @@ pub fn sse_stream_with_source(
 
 /// Reads the next batch; true when anything was read (even if none was the tenant's). An
 /// event that does not decode is an error like a store error: retried, never skipped.
-async fn fill(s: &mut State) -> Result<bool, ReadError> {
-    let events = read_after(&s.db, s.after, BATCH).await?;
+async fn fill(s: &mut State) -> Result<bool, EncodeError> {
+    let events = read_after(&s.db, s.after, BATCH)
+        .await
+        .map_err(ReadError::from)?;
     let Some(last) = events.last().map(|e| e.position) else {
         return Ok(false);
     };
@@ -128,13 +130,16 @@ async fn fill(s: &mut State) -> Result<bool, ReadError> {
         .iter()
         .filter(|e| e.tenant_id() == Some(s.tenant.as_str()))
     {
-        let out = s.publishers.to_outbound(&s.db, &s.source, stored).await?;
-        let data = serde_json::to_string(&out.event).unwrap_or_else(|_| "{}".to_string());
+        let position = position_token(stored.position);
+        let out = s
+            .publishers
+            .encode(&s.db, &s.source, stored, &position)
+            .await?;
         batch.push(
             Event::default()
-                .id(position_token(stored.position))
+                .id(position)
                 .event(out.subject)
-                .data(data),
+                .data(out.body),
         );
     }
     s.ready.extend(batch);

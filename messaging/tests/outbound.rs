@@ -82,6 +82,31 @@ async fn fallbacks(backend: Backend) {
         .unwrap()
         .contains("no ProvisioningRequested"));
     assert_eq!(failed.event.data["reason"], "x");
+
+    // What the relay and the SSE stream send is the same JSON, byte for byte, as the
+    // CloudEvent `to_outbound` builds, with and without the optional extensions.
+    let sql = db.sql(
+        "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata)
+         VALUES ('Widget', 'w-1', 1, 'WidgetMade', '1.0', $1, $2)",
+    );
+    ferry_store::on_pool!(db, pool => sqlx::query(&sql)
+        .bind(sqlx::types::Json(json!({"WidgetMade": {"size": 3, "tags": ["a", "é\"q"]}})))
+        .bind(sqlx::types::Json(json!({"tenantId": "acme"})))
+        .execute(pool).await.unwrap().rows_affected());
+    wait_events(db, 3).await;
+    let events = read_after(db, Position::default(), 10).await.unwrap();
+    for event in &events {
+        let publishers = Publishers::provisioning();
+        let out = publishers.to_outbound(db, "urn:test", event).await.unwrap();
+        let position = ferry_messaging::outbound::position_token(event.position);
+        let encoded = publishers
+            .encode(db, "urn:test", event, &position)
+            .await
+            .unwrap();
+        assert_eq!(encoded.body.as_bytes(), out.event.to_bytes().unwrap());
+        assert_eq!(encoded.subject, out.subject);
+        assert_eq!(encoded.degraded, out.degraded.is_some());
+    }
     t.cleanup().await;
 }
 

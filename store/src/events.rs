@@ -198,40 +198,74 @@ pub fn decode<A: StoredAggregate>(event: &StoredEvent) -> Result<Typed<A::Event>
     decode_with::<A>(&A::upcasters(), event)
 }
 
+/// Decodes `event`'s payload as an event of aggregate `A`, through `A`'s upcasters, without
+/// the envelope [`decode`] copies around it (for readers that have the stored event at hand).
+pub fn decode_event<A: StoredAggregate>(event: &StoredEvent) -> Result<A::Event, DecodeError> {
+    decode_payload::<A>(&A::upcasters(), event)
+}
+
 fn decode_with<A: StoredAggregate>(
     upcasters: &[Box<dyn EventUpcaster>],
     event: &StoredEvent,
 ) -> Result<Typed<A::Event>, DecodeError> {
-    // The payload is copied only when an upcaster has something to do.
-    let upcast = upcasters
-        .iter()
-        .any(|u| u.can_upcast(&event.event_type, &event.event_version))
-        .then(|| {
-            let stored = SerializedEvent::new(
-                event.aggregate_id.clone(),
-                usize::try_from(event.sequence).unwrap_or_default(),
-                event.aggregate_type.clone(),
-                event.event_type.clone(),
-                event.event_version.clone(),
-                event.payload.clone(),
-                event.metadata.clone(),
-            );
-            upcasters.iter().fold(stored, |e, u| {
-                if u.can_upcast(&e.event_type, &e.event_version) {
-                    u.upcast(e)
-                } else {
-                    e
-                }
-            })
-        });
-    let (event_type, event_version, payload) = match &upcast {
-        Some(e) => (&e.event_type, &e.event_version, &e.payload),
-        None => (&event.event_type, &event.event_version, &event.payload),
-    };
-    let decoded = A::Event::deserialize(payload).map_err(|source| DecodeError::Payload {
+    let decoded = decode_payload::<A>(upcasters, event)?;
+    Ok(Typed {
+        position: event.position,
+        event_id: event.event_id,
+        aggregate_id: event.aggregate_id.clone(),
+        sequence: event.sequence,
+        metadata: event.metadata.clone(),
+        recorded_at: event.recorded_at,
+        event: decoded,
+    })
+}
+
+fn decode_payload<A: StoredAggregate>(
+    upcasters: &[Box<dyn EventUpcaster>],
+    event: &StoredEvent,
+) -> Result<A::Event, DecodeError> {
+    let payload_error = |source| DecodeError::Payload {
         event: EventRef::of(event),
         source,
-    })?;
+    };
+    // The payload becomes a tree only when an upcaster has something to do; otherwise it is
+    // read from its text straight into the event's type.
+    let upcast = if upcasters
+        .iter()
+        .any(|u| u.can_upcast(&event.event_type, &event.event_version))
+    {
+        let stored = SerializedEvent::new(
+            event.aggregate_id.clone(),
+            usize::try_from(event.sequence).unwrap_or_default(),
+            event.aggregate_type.clone(),
+            event.event_type.clone(),
+            event.event_version.clone(),
+            event.payload.to_value().map_err(payload_error)?,
+            event.metadata.clone(),
+        );
+        Some(upcasters.iter().fold(stored, |e, u| {
+            if u.can_upcast(&e.event_type, &e.event_version) {
+                u.upcast(e)
+            } else {
+                e
+            }
+        }))
+    } else {
+        None
+    };
+    let (event_type, event_version, decoded) = match &upcast {
+        Some(e) => (
+            &e.event_type,
+            &e.event_version,
+            A::Event::deserialize(&e.payload),
+        ),
+        None => (
+            &event.event_type,
+            &event.event_version,
+            serde_json::from_str::<A::Event>(event.payload.get()),
+        ),
+    };
+    let decoded = decoded.map_err(payload_error)?;
     // Versions come from the event type: what the stored (upcast) event says it is must be
     // what it decoded as, else its payload would be read with another version's meaning.
     let (decoded_type, decoded_version) = (decoded.event_type(), decoded.event_version());
@@ -242,15 +276,7 @@ fn decode_with<A: StoredAggregate>(
             decoded_version,
         });
     }
-    Ok(Typed {
-        position: event.position,
-        event_id: event.event_id,
-        aggregate_id: event.aggregate_id.clone(),
-        sequence: event.sequence,
-        metadata: event.metadata.clone(),
-        recorded_at: event.recorded_at,
-        event: decoded,
-    })
+    Ok(decoded)
 }
 
 /// `1.0` and `1.0.0` are the same version (cqrs-es' semantic-version upcasters write the

@@ -26,7 +26,7 @@ pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOption
 pub use events::{DecodeError, StoredAggregate, Subscriber, Subscription, Typed};
 pub use metadata::EventMetadata;
 pub use repository::{error_chain, BoxError, CommandError, Executed, LinkedWrite, Repository};
-pub use stream::{Handler, HandlerError, Param, Position, StoredEvent, Tx};
+pub use stream::{Handler, HandlerError, Param, Payload, Position, StoredEvent, Tx};
 
 #[cfg(test)]
 mod tests;

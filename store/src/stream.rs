@@ -14,6 +14,7 @@ use crate::database::{Backend, Database, DatabaseError, Pool};
 use crate::events::DecodeError;
 use crate::repository::BoxError;
 use chrono::{DateTime, Utc};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::sqlite::SqliteRow;
@@ -50,12 +51,55 @@ pub struct StoredEvent {
     pub event_type: String,
     /// Event schema version.
     pub event_version: String,
-    /// The serialized domain event.
-    pub payload: Value,
+    /// The serialized domain event, as the store holds it.
+    pub payload: Payload,
     /// The metadata map (tenantId, actor, correlationId, causationId, requestId).
     pub metadata: Value,
     /// When the store recorded it.
     pub recorded_at: DateTime<Utc>,
+}
+
+/// A stored event's payload as JSON text, checked to be JSON but not parsed into a tree: a
+/// typed decode reads it straight into the event's type (one pass, no `Value` between),
+/// and only an upcast or a reader of unknown events builds the tree.
+#[derive(Clone)]
+pub struct Payload(Box<RawValue>);
+
+impl Payload {
+    /// The payload of `text`, or why it is not JSON.
+    pub fn parse(text: String) -> Result<Self, serde_json::Error> {
+        RawValue::from_string(text).map(Self)
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The payload as a JSON tree.
+    pub fn to_value(&self) -> Result<Value, serde_json::Error> {
+        serde_json::from_str(self.0.get())
+    }
+}
+
+impl From<&Value> for Payload {
+    fn from(value: &Value) -> Self {
+        // A `Value` always serializes (its keys are strings); `null` is unreachable.
+        Self(serde_json::value::to_raw_value(value).unwrap_or_else(|_| RawValue::NULL.to_owned()))
+    }
+}
+
+/// Equal when the texts are: two reads of one stored event compare equal.
+impl PartialEq for Payload {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.get())
+    }
 }
 
 impl StoredEvent {
@@ -148,7 +192,10 @@ pub(crate) fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
         sequence: row.try_get("sequence")?,
         event_type: row.try_get("event_type")?,
         event_version: row.try_get("event_version")?,
-        payload: row.try_get("payload")?,
+        payload: Payload(
+            row.try_get::<sqlx::types::Json<Box<RawValue>>, _>("payload")?
+                .0,
+        ),
         metadata: row.try_get("metadata")?,
         recorded_at: row.try_get("recorded_at")?,
     })
@@ -171,7 +218,7 @@ pub(crate) fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> 
         sequence: row.try_get("sequence")?,
         event_type: row.try_get("event_type")?,
         event_version: row.try_get("event_version")?,
-        payload: serde_json::from_str(&payload).map_err(decode)?,
+        payload: Payload::parse(payload).map_err(decode)?,
         metadata: serde_json::from_str(&metadata).map_err(decode)?,
         recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))?

@@ -139,7 +139,7 @@ fn stored(
         sequence: 1,
         event_type: event_type.to_string(),
         event_version: event_version.to_string(),
-        payload,
+        payload: (&payload).into(),
         metadata: json!({"tenantId": "a"}),
         recorded_at: Utc::now(),
     }

@@ -147,14 +147,14 @@ impl Publisher for PromotionPublisher {
     }
 
     async fn message(&self, db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let typed = ferry_store::events::decode::<Promotion>(event)?;
-        if !INTEGRATION.contains(&typed.event.event_type().as_str()) {
-            return Ok(domain_message(event, &typed.event));
+        let decoded = ferry_store::events::decode_event::<Promotion>(event)?;
+        if !INTEGRATION.contains(&decoded.event_type().as_str()) {
+            return Ok(domain_message(event, &decoded));
         }
-        let request = match &typed.event {
+        let request = match &decoded {
             // The request is the event itself.
             PromotionEvent::PromotionRequested(request) => (**request).clone(),
-            _ => match first_event::<Promotion>(db, &typed.aggregate_id).await? {
+            _ => match first_event::<Promotion>(db, &event.aggregate_id).await? {
                 Some(Typed {
                     event: PromotionEvent::PromotionRequested(request),
                     ..
@@ -162,13 +162,13 @@ impl Publisher for PromotionPublisher {
                 _ => {
                     let reason = format!(
                         "promotion {} has no PromotionRequested as its first event",
-                        typed.aggregate_id
+                        event.aggregate_id
                     );
-                    return Ok(integration_failed(event, &typed.event, reason));
+                    return Ok(integration_failed(event, &decoded, reason));
                 }
             },
         };
-        Ok(integration_message(event, &typed.event, &request))
+        Ok(integration_message(event, &decoded, &request))
     }
 
     fn documents(&self) -> Documents {
