@@ -133,6 +133,89 @@ fn placeholders(from: usize, count: usize) -> String {
         .join(", ")
 }
 
+/// A batch of rows as one Postgres array per column, for `insert_rows`.
+enum ColumnArray<'a> {
+    Text(Vec<Option<&'a str>>),
+    Int(Vec<Option<i64>>),
+    Json(Vec<Option<sqlx::types::Json<&'a Value>>>),
+    Time(Vec<Option<DateTime<Utc>>>),
+}
+
+struct ColumnArrays<'a>(Vec<ColumnArray<'a>>);
+
+impl<'a> ColumnArrays<'a> {
+    /// The columns of `rows`, or `None` if a row is not `width` wide or a column holds
+    /// values of more than one kind.
+    fn of(width: usize, rows: &'a [Vec<Param>]) -> Option<Self> {
+        let mut columns: Vec<ColumnArray<'a>> = rows
+            .first()?
+            .iter()
+            .map(|first| match first {
+                Param::Text(_) => ColumnArray::Text(Vec::with_capacity(rows.len())),
+                Param::Int(_) => ColumnArray::Int(Vec::with_capacity(rows.len())),
+                Param::Json(_) => ColumnArray::Json(Vec::with_capacity(rows.len())),
+                Param::Time(_) => ColumnArray::Time(Vec::with_capacity(rows.len())),
+            })
+            .collect();
+        if columns.len() != width {
+            return None;
+        }
+        for row in rows {
+            if row.len() != width {
+                return None;
+            }
+            for (column, value) in columns.iter_mut().zip(row) {
+                match (column, value) {
+                    (ColumnArray::Text(c), Param::Text(v)) => c.push(v.as_deref()),
+                    (ColumnArray::Int(c), Param::Int(v)) => c.push(*v),
+                    (ColumnArray::Json(c), Param::Json(v)) => {
+                        c.push(v.as_ref().map(sqlx::types::Json))
+                    }
+                    (ColumnArray::Time(c), Param::Time(v)) => c.push(*v),
+                    _ => return None,
+                }
+            }
+        }
+        Some(Self(columns))
+    }
+
+    /// `$1::text[], $2::bigint[], …`, one per column.
+    fn placeholders(&self) -> String {
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(i, column)| {
+                let kind = match column {
+                    ColumnArray::Text(_) => "text",
+                    ColumnArray::Int(_) => "bigint",
+                    ColumnArray::Json(_) => "jsonb",
+                    ColumnArray::Time(_) => "timestamptz",
+                };
+                format!("${}::{kind}[]", i + 1)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn bind<'q>(
+        self,
+        mut query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>
+    where
+        'a: 'q,
+    {
+        for column in self.0 {
+            query = match column {
+                ColumnArray::Text(c) => query.bind(c),
+                ColumnArray::Int(c) => query.bind(c),
+                ColumnArray::Json(c) => query.bind(c),
+                ColumnArray::Time(c) => query.bind(c),
+            };
+        }
+        query
+    }
+}
+
 /// A transaction on either engine.
 pub enum Tx {
     /// Postgres.
@@ -299,11 +382,17 @@ impl Tx {
         }
     }
 
-    /// Inserts `rows` (one value per column each) with multi-row `INSERT INTO {table}
-    /// ({columns}) VALUES (..), (..) {tail}` statements, as many rows to a statement as the
-    /// engines' limits on parameters allow; `tail` is the conflict clause. A batch of a
-    /// subscription writes its rows this way in a few statements instead of one per event.
-    /// Returns the rows affected.
+    /// Inserts `rows` (one value per column each); `tail` is the conflict clause. A batch of
+    /// a subscription writes its rows this way in a statement or a few instead of one per
+    /// event. Returns the rows affected.
+    ///
+    /// On Postgres each column is bound as one array (`INSERT INTO {table} ({columns})
+    /// SELECT * FROM UNNEST($1::text[], ...) {tail}`): the statement's text depends only on
+    /// the table and its columns, so it is parsed and planned once per connection and
+    /// reused, where a multi-row `VALUES` list would be a new statement (parsed, planned and
+    /// cached anew, thousands of parameters) for every row count. A column whose values are
+    /// not all of one kind falls back to `VALUES`, as SQLite always does (as many rows to a
+    /// statement as its limit on parameters allows).
     pub async fn insert_rows(
         &mut self,
         table: &str,
@@ -311,6 +400,23 @@ impl Tx {
         rows: Vec<Vec<Param>>,
         tail: &str,
     ) -> Result<u64, sqlx::Error> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        if let Tx::Postgres(t) = self {
+            if let Some(arrays) = ColumnArrays::of(columns.len(), &rows) {
+                let sql = format!(
+                    "INSERT INTO {table} ({}) SELECT * FROM UNNEST({}) {tail}",
+                    columns.join(", "),
+                    arrays.placeholders()
+                );
+                return Ok(arrays
+                    .bind(sqlx::query(&sql))
+                    .execute(&mut **t)
+                    .await?
+                    .rows_affected());
+            }
+        }
         let per_statement = (MAX_PARAMETERS / columns.len().max(1)).max(1);
         let mut affected = 0;
         let mut rows = rows.into_iter().peekable();
@@ -331,14 +437,35 @@ impl Tx {
     }
 
     /// The rows of `select`, whose first column is text (a key) and second a JSON document,
-    /// for `keys`: `select` ends in `IN`, and it runs once per chunk of keys that one
-    /// statement can bind (e.g. the stored documents of a batch's aggregates).
+    /// for `keys`: `select` ends in `IN` (e.g. the stored documents of a batch's
+    /// aggregates). On Postgres text keys are bound as one array (`IN (SELECT
+    /// unnest($1::text[]))`, one statement text whatever their number); otherwise the
+    /// statement runs once per chunk of keys that it can bind.
     pub async fn fetch_documents(
         &mut self,
         select: &str,
         keys: &[Param],
     ) -> Result<Vec<(String, Value)>, sqlx::Error> {
         let mut found = Vec::new();
+        if keys.is_empty() {
+            return Ok(found);
+        }
+        if let Tx::Postgres(t) = self {
+            let texts: Option<Vec<&str>> = keys
+                .iter()
+                .map(|k| match k {
+                    Param::Text(Some(text)) => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            if let Some(texts) = texts {
+                let sql = format!("{select} (SELECT unnest($1::text[]))");
+                for row in sqlx::query(&sql).bind(texts).fetch_all(&mut **t).await? {
+                    found.push((row.try_get(0)?, row.try_get(1)?));
+                }
+                return Ok(found);
+            }
+        }
         for chunk in keys.chunks(MAX_PARAMETERS) {
             let sql = format!("{select} ({})", placeholders(1, chunk.len()));
             let sql = crate::database::sql_for(self.backend(), &sql).into_owned();

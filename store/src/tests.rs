@@ -631,3 +631,92 @@ crate::test_on_both_engines! {
         t.cleanup().await;
     }
 }
+
+crate::test_on_both_engines! {
+    async fn rows_of_every_kind_of_column_are_inserted_and_upserted(backend) {
+        use stream::Param;
+        let t = TestDatabase::new(backend).await;
+        let mut tx = Tx::begin(&t.db).await.unwrap();
+        let (json, ts) = match backend {
+            Backend::Postgres => ("jsonb", "timestamptz"),
+            Backend::Sqlite => ("text", "text"),
+        };
+        tx.execute(
+            &format!("CREATE TABLE kinds (k text PRIMARY KEY, n bigint, i integer NOT NULL, at {ts}, doc {json}, note text)"),
+            &[],
+        )
+        .await
+        .unwrap();
+        let at: chrono::DateTime<chrono::Utc> = "2026-12-04T10:00:00.123456Z".parse().unwrap();
+        let row = |k: &str, n: Option<i64>, i: i64, at: Option<chrono::DateTime<chrono::Utc>>, doc: Option<serde_json::Value>, note: Param| {
+            vec![Param::Text(Some(k.to_string())), Param::Int(n), Param::Int(Some(i)), Param::Time(at), Param::Json(doc), note]
+        };
+        let columns = ["k", "n", "i", "at", "doc", "note"];
+        let upsert = "ON CONFLICT (k) DO UPDATE SET n = EXCLUDED.n, doc = EXCLUDED.doc";
+        // Batches of different sizes, NULLs in every nullable column, an upsert.
+        let batches = vec![
+            vec![row("a", Some(1), 1, Some(at), Some(serde_json::json!({"a": [1, "é\"\n"]})), Param::Text(Some("x".into())))],
+            vec![
+                row("b", None, 2, None, None, Param::Text(None)),
+                row("c", Some(-3), 3, Some(at), Some(serde_json::json!(null)), Param::Text(Some(String::new()))),
+            ],
+            vec![
+                row("a", Some(10), 1, Some(at), Some(serde_json::json!({"a": 2})), Param::Text(Some("x".into()))),
+                row("d", Some(i64::MAX), 4, None, Some(serde_json::json!("text")), Param::Text(Some("y".into()))),
+                row("e", Some(5), 5, None, None, Param::Text(None)),
+            ],
+        ];
+        for batch in batches {
+            tx.insert_rows("kinds", &columns, batch, upsert).await.unwrap();
+        }
+        if backend == Backend::Postgres {
+            // One statement text for the table whatever the batch's size: prepared once.
+            let prepared = tx
+                .fetch_json(
+                    "SELECT to_jsonb(count(*)) FROM pg_prepared_statements WHERE statement LIKE 'INSERT INTO kinds %'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            assert_eq!(prepared, Some(serde_json::json!(1)));
+        }
+        // A column whose values are not all of one kind still goes in (as `VALUES`).
+        let mixed = vec![
+            row("f", Some(6), 6, None, None, Param::Text(Some("z".into()))),
+            row("g", Some(7), 7, None, None, Param::Int(Some(7))),
+        ];
+        assert_eq!(tx.insert_rows("kinds", &columns, mixed, upsert).await.unwrap(), 2);
+
+        let read = match backend {
+            Backend::Postgres => "SELECT jsonb_agg(jsonb_build_array(k, n, i, CASE WHEN at IS NULL THEN 0 ELSE 1 END, doc, note) ORDER BY k) FROM kinds",
+            Backend::Sqlite => "SELECT json_group_array(json_array(k, n, i, CASE WHEN at IS NULL THEN 0 ELSE 1 END, json(doc), note)) FROM (SELECT * FROM kinds ORDER BY k)",
+        };
+        let rows = tx.fetch_json(read, &[]).await.unwrap().unwrap();
+        assert_eq!(
+            rows,
+            serde_json::json!([
+                ["a", 10, 1, 1, {"a": 2}, "x"],
+                ["b", null, 2, 0, null, null],
+                ["c", -3, 3, 1, null, ""],
+                ["d", i64::MAX, 4, 0, "text", "y"],
+                ["e", 5, 5, 0, null, null],
+                ["f", 6, 6, 0, null, "z"],
+                ["g", 7, 7, 0, null, "7"],
+            ]),
+            "{backend:?}"
+        );
+        let same_time = tx
+            .fetch_json(
+                match backend {
+                    Backend::Postgres => "SELECT to_jsonb(count(*)) FROM kinds WHERE at = $1",
+                    Backend::Sqlite => "SELECT json(count(*)) FROM kinds WHERE at = $1",
+                },
+                &[Param::Time(Some(at))],
+            )
+            .await
+            .unwrap();
+        assert_eq!(same_time, Some(serde_json::json!(2)), "{backend:?}: timestamps kept to the microsecond");
+        tx.commit().await.unwrap();
+        t.cleanup().await;
+    }
+}
