@@ -175,7 +175,7 @@ async fn add(
     // Read your writes: answer once the read model shows the new total.
     state
         .reads()
-        .wait_until(state.read_your_writes(), || async {
+        .wait_until(state.read_your_writes(), &["test-counters"], || async {
             Ok(read_total(&state, &caller.tenant, &id).await? >= Some(total))
         })
         .await?;

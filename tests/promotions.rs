@@ -1160,6 +1160,46 @@ async fn commands_answer_from_the_aggregate_when_the_read_model_has_not_caught_u
 }
 
 #[tokio::test]
+async fn concurrent_promotion_requests_with_one_key_share_the_first_answer() {
+    let d = start_with(Backend::Postgres, None, |c| c.workers = false).await;
+    d.environment("payments-dev", "development").await;
+    let release = d.deployable("1.0.0").await;
+    let body = json!({"releaseId": release, "environmentId": "payments-dev"});
+    let post = || {
+        let (s, body) = (&d.s, &body);
+        async move {
+            let r = s
+                .client
+                .post(s.url("/factory/delivery/promotions"))
+                .bearer_auth(promoter("acme", "alice"))
+                .header("idempotency-key", "promote-1.0.0")
+                .json(body)
+                .send()
+                .await
+                .unwrap();
+            response(r).await
+        }
+    };
+    let answers = futures::future::join_all((0..8).map(|_| post())).await;
+    for (status, promotion) in &answers {
+        assert_eq!(*status, 201, "{promotion}");
+        // Every answer is the request as it was recorded, whichever request recorded it.
+        assert_eq!(promotion, &answers[0].1, "{answers:?}");
+    }
+    assert_eq!(answers[0].1["state"], "Requested");
+    assert_eq!(answers[0].1["releaseId"], release.as_str());
+    let (status, page) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            &format!("/factory/delivery/promotions?releaseId={release}"),
+        )
+        .await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+    d.s.stop().await;
+}
+
+#[tokio::test]
 async fn the_promotion_path_reloads_without_a_restart_and_a_bad_file_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("ferry.toml");

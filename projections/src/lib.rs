@@ -21,7 +21,7 @@ pub mod rebuild;
 pub mod views;
 
 pub use projection::{
-    provisioning_projections, Projection, ProjectionRunner, Projector, TableSpec,
+    provisioning_projections, Progress, Projection, ProjectionRunner, Projector, TableSpec,
 };
 pub use queries::{Page, ReadModels};
 pub use views::RunView;

@@ -91,6 +91,11 @@ fn json<T: serde::Serialize>(v: &T) -> Result<Param, HandlerError> {
 /// `rm_specification_versions`: every declared version.
 pub struct SpecificationsProjection;
 
+impl SpecificationsProjection {
+    /// Its name (its checkpoint, and what a read-your-writes wait names).
+    pub const NAME: &'static str = "specifications";
+}
+
 const SPEC_TABLES: &[TableSpec] = &[TableSpec {
     base: "rm_specification_versions",
     ddl: &[
@@ -105,7 +110,7 @@ const SPEC_TABLES: &[TableSpec] = &[TableSpec {
 
 impl Projection for SpecificationsProjection {
     fn name(&self) -> &'static str {
-        "specifications"
+        Self::NAME
     }
     fn tables(&self) -> &'static [TableSpec] {
         SPEC_TABLES
@@ -168,6 +173,11 @@ impl Subscriber<DeploymentSpecification> for SpecificationRows {
 /// `rm_runs`: one document per run, with columns to filter and page by.
 pub struct RunsProjection;
 
+impl RunsProjection {
+    /// Its name (its checkpoint, and what a read-your-writes wait names).
+    pub const NAME: &'static str = "runs";
+}
+
 const RUN_TABLES: &[TableSpec] = &[TableSpec {
     base: "rm_runs",
     ddl: &[
@@ -182,7 +192,7 @@ const RUN_TABLES: &[TableSpec] = &[TableSpec {
 
 impl Projection for RunsProjection {
     fn name(&self) -> &'static str {
-        "runs"
+        Self::NAME
     }
     fn tables(&self) -> &'static [TableSpec] {
         RUN_TABLES
@@ -368,6 +378,11 @@ impl<V> Folded<V> {
 /// and kind, with `rm_environment_run_targets` to know which version a run applies.
 pub struct EnvironmentsProjection;
 
+impl EnvironmentsProjection {
+    /// Its name (its checkpoint, and what a read-your-writes wait names).
+    pub const NAME: &'static str = "environments";
+}
+
 const ENV_TABLES: &[TableSpec] = &[
     TableSpec {
         base: "rm_environment_specifications",
@@ -387,7 +402,7 @@ const ENV_TABLES: &[TableSpec] = &[
 
 impl Projection for EnvironmentsProjection {
     fn name(&self) -> &'static str {
-        "environments"
+        Self::NAME
     }
     fn tables(&self) -> &'static [TableSpec] {
         ENV_TABLES
@@ -697,7 +712,40 @@ impl Handler for ProjectionRunner {
 /// Runs every live projection in the background and tells waiters when they move.
 #[derive(Clone)]
 pub struct Projector {
-    progress: watch::Sender<u64>,
+    progress: Arc<HashMap<&'static str, watch::Sender<u64>>>,
+}
+
+/// Which live projections have committed since a waiter last looked: a counter per
+/// projection, moved after each catch-up that handled events. A read-your-writes wait
+/// watches only the projections whose tables it reads, so it checks the read model again
+/// when one of those commits, not whenever any projection does.
+#[derive(Clone, Default)]
+pub struct Progress(Arc<HashMap<&'static str, watch::Receiver<u64>>>);
+
+impl Progress {
+    pub(crate) fn of(senders: &HashMap<&'static str, watch::Sender<u64>>) -> Self {
+        Self(Arc::new(
+            senders
+                .iter()
+                .map(|(name, sender)| (*name, sender.subscribe()))
+                .collect(),
+        ))
+    }
+
+    /// Receivers of the counters of `projections`, marked as seen; of every projection if
+    /// one of the names is not a live projection (a wait then wakes more often, never
+    /// less); none without a projector.
+    pub fn watch(&self, projections: &[&str]) -> Vec<watch::Receiver<u64>> {
+        let named: Option<Vec<_>> = projections.iter().map(|n| self.0.get(n)).collect();
+        let mut chosen: Vec<watch::Receiver<u64>> = match named {
+            Some(named) if !named.is_empty() => named.into_iter().cloned().collect(),
+            _ => self.0.values().cloned().collect(),
+        };
+        for receiver in &mut chosen {
+            receiver.borrow_and_update();
+        }
+        chosen
+    }
 }
 
 impl Projector {
@@ -708,8 +756,10 @@ impl Projector {
         poll: Duration,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, sqlx::Error> {
-        let progress = watch::channel(0).0;
+        let mut progress = HashMap::new();
         for projection in projections.iter().cloned() {
+            let moved = watch::channel(0).0;
+            progress.insert(projection.name(), moved.clone());
             let runner = ProjectionRunner::live(projection);
             runner.ensure_tables(db).await?;
             ferry_store::stream::ensure_checkpoint(db, runner.name()).await?;
@@ -718,15 +768,17 @@ impl Projector {
                 Arc::new(runner),
                 poll,
                 shutdown.clone(),
-                Some(progress.clone()),
+                Some(moved),
             ));
         }
-        Ok(Self { progress })
+        Ok(Self {
+            progress: Arc::new(progress),
+        })
     }
 
-    /// Changes whenever a projection commits a batch.
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.progress.subscribe()
+    /// Each projection's counter, moved whenever it commits.
+    pub fn subscribe(&self) -> Progress {
+        Progress::of(&self.progress)
     }
 }
 

@@ -1,6 +1,9 @@
 //! Reads of the read models: filters, cursor paging, and the bounded wait that gives a
 //! client read-your-writes after a command.
 
+use crate::projection::{
+    EnvironmentsProjection, Progress, RunsProjection, SpecificationsProjection,
+};
 use crate::views::{CurrentSpecificationView, EnvironmentSpecificationView, RunView};
 use base64::Engine;
 use ferry_domain::specification::SpecificationVersion;
@@ -11,7 +14,6 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::types::Json;
 use std::time::Duration;
-use tokio::sync::watch;
 
 /// A page of results and the cursor of the next one.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, schemars::JsonSchema)]
@@ -87,7 +89,7 @@ pub enum QueryError {
 #[derive(Clone)]
 pub struct ReadModels {
     db: Database,
-    progress: Option<watch::Receiver<u64>>,
+    progress: Option<Progress>,
 }
 
 fn doc<T: DeserializeOwned>(v: Value) -> Result<T, QueryError> {
@@ -129,7 +131,7 @@ pub async fn page(
 
 impl ReadModels {
     /// Reads from `db`; `progress` (from the projector) wakes read-your-writes waits.
-    pub fn new(db: Database, progress: Option<watch::Receiver<u64>>) -> Self {
+    pub fn new(db: Database, progress: Option<Progress>) -> Self {
         Self { db, progress }
     }
 
@@ -282,7 +284,7 @@ impl ReadModels {
         let sql = self
             .db
             .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        self.wait_until(timeout, || async {
+        self.wait_until(timeout, &[RunsProjection::NAME], || async {
             let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
             Ok(v.is_some_and(|v| v as u64 >= version))
@@ -303,7 +305,8 @@ impl ReadModels {
             "SELECT (SELECT count(*) FROM rm_specification_versions WHERE tenant_id = $1 AND specification_id = $2 AND version = $3)
                   + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
         );
-        self.wait_until(timeout, || async {
+        let projections = [SpecificationsProjection::NAME, EnvironmentsProjection::NAME];
+        self.wait_until(timeout, &projections, || async {
             let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
             Ok(n == 2)
@@ -316,12 +319,13 @@ impl ReadModels {
         &self.db
     }
 
-    /// Waits (at most `timeout`) until `check` holds, checking again whenever a projection
-    /// commits (and on a short poll, since another instance may project): read-your-writes
-    /// for any read model.
+    /// Waits (at most `timeout`) until `check` holds, checking again whenever one of
+    /// `projections` (those whose tables `check` reads) commits, and on a short poll, since
+    /// another instance may be the one projecting: read-your-writes for any read model.
     pub async fn wait_until<F, Fut>(
         &self,
         timeout: Duration,
+        projections: &[&str],
         mut check: F,
     ) -> Result<bool, QueryError>
     where
@@ -329,7 +333,12 @@ impl ReadModels {
         Fut: std::future::Future<Output = Result<bool, QueryError>>,
     {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut progress = self.progress.clone();
+        // Marked as seen before the first check: a commit after it wakes the wait.
+        let mut watched = self
+            .progress
+            .as_ref()
+            .map(|p| p.watch(projections))
+            .unwrap_or_default();
         loop {
             if check().await? {
                 return Ok(true);
@@ -338,13 +347,17 @@ impl ReadModels {
             if now >= deadline {
                 return Ok(false);
             }
-            // Wake on projector progress; poll as well, since another instance may project.
             let pause = (deadline - now).min(Duration::from_millis(50));
-            match progress.as_mut() {
-                Some(p) => {
-                    let _ = tokio::time::timeout(pause, p.changed()).await;
-                }
-                None => tokio::time::sleep(pause).await,
+            if watched.is_empty() {
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+            let moved =
+                futures::future::select_all(watched.iter_mut().map(|r| Box::pin(r.changed())));
+            let stopped = matches!(tokio::time::timeout(pause, moved).await, Ok((Err(_), _, _)));
+            if stopped {
+                // The projector stopped: poll from now on.
+                watched.clear();
             }
         }
     }

@@ -609,3 +609,91 @@ ferry_store::test_on_both_engines! {
         tdb.cleanup().await;
     }
 }
+
+/// A read-your-writes wait checks the read model again when a projection it names commits,
+/// not when another one does; it gives up at its deadline.
+#[tokio::test]
+async fn a_wait_wakes_on_the_projections_it_reads_only() {
+    use crate::projection::Progress;
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let tdb = TestDatabase::new(ferry_store::database::Backend::Sqlite).await;
+    let runs = tokio::sync::watch::channel(0u64).0;
+    let delivery = tokio::sync::watch::channel(0u64).0;
+    let senders = HashMap::from([("runs", runs.clone()), ("delivery", delivery.clone())]);
+    let reads = ReadModels::new(tdb.db.clone(), Some(Progress::of(&senders)));
+    // Time stands still while this task keeps running: the wait's 50-ms poll cannot fire.
+    tokio::time::pause();
+    let checks = Arc::new(AtomicUsize::new(0));
+    let visible = Arc::new(AtomicBool::new(false));
+    let wait = {
+        let (reads, checks, visible) = (reads.clone(), checks.clone(), visible.clone());
+        tokio::spawn(async move {
+            reads
+                .wait_until(Duration::from_secs(2), &["runs"], || {
+                    checks.fetch_add(1, Ordering::SeqCst);
+                    let visible = visible.load(Ordering::SeqCst);
+                    async move { Ok(visible) }
+                })
+                .await
+                .unwrap()
+        })
+    };
+    let settle = || async {
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    };
+    settle().await;
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        1,
+        "checked once at the start"
+    );
+    for _ in 0..3 {
+        delivery.send_modify(|n| *n += 1);
+        settle().await;
+    }
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        1,
+        "another projection's commits wake nothing"
+    );
+    runs.send_modify(|n| *n += 1);
+    settle().await;
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        2,
+        "its projection's commit: checked again"
+    );
+    visible.store(true, Ordering::SeqCst);
+    runs.send_modify(|n| *n += 1);
+    assert!(wait.await.unwrap(), "seen after the next commit");
+    assert_eq!(checks.load(Ordering::SeqCst), 3);
+
+    // Nothing commits: polled every 50 ms, then false at the deadline.
+    let before = checks.load(Ordering::SeqCst);
+    let start = tokio::time::Instant::now();
+    let seen = reads
+        .wait_until(Duration::from_millis(200), &["runs"], || {
+            checks.fetch_add(1, Ordering::SeqCst);
+            async { Ok(false) }
+        })
+        .await
+        .unwrap();
+    assert!(!seen);
+    // Timers fire on whole milliseconds.
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_millis(210),
+        "{waited:?}"
+    );
+    assert_eq!(
+        checks.load(Ordering::SeqCst) - before,
+        5,
+        "at 0, 50, 100, 150 and 200 ms"
+    );
+    tdb.cleanup().await;
+}

@@ -2,7 +2,8 @@
 
 use super::metrics::observe;
 use super::views::{
-    self, PromotionFilter, PromotionView, ReleaseFilter, ReleaseState, ReleaseView,
+    self, DeliveryProjection, PromotionFilter, PromotionView, ReleaseFilter, ReleaseState,
+    ReleaseView,
 };
 use super::{OPERATE, PROMOTE, READ};
 use aide::axum::routing::{get_with, post_with, put_with};
@@ -188,9 +189,11 @@ pub async fn put_release(
     let tenant = caller.tenant.clone();
     state
         .reads()
-        .wait_until(state.read_your_writes(), || async {
-            Ok(views::get_release(&db, &tenant, id).await?.is_some())
-        })
+        .wait_until(
+            state.read_your_writes(),
+            &[DeliveryProjection::NAME],
+            || async { Ok(views::get_release(&db, &tenant, id).await?.is_some()) },
+        )
         .await?;
     // The read model, or, when it has not caught up in time, the aggregate's record.
     let view = match views::get_release(state.db(), &caller.tenant, id).await? {
@@ -415,30 +418,37 @@ pub async fn request_promotion(
             true,
         )
         .await;
-    match result {
-        Ok(requested) => observe(&requested.aggregate, &requested.events),
+    // The request as this command recorded it, when it was this command that did.
+    let requested = match result {
+        Ok(requested) => {
+            observe(&requested.aggregate, &requested.events);
+            PromotionView::from_events(&requested.events[..1.min(requested.events.len())])
+        }
         // Another request with this key created it first: answer with that promotion.
         Err(
             ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
             | ferry_store::CommandError::Conflict,
-        ) if key.is_some() => {}
+        ) if key.is_some() => None,
         Err(e) => {
             if let Some(k) = &key {
                 idempotency::release(state.db(), tenant, k, &owner).await?;
             }
             return Err(ApiError::from_command(e, promotion_refusal));
         }
-    }
+    };
     // Read your writes, then answer with the promotion as requested (its first event): the
     // driver may already have moved it on, and the answer to a request is the request.
-    wait_for_promotion(&state, &caller, id, 1).await?;
-    let view = state
-        .repository::<Promotion>()
-        .load_events(&caller.tenant, &id.to_string())
-        .await
-        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
-        .and_then(|events| PromotionView::from_events(&events[..1.min(events.len())]))
-        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    wait_for_version(&state, &caller, id, 1).await?;
+    let view = match requested {
+        Some(view) => view,
+        None => state
+            .repository::<Promotion>()
+            .load_events(&caller.tenant, &id.to_string())
+            .await
+            .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+            .and_then(|events| PromotionView::from_events(&events[..1.min(events.len())]))
+            .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?,
+    };
     let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
     if let Some(k) = &key {
         idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
@@ -450,6 +460,30 @@ pub async fn request_promotion(
     ))
 }
 
+/// Waits (at most the read-your-writes bound) until the read model holds the promotion at
+/// `version` or later; whether it did.
+async fn wait_for_version(
+    state: &AppState,
+    caller: &Caller,
+    id: PromotionId,
+    version: u64,
+) -> Result<bool, ApiError> {
+    let db = state.db().clone();
+    let tenant = caller.tenant.clone();
+    Ok(state
+        .reads()
+        .wait_until(
+            state.read_your_writes(),
+            &[DeliveryProjection::NAME],
+            || async {
+                Ok(views::promotion_version(&db, &tenant, id)
+                    .await?
+                    .is_some_and(|v| v >= version))
+            },
+        )
+        .await?)
+}
+
 /// The promotion's view once it reflects at least `version` (read your writes).
 async fn wait_for_promotion(
     state: &AppState,
@@ -459,18 +493,29 @@ async fn wait_for_promotion(
 ) -> Result<PromotionView, ApiError> {
     let db = state.db().clone();
     let tenant = caller.tenant.clone();
+    // The view the wait read last: the answer, without reading it once more.
+    let seen = std::sync::Mutex::new(None);
     state
         .reads()
-        .wait_until(state.read_your_writes(), || async {
-            Ok(views::promotion_version(&db, &tenant, id)
-                .await?
-                .is_some_and(|v| v >= version))
-        })
+        .wait_until(
+            state.read_your_writes(),
+            &[DeliveryProjection::NAME],
+            || async {
+                let view = views::get_promotion(&db, &tenant, id)
+                    .await?
+                    .filter(|view| view.version >= version);
+                let found = view.is_some();
+                if let Ok(mut seen) = seen.lock() {
+                    *seen = view;
+                }
+                Ok(found)
+            },
+        )
         .await?;
-    match views::get_promotion(state.db(), &caller.tenant, id).await? {
-        Some(view) if view.version >= version => Ok(view),
+    match seen.into_inner().ok().flatten() {
+        Some(view) => Ok(view),
         // The read model has not caught up in time: the same view, from the aggregate.
-        _ => state
+        None => state
             .repository::<Promotion>()
             .load_events(&caller.tenant, &id.to_string())
             .await
@@ -858,11 +903,15 @@ pub async fn lift_quarantine(
     let env = environment.clone();
     state
         .reads()
-        .wait_until(state.read_your_writes(), || async {
-            Ok(views::rolled_back_in(&db, &tenant, release, &env)
-                .await?
-                .is_none())
-        })
+        .wait_until(
+            state.read_your_writes(),
+            &[DeliveryProjection::NAME],
+            || async {
+                Ok(views::rolled_back_in(&db, &tenant, release, &env)
+                    .await?
+                    .is_none())
+            },
+        )
         .await?;
     tracing::info!(promotion_id = %rolled_back, "quarantine lifted");
     Ok(Json(QuarantineLiftView {

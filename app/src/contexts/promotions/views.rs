@@ -484,9 +484,14 @@ const TABLES: &[TableSpec] = &[
 /// `rm_quarantine_lifts`.
 pub struct DeliveryProjection;
 
+impl DeliveryProjection {
+    /// Its name (its checkpoint, and what a read-your-writes wait names).
+    pub const NAME: &'static str = "delivery";
+}
+
 impl Projection for DeliveryProjection {
     fn name(&self) -> &'static str {
-        "delivery"
+        Self::NAME
     }
     fn tables(&self) -> &'static [TableSpec] {
         TABLES
