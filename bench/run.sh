@@ -176,12 +176,16 @@ relay_rate=$(echo "($p1 - $p0) / ($t1 - $t0)" | bc)
 "$BIN/examples/pipeline" drop-stream "$NATS" "$stream" >"$work/stream.json"
 cat "$work/stream.json" >&2
 bytes=$(jq .averageBytes "$work/stream.json")
-step "(d) raw JetStream publishing, $bytes-byte messages"
-"$BIN/examples/pipeline" raw "$NATS" 20000 "$bytes" >"$work/raw.json"
+# As many messages as the relay published (a short burst goes faster than a sustained
+# stream); one at a time, 20,000 (at a few thousand a second).
+relayed=$(jq .messages "$work/stream.json")
+step "(d) raw JetStream publishing, $relayed $bytes-byte messages pipelined, 20000 one at a time"
+"$BIN/examples/pipeline" raw "$NATS" "$relayed" "$bytes" 20000 >"$work/raw.json"
 cat "$work/raw.json" >&2
 jq -n --argjson rate "$relay_rate" --slurpfile raw "$work/raw.json" \
   '{relayPerSecond: $rate, rawSequentialPerSecond: $raw[0].sequentialPerSecond,
-    rawPipelinedPerSecond: $raw[0].pipelinedPerSecond, messageBytes: $raw[0].bytes}' >"$work/d.json"
+    rawPipelinedPerSecond: $raw[0].pipelinedPerSecond, rawPipelinedMessages: $raw[0].pipelinedMessages,
+    rawSequentialMessages: $raw[0].sequentialMessages, messageBytes: $raw[0].bytes}' >"$work/d.json"
 jq -n --argjson serve "$rss_g" --argjson rebuild "$(jq .peakRssMb "$work/e.json")" --argjson load "$rss_b" \
   '{servePeakRssMbAt1MEvents: $serve, rebuildPeakRssMb: $rebuild, servePeakRssMbUnderLoad: $load}' >"$work/g.json"
 dropdb --force ferry_bench
@@ -221,7 +225,7 @@ table=$(jq -r '
   "| (c) projection lag, Postgres (answer → GET sees it) | p50 \(.c_projectionLag.postgres.p50Ms) ms, p99 \(.c_projectionLag.postgres.p99Ms) ms | p99 ≤ 100 ms | \(goal(.c_projectionLag.postgres.p99Ms <= 100)) |",
   "| (c) the same, read-your-writes off | p50 \(.c_projectionLag.postgresNoReadYourWrites.p50Ms) ms, p99 \(.c_projectionLag.postgresNoReadYourWrites.p99Ms) ms | p99 ≤ 100 ms | \(goal(.c_projectionLag.postgresNoReadYourWrites.p99Ms <= 100)) |",
   "| (c) projection lag, SQLite | p50 \(.c_projectionLag.sqlite.p50Ms) ms, p99 \(.c_projectionLag.sqlite.p99Ms) ms | | |",
-  "| (d) relay to JetStream with acks | \(.d_relay.relayPerSecond)/s (raw: \(.d_relay.rawSequentialPerSecond)/s one at a time, \(.d_relay.rawPipelinedPerSecond)/s pipelined) | ≥ 50% of raw | \(.ratios.d_over_rawPipelined * 100 | round)% of pipelined, \(.ratios.d_over_rawSequential * 100 | round)% of one at a time: \(goal(.ratios.d_over_rawPipelined >= 0.5)) |",
+  "| (d) relay to JetStream with acks | \(.d_relay.relayPerSecond)/s (raw: \(.d_relay.rawSequentialPerSecond)/s one at a time, \(.d_relay.rawPipelinedPerSecond)/s pipelined, \(.d_relay.rawPipelinedMessages) messages) | ≥ 50% of raw | \(.ratios.d_over_rawPipelined * 100 | round)% of pipelined, \(.ratios.d_over_rawSequential * 100 | round)% of one at a time: \(goal(.ratios.d_over_rawPipelined >= 0.5)) |",
   "| (e) projection rebuild, \(.e_rebuild.events) events | \(.e_rebuild.eventsPerSecond)/s (scan: \(.e_rebuild.scanEventsPerSecond)/s) | ≥ 50% of the scan | \(.ratios.e_over_scan * 100 | round)%: \(goal(.ratios.e_over_scan >= 0.5)) |",
   "| (f) end to end, simulated runner | \(.f_endToEnd.runsPerSecond) runs/s, \(.f_endToEnd.promotionsPerSecond) promotions/s (\(.f_endToEnd.runs) each) | | |",
   "| (g) peak resident memory | serve at 1M events \(.g_memory.servePeakRssMbAt1MEvents) MB, rebuild \(.g_memory.rebuildPeakRssMb) MB | ≤ 200 MB | \(goal(.g_memory.servePeakRssMbAt1MEvents <= 200 and .g_memory.rebuildPeakRssMb <= 200)) |",
