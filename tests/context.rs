@@ -45,7 +45,7 @@ struct Counter {
     total: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum CounterCommand {
     Add { tenant: TenantId, by: u64 },
 }

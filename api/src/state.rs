@@ -74,6 +74,7 @@ impl AppState {
     pub fn repository<A>(&self) -> Repository<A>
     where
         A: StoredAggregate<Services = ()> + TenantOwned + Clone + Send + Sync,
+        A::Command: Clone,
     {
         Repository::new(self.inner.db.clone(), ())
     }

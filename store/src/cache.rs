@@ -2,11 +2,14 @@
 //! folded to, so that a command reads only the events stored after that sequence instead of
 //! the aggregate's whole history (ARCHITECTURE.md, The path of one request).
 //!
-//! The cache is never trusted on its own: every load still asks the store for the events
-//! after the cached sequence (one indexed query that usually returns nothing), so an event
-//! written by another instance, or by this one through another path, is always seen. What
-//! it saves is decoding and folding the history again, which for an aggregate with
-//! thousands of events was most of a command's cost.
+//! The cache is never trusted on its own. A load asks the store for the events after the
+//! cached sequence (one indexed query that usually returns nothing), so an event written by
+//! another instance, or by this one through another path, is always seen. A command runs on
+//! the cached state without asking, and its append names the sequence it follows: the
+//! store refuses it when anything was written after, and the command is decided again on
+//! the stored state (`Repository::execute_linked`). What the cache saves is decoding and
+//! folding the history again, which for an aggregate with thousands of events was most of a
+//! command's cost, and for a command the read of its aggregate.
 //!
 //! An entry weighs the number of events folded into it; the least recently used entries are
 //! dropped while the total is over the budget. One cache per aggregate type per

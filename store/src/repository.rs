@@ -150,6 +150,7 @@ pub struct Repository<A: Aggregate + Send + Sync> {
 impl<A> Repository<A>
 where
     A: StoredAggregate + TenantOwned + Clone + Send + Sync + 'static,
+    A::Command: Clone,
 {
     /// A repository over `db`. It loads events through `A`'s upcasters, as the global
     /// stream's readers do, and keeps the aggregates it loads in `db`'s aggregate cache.
@@ -269,6 +270,12 @@ where
 
     /// As [`Repository::execute`], committing `linked` in the same transaction as the
     /// command's events.
+    ///
+    /// The command runs first on the cached state (a new aggregate's empty one) without
+    /// reading the store: the append names the sequence it follows, so when another writer
+    /// went first the store refuses it as a conflict. Only a committed change is kept that
+    /// way; a refusal, a command with nothing to record or a conflict is decided again on
+    /// the stored state, since the cached one may be behind another instance's writes.
     pub async fn execute_linked(
         &self,
         tenant: &TenantId,
@@ -278,16 +285,80 @@ where
         may_create: bool,
         linked: Option<&LinkedWrite>,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
+        if let Some(cached) = self.cached_for_command(id, may_create) {
+            let attempt = self
+                .attempt(
+                    tenant,
+                    id,
+                    cached,
+                    command.clone(),
+                    metadata,
+                    may_create,
+                    linked,
+                    true,
+                )
+                .await;
+            match attempt {
+                Ok(Some(done)) => return Ok(done),
+                Ok(_)
+                | Err(CommandError::Domain(_) | CommandError::Conflict | CommandError::NotFound) => {
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        let current = self.current(id).await?;
+        match self
+            .attempt(
+                tenant, id, current, command, metadata, may_create, linked, false,
+            )
+            .await?
+        {
+            Some(done) => Ok(done),
+            None => Err(CommandError::NotFound),
+        }
+    }
+
+    /// The state a command may run on without reading the store: the cached one, or, for a
+    /// command that may create the aggregate, an empty one when nothing is cached (the
+    /// append at sequence 1 is refused if the aggregate exists). None without a cache.
+    fn cached_for_command(&self, id: &str, may_create: bool) -> Option<Cached<A>> {
+        match self.cache.as_ref()?.get(id) {
+            Some(cached) => Some(Cached::clone(&cached)),
+            None if may_create => Some(Cached {
+                aggregate: A::default(),
+                sequence: 0,
+                history: self.histories.then(Vec::new),
+            }),
+            None => None,
+        }
+    }
+
+    /// Runs `command` on `state` and commits what it produced after `state`'s sequence.
+    /// `None` when the aggregate is another tenant's or missing and not to be created, and,
+    /// when `optimistic` (`state` may be behind the store), when the command produced no
+    /// events: nothing is committed then, not even `linked`.
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        state: Cached<A>,
+        command: A::Command,
+        metadata: &EventMetadata,
+        may_create: bool,
+        linked: Option<&LinkedWrite>,
+        optimistic: bool,
+    ) -> Result<Option<Executed<A>>, CommandError<A::Error>> {
         // The command runs on a copy: a refused command may have changed it half-way, and
         // only a committed state may reach the cache.
         let Cached {
             mut aggregate,
             sequence: current_sequence,
             mut history,
-        } = self.current(id).await?;
+        } = state;
         match aggregate.tenant() {
-            Some(owner) if owner != tenant => return Err(CommandError::NotFound),
-            None if !may_create => return Err(CommandError::NotFound),
+            Some(owner) if owner != tenant => return Ok(None),
+            None if !may_create => return Ok(None),
             _ => {}
         }
         let sink = EventSink::default();
@@ -296,6 +367,9 @@ where
             .await
             .map_err(CommandError::Domain)?;
         let events = sink.collect().await;
+        if optimistic && events.is_empty() {
+            return Ok(None);
+        }
         let sequence = current_sequence + events.len();
         if !events.is_empty() || linked.is_some() {
             self.commit(id, current_sequence, &events, metadata, linked)
@@ -314,12 +388,12 @@ where
             self.remember(id, &state);
             (aggregate, history) = (state.aggregate, state.history);
         }
-        Ok(Executed {
+        Ok(Some(Executed {
             aggregate,
             sequence,
             events,
             history,
-        })
+        }))
     }
 
     /// Inserts `events` after `current_sequence` (the columns postgres-es and sqlite-es

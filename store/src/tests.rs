@@ -244,6 +244,48 @@ crate::test_on_both_engines! {
     }
 }
 
+crate::test_on_both_engines! {
+    async fn a_command_on_a_cached_aggregate_does_not_read_the_store(backend) {
+        let t = TestDatabase::new(backend).await;
+        let specs: Repository<DeploymentSpecification> = Repository::new(t.db.clone(), ());
+        let elsewhere: Repository<DeploymentSpecification> =
+            Repository::new(crate::Database::from_pool(t.db.pool().clone()), ());
+        let id = declaration("a", "aaaaaaa").specification_id.to_string();
+        let declare = |commit: &'static str| specification::SpecificationCommand::Declare(declaration("a", commit));
+        let (a, m) = (tenant("a"), meta("a"));
+        specs.execute(&a, &id, declare("aaaaaaa"), &m, true).await.unwrap();
+        // Reading events now fails (a column every read selects is gone); appending does not
+        // name it, so it still works.
+        let hide = "ALTER TABLE events RENAME COLUMN recorded_at TO recorded_at_hidden";
+        crate::on_pool!(t.db, pool => sqlx::query(hide).execute(pool).await.unwrap().rows_affected());
+        // The cached aggregate: decided and appended without a read.
+        let done = specs.execute(&a, &id, declare("bbbbbbb"), &m, true).await.unwrap();
+        assert_eq!(done.sequence, 2, "{backend:?}");
+        // A command creating a new aggregate needs no read either.
+        let runs: Repository<ProvisioningRun> = Repository::with_history(t.db.clone(), ());
+        let run_id = ProvisioningRunId::new_random();
+        let created = runs.execute(&a, &run_id.to_string(), request("a", run_id), &m, true).await.unwrap();
+        assert_eq!((created.sequence, created.history.as_ref().map(Vec::len)), (1, Some(1)));
+        // Without the aggregate cached, the first append (as if new) is refused by the
+        // stored sequence 1, and the command is decided on the store: which has to read.
+        let err = elsewhere.execute(&a, &id, declare("ddddddd"), &m, true).await.unwrap_err();
+        assert!(matches!(err, CommandError::Store(_)), "{backend:?}: {err:?}");
+        // A refusal on the cached state is decided on the store as well: it reads.
+        let err = specs
+            .execute(&tenant("b"), &id, declare("eeeeeee"), &m, true)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::Store(_)), "{backend:?}: {err:?}");
+        let unhide = "ALTER TABLE events RENAME COLUMN recorded_at_hidden TO recorded_at";
+        crate::on_pool!(t.db, pool => sqlx::query(unhide).execute(pool).await.unwrap().rows_affected());
+        // Nothing was half-written: two versions of the specification, the run requested.
+        let (spec, sequence) = elsewhere.load(&a, &id).await.unwrap().unwrap();
+        assert_eq!((spec.latest().unwrap().version, sequence), (2, 2));
+        assert_eq!(runs.load(&a, &run_id.to_string()).await.unwrap().unwrap().1, 1);
+        t.cleanup().await;
+    }
+}
+
 struct Recorder {
     name: String,
     seen: Mutex<Vec<StoredEvent>>,
