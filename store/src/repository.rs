@@ -300,9 +300,8 @@ where
                 .await;
             match attempt {
                 Ok(Some(done)) => return Ok(done),
-                Ok(_)
-                | Err(CommandError::Domain(_) | CommandError::Conflict | CommandError::NotFound) => {
-                }
+                // Decided again on the stored state.
+                Ok(None) | Err(CommandError::Domain(_) | CommandError::Conflict) => {}
                 Err(other) => return Err(other),
             }
         }

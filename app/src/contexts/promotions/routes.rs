@@ -461,16 +461,16 @@ pub async fn request_promotion(
 }
 
 /// Waits (at most the read-your-writes bound) until the read model holds the promotion at
-/// `version` or later; whether it did.
+/// `version` or later.
 async fn wait_for_version(
     state: &AppState,
     caller: &Caller,
     id: PromotionId,
     version: u64,
-) -> Result<bool, ApiError> {
+) -> Result<(), ApiError> {
     let db = state.db().clone();
     let tenant = caller.tenant.clone();
-    Ok(state
+    state
         .reads()
         .wait_until(
             state.read_your_writes(),
@@ -481,7 +481,8 @@ async fn wait_for_version(
                     .is_some_and(|v| v >= version))
             },
         )
-        .await?)
+        .await?;
+    Ok(())
 }
 
 /// The promotion's view once it reflects at least `version` (read your writes).
