@@ -175,9 +175,12 @@ async fn add(
     // Read your writes: answer once the read model shows the new total.
     state
         .reads()
-        .wait_until(state.read_your_writes(), &["test-counters"], || async {
-            Ok(read_total(&state, &caller.tenant, &id).await? >= Some(total))
-        })
+        .wait_until(
+            state.read_your_writes(),
+            &["test-counters"],
+            done.position,
+            || async { Ok(read_total(&state, &caller.tenant, &id).await? >= Some(total)) },
+        )
         .await?;
     Ok(Json(CounterView { total }))
 }

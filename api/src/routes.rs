@@ -222,6 +222,7 @@ pub async fn declare_specification(
             &caller.tenant,
             id,
             version.version,
+            done.position,
             state.read_your_writes(),
         )
         .await?;
@@ -396,8 +397,8 @@ pub async fn plan_provisioning(
             true,
         )
         .await;
-    let view = match result {
-        Ok(done) => fold(done.history.as_deref())?,
+    let (view, after) = match result {
+        Ok(done) => (fold(done.history.as_deref())?, done.position),
         // Another request with this key created the run first (it committed before us, or
         // concurrently): answer with that run.
         Err(
@@ -409,7 +410,8 @@ pub async fn plan_provisioning(
                 .load_events(&caller.tenant, &run_id.to_string())
                 .await?
             {
-                Some(history) => fold(Some(&history))?,
+                // The other request waits for its own events; this one reads at once.
+                Some(history) => (fold(Some(&history))?, None),
                 None => return Err(e.into()),
             }
         }
@@ -426,6 +428,7 @@ pub async fn plan_provisioning(
             &caller.tenant,
             run_id,
             view.version,
+            after,
             state.read_your_writes(),
         )
         .await?;
@@ -483,7 +486,13 @@ async fn run_command(
     }
     state
         .reads()
-        .wait_for_run(&caller.tenant, id, view.version, state.read_your_writes())
+        .wait_for_run(
+            &caller.tenant,
+            id,
+            view.version,
+            done.position,
+            state.read_your_writes(),
+        )
         .await?;
     Ok(Json(view).into_response())
 }

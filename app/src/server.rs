@@ -222,7 +222,7 @@ impl Server {
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
         let (options, options_rx) = watch::channel(config.reloadable());
-        stream::spawn_notify_listener(&db, shutdown_rx.clone());
+        stream::spawn_notifications(&db, shutdown_rx.clone());
         let projector = Projector::start(
             &db,
             &contexts.projections(),

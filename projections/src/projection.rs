@@ -11,7 +11,9 @@ use ferry_domain::specification::{
 };
 use ferry_domain::{ProvisioningRunId, SpecificationId};
 use ferry_store::database::Backend;
-use ferry_store::stream::{run_subscription, Handler, HandlerError, Param, StoredEvent, Tx};
+use ferry_store::stream::{
+    run_subscriptions, Handler, HandlerError, Param, Position, Running, StoredEvent, Tx,
+};
 use ferry_store::{Database, Subscriber, Subscription, Typed};
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -712,18 +714,18 @@ impl Handler for ProjectionRunner {
 /// Runs every live projection in the background and tells waiters when they move.
 #[derive(Clone)]
 pub struct Projector {
-    progress: Arc<HashMap<&'static str, watch::Sender<u64>>>,
+    progress: Arc<HashMap<&'static str, watch::Sender<Position>>>,
 }
 
-/// Which live projections have committed since a waiter last looked: a counter per
-/// projection, moved after each catch-up that handled events. A read-your-writes wait
-/// watches only the projections whose tables it reads, so it checks the read model again
-/// when one of those commits, not whenever any projection does.
+/// Where each live projection stands in the stream: its checkpoint, moved after each
+/// catch-up that handled events or found it moved by another instance. A read-your-writes
+/// wait watches only the projections whose tables it reads, and reads them once those have
+/// passed its command's events.
 #[derive(Clone, Default)]
-pub struct Progress(Arc<HashMap<&'static str, watch::Receiver<u64>>>);
+pub struct Progress(Arc<HashMap<&'static str, watch::Receiver<Position>>>);
 
 impl Progress {
-    pub(crate) fn of(senders: &HashMap<&'static str, watch::Sender<u64>>) -> Self {
+    pub(crate) fn of(senders: &HashMap<&'static str, watch::Sender<Position>>) -> Self {
         Self(Arc::new(
             senders
                 .iter()
@@ -735,9 +737,9 @@ impl Progress {
     /// Receivers of the counters of `projections`, marked as seen; of every projection if
     /// one of the names is not a live projection (a wait then wakes more often, never
     /// less); none without a projector.
-    pub fn watch(&self, projections: &[&str]) -> Vec<watch::Receiver<u64>> {
+    pub fn watch(&self, projections: &[&str]) -> Vec<watch::Receiver<Position>> {
         let named: Option<Vec<_>> = projections.iter().map(|n| self.0.get(n)).collect();
-        let mut chosen: Vec<watch::Receiver<u64>> = match named {
+        let mut chosen: Vec<watch::Receiver<Position>> = match named {
             Some(named) if !named.is_empty() => named.into_iter().cloned().collect(),
             _ => self.0.values().cloned().collect(),
         };
@@ -749,7 +751,9 @@ impl Progress {
 }
 
 impl Projector {
-    /// Creates the live tables and starts one subscription per projection.
+    /// Creates the live tables and starts the projections' subscriptions. They run on one
+    /// task and share each batch: one transaction reads the stream once and writes every
+    /// projection's rows, instead of a transaction per projection.
     pub async fn start(
         db: &Database,
         projections: &[Arc<dyn Projection>],
@@ -757,26 +761,25 @@ impl Projector {
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, sqlx::Error> {
         let mut progress = HashMap::new();
+        let mut subscriptions = Vec::with_capacity(projections.len());
         for projection in projections.iter().cloned() {
-            let moved = watch::channel(0).0;
+            let moved = watch::channel(Position::default()).0;
             progress.insert(projection.name(), moved.clone());
             let runner = ProjectionRunner::live(projection);
             runner.ensure_tables(db).await?;
             ferry_store::stream::ensure_checkpoint(db, runner.name()).await?;
-            tokio::spawn(run_subscription(
-                db.clone(),
-                Arc::new(runner),
-                poll,
-                shutdown.clone(),
-                Some(moved),
-            ));
+            subscriptions.push(Running {
+                handler: Arc::new(runner),
+                progress: Some(moved),
+            });
         }
+        tokio::spawn(run_subscriptions(db.clone(), subscriptions, poll, shutdown));
         Ok(Self {
             progress: Arc::new(progress),
         })
     }
 
-    /// Each projection's counter, moved whenever it commits.
+    /// Each projection's checkpoint, moved whenever it commits.
     pub fn subscribe(&self) -> Progress {
         Progress::of(&self.progress)
     }

@@ -8,12 +8,13 @@ use crate::views::{CurrentSpecificationView, EnvironmentSpecificationView, RunVi
 use base64::Engine;
 use ferry_domain::specification::SpecificationVersion;
 use ferry_domain::*;
-use ferry_store::stream::Param;
+use ferry_store::stream::{Param, Position};
 use ferry_store::{bind_params, on_pool, Database};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::types::Json;
 use std::time::Duration;
+use tokio::sync::watch;
 
 /// A page of results and the cursor of the next one.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, schemars::JsonSchema)]
@@ -273,18 +274,20 @@ impl ReadModels {
         }))
     }
 
-    /// Waits (at most `timeout`) until the run's view has reached `version`.
+    /// Waits (at most `timeout`) until the run's view has reached `version`, the command's
+    /// last event standing at `after` in the stream ([`ReadModels::wait_until`]).
     pub async fn wait_for_run(
         &self,
         tenant: &TenantId,
         id: ProvisioningRunId,
         version: u64,
+        after: Option<Position>,
         timeout: Duration,
     ) -> Result<bool, QueryError> {
         let sql = self
             .db
             .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        self.wait_until(timeout, &[RunsProjection::NAME], || async {
+        self.wait_until(timeout, &[RunsProjection::NAME], after, || async {
             let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
             Ok(v.is_some_and(|v| v as u64 >= version))
@@ -293,12 +296,14 @@ impl ReadModels {
     }
 
     /// Waits (at most `timeout`) until a specification version is visible in the lists
-    /// and in the environment's current specification.
+    /// and in the environment's current specification (`after` as in
+    /// [`ReadModels::wait_until`]).
     pub async fn wait_for_specification(
         &self,
         tenant: &TenantId,
         id: SpecificationId,
         version: u32,
+        after: Option<Position>,
         timeout: Duration,
     ) -> Result<bool, QueryError> {
         let sql = self.db.sql(
@@ -306,7 +311,7 @@ impl ReadModels {
                   + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
         );
         let projections = [SpecificationsProjection::NAME, EnvironmentsProjection::NAME];
-        self.wait_until(timeout, &projections, || async {
+        self.wait_until(timeout, &projections, after, || async {
             let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
             Ok(n == 2)
@@ -319,13 +324,17 @@ impl ReadModels {
         &self.db
     }
 
-    /// Waits (at most `timeout`) until `check` holds, checking again whenever one of
-    /// `projections` (those whose tables `check` reads) commits, and on a short poll, since
-    /// another instance may be the one projecting: read-your-writes for any read model.
+    /// Waits (at most `timeout`) until `check` holds: read-your-writes for any read model.
+    /// `projections` are those whose tables `check` reads; `after` is where the command's
+    /// last event stands in the stream (`None` when it recorded none). The read model is
+    /// read once those projections have passed `after` here (at once when there is nothing
+    /// to pass), again whenever one of them commits while `check` fails, and on a short poll,
+    /// since another instance may be the one projecting.
     pub async fn wait_until<F, Fut>(
         &self,
         timeout: Duration,
         projections: &[&str],
+        after: Option<Position>,
         mut check: F,
     ) -> Result<bool, QueryError>
     where
@@ -333,14 +342,18 @@ impl ReadModels {
         Fut: std::future::Future<Output = Result<bool, QueryError>>,
     {
         let deadline = tokio::time::Instant::now() + timeout;
-        // Marked as seen before the first check: a commit after it wakes the wait.
+        // Marked as seen before the first look: a commit after it wakes the wait.
         let mut watched = self
             .progress
             .as_ref()
             .map(|p| p.watch(projections))
             .unwrap_or_default();
+        let passed = |watched: &[watch::Receiver<Position>]| {
+            after.is_none_or(|event| watched.iter().all(|at| *at.borrow() >= event))
+        };
+        let mut read = watched.is_empty() || passed(&watched);
         loop {
-            if check().await? {
+            if read && check().await? {
                 return Ok(true);
             }
             let now = tokio::time::Instant::now();
@@ -350,15 +363,24 @@ impl ReadModels {
             let pause = (deadline - now).min(Duration::from_millis(50));
             if watched.is_empty() {
                 tokio::time::sleep(pause).await;
+                read = true;
                 continue;
             }
             let moved =
                 futures::future::select_all(watched.iter_mut().map(|r| Box::pin(r.changed())));
-            let stopped = matches!(tokio::time::timeout(pause, moved).await, Ok((Err(_), _, _)));
-            if stopped {
-                // The projector stopped: poll from now on.
-                watched.clear();
-            }
+            let woken = tokio::time::timeout(pause, moved)
+                .await
+                .map(|(changed, _, _)| changed.is_ok());
+            read = match woken {
+                Ok(true) => passed(&watched),
+                Ok(false) => {
+                    // The projector stopped: poll from now on.
+                    watched.clear();
+                    true
+                }
+                // The poll.
+                Err(_) => true,
+            };
         }
     }
 }

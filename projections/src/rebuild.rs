@@ -177,8 +177,12 @@ pub async fn rebuild(
     // Swap: hold the live checkpoints, replay the tails, rename, move the checkpoints.
     let mut tx = Tx::begin(db).await?;
     let mut positions = Vec::with_capacity(fresh.len());
-    for ((live, runner), count) in lives.iter().zip(&fresh).zip(&mut events) {
-        let live_position = tx.claim_checkpoint(live.name()).await?;
+    // All live checkpoints first, in the order every claimer takes them (the live
+    // projections claim theirs together), so that the swap and the live batches never
+    // hold one each of two and wait for the other.
+    let live_names: Vec<&str> = lives.iter().map(|live| live.name()).collect();
+    let live_positions = tx.claim_checkpoints(&live_names).await?;
+    for ((runner, count), live_position) in fresh.iter().zip(&mut events).zip(live_positions) {
         let mut position = tx.claim_checkpoint(runner.name()).await?;
         loop {
             let batch = tx.read_batch(position, BATCH_SIZE).await?;

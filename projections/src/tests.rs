@@ -610,18 +610,25 @@ ferry_store::test_on_both_engines! {
     }
 }
 
-/// A read-your-writes wait checks the read model again when a projection it names commits,
-/// not when another one does; it gives up at its deadline.
+/// A read-your-writes wait reads the model once the projections it names have passed its
+/// command's events, not before and not when another projection moves; again at each of
+/// their commits while the check fails; on a poll when they do not move; at once when the
+/// command recorded nothing.
 #[tokio::test]
-async fn a_wait_wakes_on_the_projections_it_reads_only() {
+async fn a_wait_reads_once_its_projections_pass_the_command() {
     use crate::projection::Progress;
+    use ferry_store::stream::Position;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
+    let at = |global_position| Position {
+        transaction_id: 0,
+        global_position,
+    };
     let tdb = TestDatabase::new(ferry_store::database::Backend::Sqlite).await;
-    let runs = tokio::sync::watch::channel(0u64).0;
-    let delivery = tokio::sync::watch::channel(0u64).0;
+    let runs = tokio::sync::watch::channel(at(0)).0;
+    let delivery = tokio::sync::watch::channel(at(0)).0;
     let senders = HashMap::from([("runs", runs.clone()), ("delivery", delivery.clone())]);
     let reads = ReadModels::new(tdb.db.clone(), Some(Progress::of(&senders)));
     // Time stands still while this task keeps running: the wait's 50-ms poll cannot fire.
@@ -632,7 +639,7 @@ async fn a_wait_wakes_on_the_projections_it_reads_only() {
         let (reads, checks, visible) = (reads.clone(), checks.clone(), visible.clone());
         tokio::spawn(async move {
             reads
-                .wait_until(Duration::from_secs(2), &["runs"], || {
+                .wait_until(Duration::from_secs(2), &["runs"], Some(at(5)), || {
                     checks.fetch_add(1, Ordering::SeqCst);
                     let visible = visible.load(Ordering::SeqCst);
                     async move { Ok(visible) }
@@ -646,38 +653,42 @@ async fn a_wait_wakes_on_the_projections_it_reads_only() {
             tokio::task::yield_now().await;
         }
     };
+    let checked = || checks.load(Ordering::SeqCst);
     settle().await;
     assert_eq!(
-        checks.load(Ordering::SeqCst),
-        1,
-        "checked once at the start"
+        checked(),
+        0,
+        "not read before its projection passed the event"
     );
-    for _ in 0..3 {
-        delivery.send_modify(|n| *n += 1);
+    for n in 1..=3 {
+        delivery.send_replace(at(10 * n));
         settle().await;
     }
-    assert_eq!(
-        checks.load(Ordering::SeqCst),
-        1,
-        "another projection's commits wake nothing"
-    );
-    runs.send_modify(|n| *n += 1);
+    assert_eq!(checked(), 0, "another projection's commits wake nothing");
+    runs.send_replace(at(4));
+    settle().await;
+    assert_eq!(checked(), 0, "its projection moved, but not past the event");
+    runs.send_replace(at(5));
+    settle().await;
+    assert_eq!(checked(), 1, "past the event: read");
+    runs.send_replace(at(6));
     settle().await;
     assert_eq!(
-        checks.load(Ordering::SeqCst),
+        checked(),
         2,
-        "its projection's commit: checked again"
+        "the check failed: read again at its next commit"
     );
     visible.store(true, Ordering::SeqCst);
-    runs.send_modify(|n| *n += 1);
+    runs.send_replace(at(7));
     assert!(wait.await.unwrap(), "seen after the next commit");
-    assert_eq!(checks.load(Ordering::SeqCst), 3);
+    assert_eq!(checked(), 3);
 
-    // Nothing commits: polled every 50 ms, then false at the deadline.
-    let before = checks.load(Ordering::SeqCst);
+    // Its projection does not move (another instance may be projecting): polled every 50 ms
+    // (not at once), then false at the deadline.
+    let before = checked();
     let start = tokio::time::Instant::now();
     let seen = reads
-        .wait_until(Duration::from_millis(200), &["runs"], || {
+        .wait_until(Duration::from_millis(200), &["runs"], Some(at(100)), || {
             checks.fetch_add(1, Ordering::SeqCst);
             async { Ok(false) }
         })
@@ -690,10 +701,19 @@ async fn a_wait_wakes_on_the_projections_it_reads_only() {
         waited >= Duration::from_millis(200) && waited < Duration::from_millis(210),
         "{waited:?}"
     );
-    assert_eq!(
-        checks.load(Ordering::SeqCst) - before,
-        5,
-        "at 0, 50, 100, 150 and 200 ms"
-    );
+    assert_eq!(checked() - before, 4, "at 50, 100, 150 and 200 ms");
+
+    // A command that recorded nothing has nothing to wait for: read at once.
+    let before = checked();
+    let seen = reads
+        .wait_until(Duration::from_millis(200), &["runs"], None, || {
+            checks.fetch_add(1, Ordering::SeqCst);
+            async { Ok(true) }
+        })
+        .await
+        .unwrap();
+    assert!(seen);
+    assert_eq!(checked() - before, 1);
+    assert_eq!(start.elapsed(), waited, "no time passed");
     tdb.cleanup().await;
 }

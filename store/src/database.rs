@@ -63,6 +63,8 @@ pub enum Pool {
 pub struct Database {
     pool: Pool,
     committed: Arc<watch::Sender<u64>>,
+    /// Moved only by this process's own appends: what other instances are told of.
+    appended: Arc<watch::Sender<u64>>,
     health: Arc<crate::stream::SubscriptionHealth>,
     caches: Arc<crate::cache::Caches>,
 }
@@ -244,6 +246,7 @@ impl Database {
         Self {
             pool,
             committed: Arc::new(watch::channel(0).0),
+            appended: Arc::new(watch::channel(0).0),
             health: Arc::default(),
             caches: Arc::new(crate::cache::Caches::new(DEFAULT_AGGREGATE_CACHE_EVENTS)),
         }
@@ -294,9 +297,21 @@ impl Database {
         self.committed.subscribe()
     }
 
-    /// Tells this process's subscribers that events were committed.
+    /// Tells this process's subscribers that it committed events, and (on Postgres, through
+    /// the notifier) the other instances' subscribers.
     pub fn signal_commit(&self) {
+        self.appended.send_modify(|n| *n = n.wrapping_add(1));
+        self.wake_subscribers();
+    }
+
+    /// Wakes this process's subscribers (another instance committed events).
+    pub fn wake_subscribers(&self) {
         self.committed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Changes after this process appends events (not when another instance does).
+    pub fn subscribe_appends(&self) -> watch::Receiver<u64> {
+        self.appended.subscribe()
     }
 
     /// Rewrites `$1`-style placeholders for SQLite (`?1`), so that one SQL text serves both.
@@ -322,6 +337,28 @@ impl Database {
                 .await?
                 .rows_affected(),
         })
+    }
+
+    /// As [`crate::stream::Tx::insert_returning_last`], as a statement on its own.
+    pub async fn insert_returning_last(
+        &self,
+        sql: &str,
+        params: &[crate::stream::Param],
+    ) -> Result<Option<crate::stream::Position>, sqlx::Error> {
+        let sql = self.sql(sql);
+        let rows: Vec<(i64, i64)> = match &self.pool {
+            Pool::Postgres(p) => {
+                crate::bind_params!(sqlx::query_as(&sql), params)
+                    .fetch_all(p)
+                    .await?
+            }
+            Pool::Sqlite(p) => {
+                crate::bind_params!(sqlx::query_as(&sql), params)
+                    .fetch_all(p)
+                    .await?
+            }
+        };
+        Ok(crate::stream::last_position(rows))
     }
 
     /// True when the store answers a trivial query.

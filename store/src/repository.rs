@@ -11,10 +11,10 @@
 //! exists exactly when the effect does.
 
 use crate::cache::{AggregateCache, Cached};
-use crate::database::{is_unavailable, Database};
+use crate::database::{is_unavailable, Backend, Database};
 use crate::events::{events_after, ReadError, StoredAggregate};
 use crate::metadata::EventMetadata;
-use crate::stream::{Param, Tx};
+use crate::stream::{Param, Position, Tx};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, AggregateError, DomainEvent};
 use ferry_domain::{TenantId, TenantOwned};
@@ -134,6 +134,9 @@ pub struct Executed<A: Aggregate> {
     pub sequence: usize,
     /// The events the command produced (possibly none).
     pub events: Vec<A::Event>,
+    /// Where the last of them stands in the global stream; `None` when there were none.
+    /// A read-your-writes wait waits for its projections to pass it before reading.
+    pub position: Option<Position>,
     /// Every event of the aggregate, the new ones included, oldest first, when the
     /// repository keeps histories ([`Repository::with_history`]).
     pub history: Option<Vec<A::Event>>,
@@ -370,8 +373,10 @@ where
             return Ok(None);
         }
         let sequence = current_sequence + events.len();
+        let mut position = None;
         if !events.is_empty() || linked.is_some() {
-            self.commit(id, current_sequence, &events, metadata, linked)
+            position = self
+                .commit(id, current_sequence, &events, metadata, linked)
                 .await?;
         }
         if !events.is_empty() {
@@ -391,6 +396,7 @@ where
             aggregate,
             sequence,
             events,
+            position,
             history,
         }))
     }
@@ -399,6 +405,7 @@ where
     /// write; the stream columns take their defaults) and runs `linked`, atomically. The
     /// events are one statement, the transaction's first write (the global stream relies on
     /// it); without a linked write that statement is the whole transaction, one round trip.
+    /// Returns the position of the last event inserted.
     async fn commit(
         &self,
         id: &str,
@@ -406,7 +413,7 @@ where
         events: &[A::Event],
         metadata: &EventMetadata,
         linked: Option<&LinkedWrite>,
-    ) -> Result<(), CommandError<A::Error>> {
+    ) -> Result<Option<Position>, CommandError<A::Error>> {
         let sql = CommandError::from_sql;
         let serialize = |e: serde_json::Error| CommandError::store(e);
         let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
@@ -442,27 +449,35 @@ where
                 Param::Json(Some(metadata.clone())),
             ]);
         }
+        insert.push_str(match self.db.backend() {
+            Backend::Postgres => " RETURNING transaction_id::text::bigint, global_position",
+            Backend::Sqlite => " RETURNING 0, global_position",
+        });
         let Some(write) = linked else {
             if events.is_empty() {
-                return Ok(());
+                return Ok(None);
             }
             return self
                 .db
-                .execute(&insert, &params)
+                .insert_returning_last(&insert, &params)
                 .await
-                .map(drop)
                 .map_err(sql);
         };
         let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
+        let mut position = None;
         if !events.is_empty() {
-            tx.execute(&insert, &params).await.map_err(sql)?;
+            position = tx
+                .insert_returning_last(&insert, &params)
+                .await
+                .map_err(sql)?;
         }
         let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
         if affected != write.expect_rows {
             // Dropping the transaction rolls the events back with it.
             return Err(CommandError::Conflict);
         }
-        tx.commit().await.map_err(sql)
+        tx.commit().await.map_err(sql)?;
+        Ok(position)
     }
 }
 

@@ -19,6 +19,7 @@ use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Postgres, Row, Sqlite, Transaction};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -351,6 +352,29 @@ impl Tx {
         })
     }
 
+    /// Runs an insert whose rows return `(transaction_id, global_position)`; returns the
+    /// greatest of them (the last event's place in the stream), `None` for no rows.
+    pub async fn insert_returning_last(
+        &mut self,
+        sql: &str,
+        params: &[Param],
+    ) -> Result<Option<Position>, sqlx::Error> {
+        let sql = crate::database::sql_for(self.backend(), sql);
+        let rows: Vec<(i64, i64)> = match self {
+            Tx::Postgres(t) => {
+                crate::bind_params!(sqlx::query_as(&sql), params)
+                    .fetch_all(&mut **t)
+                    .await?
+            }
+            Tx::Sqlite(t) => {
+                crate::bind_params!(sqlx::query_as(&sql), params)
+                    .fetch_all(&mut **t)
+                    .await?
+            }
+        };
+        Ok(last_position(rows))
+    }
+
     /// Reads one JSON column of the first row of a query (e.g. a stored document).
     pub async fn fetch_json(
         &mut self,
@@ -542,6 +566,87 @@ impl Tx {
         }
     }
 
+    /// Takes the checkpoints of several subscriptions and holds them until commit, like
+    /// [`Tx::claim_checkpoint`] for each; returns their positions in the order of `names`.
+    /// The rows are locked in name order, so two transactions claiming overlapping sets (two
+    /// instances, or a rebuild's swap, which claims in the same order) wait for each other
+    /// instead of deadlocking. On Postgres it is one statement.
+    pub async fn claim_checkpoints(
+        &mut self,
+        names: &[&str],
+    ) -> Result<Vec<Position>, sqlx::Error> {
+        let mut sorted: Vec<&str> = names.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let found: HashMap<String, Position> = match self {
+            Tx::Postgres(t) => {
+                // LockRows sits above the sort in the plan: the rows are locked in name order.
+                let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+                    "SELECT name, transaction_id, global_position FROM subscription_checkpoints
+                     WHERE name = ANY($1) ORDER BY name FOR UPDATE",
+                )
+                .bind(&sorted)
+                .fetch_all(&mut **t)
+                .await?;
+                rows.into_iter()
+                    .map(|(name, transaction_id, global_position)| {
+                        let at = Position {
+                            transaction_id,
+                            global_position,
+                        };
+                        (name, at)
+                    })
+                    .collect()
+            }
+            Tx::Sqlite(_) => HashMap::new(),
+        };
+        let mut positions = HashMap::with_capacity(sorted.len());
+        for name in sorted {
+            let at = match found.get(name) {
+                Some(at) => *at,
+                // SQLite (one writer at a time anyway), or a checkpoint not created yet.
+                None => self.claim_checkpoint(name).await?,
+            };
+            positions.insert(name, at);
+        }
+        Ok(names.iter().map(|name| positions[name]).collect())
+    }
+
+    /// Moves several subscriptions' checkpoints (call after [`Tx::claim_checkpoints`]); one
+    /// statement on Postgres.
+    pub async fn save_checkpoints(
+        &mut self,
+        moved: &[(&str, Position)],
+    ) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(t) if moved.len() > 1 => {
+                let names: Vec<&str> = moved.iter().map(|(name, _)| *name).collect();
+                let transactions: Vec<i64> =
+                    moved.iter().map(|(_, at)| at.transaction_id).collect();
+                let positions: Vec<i64> = moved.iter().map(|(_, at)| at.global_position).collect();
+                sqlx::query(
+                    "UPDATE subscription_checkpoints AS c
+                     SET transaction_id = m.transaction_id, global_position = m.global_position,
+                         updated_at = now()
+                     FROM UNNEST($1::text[], $2::bigint[], $3::bigint[])
+                          AS m(name, transaction_id, global_position)
+                     WHERE c.name = m.name",
+                )
+                .bind(&names)
+                .bind(&transactions)
+                .bind(&positions)
+                .execute(&mut **t)
+                .await?;
+            }
+            _ => {
+                for (name, at) in moved {
+                    self.save_checkpoint(name, *at).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Moves the subscription's checkpoint (call after [`Tx::claim_checkpoint`]).
     pub async fn save_checkpoint(&mut self, name: &str, to: Position) -> Result<(), sqlx::Error> {
         let now = match self.backend() {
@@ -574,6 +679,16 @@ impl Tx {
             Tx::Sqlite(t) => read_sqlite(&mut **t, after, limit).await,
         }
     }
+}
+
+/// The greatest of `(transaction_id, global_position)` rows.
+pub(crate) fn last_position(rows: Vec<(i64, i64)>) -> Option<Position> {
+    rows.into_iter()
+        .map(|(transaction_id, global_position)| Position {
+            transaction_id,
+            global_position,
+        })
+        .max()
 }
 
 /// Creates a subscription's checkpoint at the start of the stream unless it exists, so
@@ -964,6 +1079,14 @@ pub async fn run_batch_of(
     handler: &dyn Handler,
     limit: i64,
 ) -> Result<usize, HandlerError> {
+    Ok(run_batch_taking(db, handler, limit).await?.events)
+}
+
+async fn run_batch_taking(
+    db: &Database,
+    handler: &dyn Handler,
+    limit: i64,
+) -> Result<Taken, HandlerError> {
     match run_one_batch(db, handler, limit, true).await {
         Err(error) if !matches!(error, HandlerError::AtEvent { .. }) => {
             tracing::debug!(%error, "batch failed; handling it one event at a time");
@@ -978,13 +1101,17 @@ async fn run_one_batch(
     handler: &dyn Handler,
     limit: i64,
     batched: bool,
-) -> Result<usize, HandlerError> {
+) -> Result<Taken, HandlerError> {
     let mut tx = Tx::begin(db).await?;
     let from = tx.claim_checkpoint(handler.name()).await?;
     let events = tx.read_batch(from, limit).await?;
     let Some(last) = events.last().map(|e| e.position) else {
         tx.commit().await?;
-        return Ok(0);
+        // Another instance may have moved it: waiters here learn of that too.
+        return Ok(Taken {
+            events: 0,
+            reached: Some(from),
+        });
     };
     if batched {
         handler.handle_batch(&mut tx, &events).await?;
@@ -998,7 +1125,10 @@ async fn run_one_batch(
     }
     tx.save_checkpoint(handler.name(), last).await?;
     tx.commit().await?;
-    Ok(events.len())
+    Ok(Taken {
+        events: events.len(),
+        reached: Some(last),
+    })
 }
 
 /// Applies `events`, read after `from` by the caller, to a subscription whose checkpoint
@@ -1030,14 +1160,100 @@ pub async fn apply_read_batch(
 
 /// Handles batches until the subscription has nothing left to read; returns the count.
 pub async fn catch_up(db: &Database, handler: &dyn Handler) -> Result<usize, HandlerError> {
-    let mut total = 0;
+    Ok(catch_up_taking(db, handler).await?.events)
+}
+
+async fn catch_up_taking(db: &Database, handler: &dyn Handler) -> Result<Taken, HandlerError> {
+    let mut total = Taken::default();
     loop {
-        let n = run_batch(db, handler).await?;
-        total += n;
-        if n < BATCH_SIZE as usize {
+        let taken = run_batch_taking(db, handler, BATCH_SIZE).await?;
+        total.add(taken);
+        if taken.events < BATCH_SIZE as usize {
             return Ok(total);
         }
     }
+}
+
+/// Handles one batch for several subscriptions in one transaction: their checkpoints are
+/// claimed together, the stream is read once from the earliest of them, and each handler gets
+/// the events after its own checkpoint. Returns how many events each handler took and how
+/// many were read.
+pub async fn run_batch_together(
+    db: &Database,
+    handlers: &[&dyn Handler],
+    limit: i64,
+) -> Result<(Vec<Taken>, usize), HandlerError> {
+    let mut taken = vec![Taken::default(); handlers.len()];
+    let names: Vec<&str> = handlers.iter().map(|h| h.name()).collect();
+    let mut tx = Tx::begin(db).await?;
+    let froms = tx.claim_checkpoints(&names).await?;
+    let Some(earliest) = froms.iter().min().copied() else {
+        return Ok((taken, 0));
+    };
+    let events = tx.read_batch(earliest, limit).await?;
+    let mut moved = Vec::with_capacity(handlers.len());
+    for (i, (handler, from)) in handlers.iter().zip(&froms).enumerate() {
+        let mine = &events[events.partition_point(|e| e.position <= *from)..];
+        let Some(last) = mine.last().map(|e| e.position) else {
+            taken[i].reached = Some(*from);
+            continue;
+        };
+        handler.handle_batch(&mut tx, mine).await?;
+        moved.push((names[i], last));
+        taken[i] = Taken {
+            events: mine.len(),
+            reached: Some(last),
+        };
+    }
+    if !moved.is_empty() {
+        tx.save_checkpoints(&moved).await?;
+    }
+    tx.commit().await?;
+    Ok((taken, events.len()))
+}
+
+/// What a subscription took in a catch-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Taken {
+    /// How many events.
+    pub events: usize,
+    /// Where its checkpoint stands afterwards (moved here or by another instance); `None`
+    /// when it was not read.
+    pub reached: Option<Position>,
+}
+
+impl Taken {
+    fn add(&mut self, more: Taken) {
+        self.events += more.events;
+        self.reached = self.reached.max(more.reached);
+    }
+}
+
+/// Runs batches for several subscriptions together until nothing is left to read; returns
+/// what each handler took.
+pub async fn catch_up_together(
+    db: &Database,
+    handlers: &[&dyn Handler],
+) -> Result<Vec<Taken>, HandlerError> {
+    let mut total = vec![Taken::default(); handlers.len()];
+    loop {
+        let (taken, read) = run_batch_together(db, handlers, BATCH_SIZE).await?;
+        for (sum, more) in total.iter_mut().zip(taken) {
+            sum.add(more);
+        }
+        if read < BATCH_SIZE as usize {
+            return Ok(total);
+        }
+    }
+}
+
+/// A subscription run by [`run_subscriptions`]: its handler and, optionally, a counter moved
+/// whenever it commits events (read-your-writes waits watch it).
+pub struct Running {
+    /// The handler.
+    pub handler: Arc<dyn Handler>,
+    /// The checkpoint it reached, moved after each catch-up that handled events.
+    pub progress: Option<watch::Sender<Position>>,
 }
 
 /// Runs a subscription until `shutdown` turns true: catch up, then wait for a commit signal
@@ -1050,104 +1266,218 @@ pub async fn run_subscription(
     handler: Arc<dyn Handler>,
     poll: Duration,
     shutdown: watch::Receiver<bool>,
-    progress: Option<watch::Sender<u64>>,
+    progress: Option<watch::Sender<Position>>,
 ) {
-    let span = tracing::info_span!("subscription", name = handler.name());
-    tracing::Instrument::instrument(
-        subscription_loop(db, handler, poll, shutdown, progress),
-        span,
-    )
-    .await
+    run_subscriptions(db, vec![Running { handler, progress }], poll, shutdown).await
+}
+
+/// Runs several subscriptions on one task, as [`run_subscription`] runs one, sharing each
+/// batch: one transaction reads the stream once and applies it to all of them, instead of
+/// a transaction (and a commit) per subscription. When that fails, they catch up one at a
+/// time, so that the error, the reported problem and the retries belong to the subscription
+/// that fails while the others go on; once all have caught up they share batches again.
+pub async fn run_subscriptions(
+    db: Database,
+    subscriptions: Vec<Running>,
+    poll: Duration,
+    shutdown: watch::Receiver<bool>,
+) {
+    let names: Vec<&str> = subscriptions.iter().map(|s| s.handler.name()).collect();
+    let span = tracing::info_span!("subscription", name = names.join(",").as_str());
+    tracing::Instrument::instrument(subscription_loop(db, &subscriptions, poll, shutdown), span)
+        .await
 }
 
 async fn subscription_loop(
     db: Database,
-    handler: Arc<dyn Handler>,
+    subscriptions: &[Running],
     poll: Duration,
     mut shutdown: watch::Receiver<bool>,
-    progress: Option<watch::Sender<u64>>,
 ) {
+    const FIRST_RETRY: Duration = Duration::from_millis(100);
     let mut commits = db.subscribe_commits();
-    let mut backoff = Duration::from_millis(100);
+    let handlers: Vec<&dyn Handler> = subscriptions.iter().map(|s| s.handler.as_ref()).collect();
+    // Per subscription: the pause before its next attempt and when that is due, so that one
+    // failing subscription waits out its pause while the others keep up.
+    let mut backoff = vec![FIRST_RETRY; subscriptions.len()];
+    let mut retry_at: Vec<Option<tokio::time::Instant>> = vec![None; subscriptions.len()];
+    let mut together = subscriptions.len() > 1;
     loop {
         if *shutdown.borrow() {
             return;
         }
-        match catch_up(&db, handler.as_ref()).await {
-            Ok(n) => {
-                backoff = Duration::from_millis(100);
-                if let Some(problem) = db.subscription_health().recovered(handler.name()) {
-                    tracing::info!(attempts = problem.attempts, "subscription recovered");
+        if together {
+            match catch_up_together(&db, &handlers).await {
+                Ok(taken) => {
+                    for (subscription, n) in subscriptions.iter().zip(taken) {
+                        caught_up(&db, subscription, n);
+                    }
                 }
-                if n > 0 {
-                    tracing::debug!(events = n, "handled");
-                    if let Some(p) = &progress {
-                        p.send_modify(|v| *v = v.wrapping_add(1));
+                Err(error) => {
+                    tracing::debug!(%error, "shared batch failed; catching up one at a time");
+                    together = false;
+                    continue;
+                }
+            }
+        } else {
+            let now = tokio::time::Instant::now();
+            for (i, subscription) in subscriptions.iter().enumerate() {
+                if retry_at[i].is_some_and(|due| due > now) {
+                    continue;
+                }
+                let handler = subscription.handler.as_ref();
+                match catch_up_taking(&db, handler).await {
+                    Ok(taken) => {
+                        caught_up(&db, subscription, taken);
+                        backoff[i] = FIRST_RETRY;
+                        retry_at[i] = None;
+                    }
+                    Err(error) => {
+                        let problem = db.subscription_health().failed(handler.name(), &error);
+                        tracing::error!(
+                            %error,
+                            subscription = handler.name(),
+                            attempts = problem.attempts,
+                            event_id = ?problem.event_id,
+                            position = ?problem.position.map(|p| p.global_position),
+                            retry_in_ms = backoff[i].as_millis() as u64,
+                            "subscription is stuck: batch failed, nothing skipped; retrying"
+                        );
+                        retry_at[i] = Some(tokio::time::Instant::now() + backoff[i]);
+                        backoff[i] = (backoff[i] * 2).min(Duration::from_secs(30));
                     }
                 }
             }
-            Err(error) => {
-                let problem = db.subscription_health().failed(handler.name(), &error);
-                tracing::error!(
-                    %error,
-                    attempts = problem.attempts,
-                    event_id = ?problem.event_id,
-                    position = ?problem.position.map(|p| p.global_position),
-                    retry_in_ms = backoff.as_millis() as u64,
-                    "subscription is stuck: batch failed, nothing skipped; retrying"
-                );
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.changed() => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(30));
-                continue;
-            }
+            together = subscriptions.len() > 1 && retry_at.iter().all(Option::is_none);
         }
+        let next_retry = retry_at.iter().flatten().min().copied();
+        // A failing subscription's retry is due at its time; the others go on at each commit.
+        let retry = async {
+            match next_retry {
+                Some(due) => tokio::time::sleep_until(due).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = commits.changed() => {}
             _ = tokio::time::sleep(poll) => {}
+            _ = retry => {}
             _ = shutdown.changed() => {}
         }
     }
 }
 
-/// On Postgres, forwards `NOTIFY ferry_events` (from any instance) to this process's commit
-/// signal. Reconnects on failure; subscribers poll meanwhile.
-pub fn spawn_notify_listener(db: &Database, mut shutdown: watch::Receiver<bool>) {
+/// Records that a subscription caught up after taking `taken`.
+fn caught_up(db: &Database, subscription: &Running, taken: Taken) {
+    let name = subscription.handler.name();
+    if let Some(problem) = db.subscription_health().recovered(name) {
+        tracing::info!(
+            subscription = name,
+            attempts = problem.attempts,
+            "subscription recovered"
+        );
+    }
+    if taken.events > 0 {
+        tracing::debug!(subscription = name, events = taken.events, "handled");
+    }
+    if let (Some(reached), Some(progress)) = (taken.reached, &subscription.progress) {
+        progress.send_if_modified(|at| {
+            let moved = reached > *at;
+            *at = (*at).max(reached);
+            moved
+        });
+    }
+}
+
+/// On Postgres, tells the other instances when this one appends events and forwards what
+/// they tell to this process's subscribers, over `NOTIFY ferry_events`. Subscribers also
+/// poll, so a lost notification only delays them.
+///
+/// The notification is sent after the append, in a statement of its own, and one stands for
+/// every append made while the last was sent or within 5 ms of it. It is not sent from the appending transaction
+/// (a trigger did that once): Postgres serialises the commits of notifying transactions
+/// under one lock held through the commit's WAL flush, so every command waited for every
+/// other's flush instead of sharing one.
+pub fn spawn_notifications(db: &Database, shutdown: watch::Receiver<bool>) {
     let Pool::Postgres(pool) = db.pool().clone() else {
         return;
     };
-    let db = db.clone();
-    tokio::spawn(async move {
-        loop {
-            let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
-                Ok(l) => l,
-                Err(error) => {
-                    tracing::warn!(%error, "cannot LISTEN for events; polling only");
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                    continue;
-                }
-            };
-            if let Err(error) = listener.listen("ferry_events").await {
-                tracing::warn!(%error, "LISTEN ferry_events failed; polling only");
+    // Lets the listener skip this instance's own notifications.
+    let token = Uuid::new_v4().simple().to_string();
+    tokio::spawn(notify_others(
+        db.subscribe_appends(),
+        pool.clone(),
+        token.clone(),
+        shutdown.clone(),
+    ));
+    tokio::spawn(listen_to_others(db.clone(), pool, token, shutdown));
+}
+
+async fn notify_others(
+    mut appends: watch::Receiver<u64>,
+    pool: sqlx::PgPool,
+    token: String,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    // At most one notification per this time: a burst of appends costs one statement.
+    const LINGER: Duration = Duration::from_millis(5);
+    let mut last = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            changed = appends.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(last + LINGER) => {}
+            _ = shutdown.changed() => return,
+        }
+        // Appends made during the pause are told by this notification.
+        appends.borrow_and_update();
+        last = tokio::time::Instant::now();
+        if let Err(error) = sqlx::query("SELECT pg_notify('ferry_events', $1)")
+            .bind(&token)
+            .execute(&pool)
+            .await
+        {
+            tracing::warn!(%error, "cannot notify other instances of new events; they poll meanwhile");
+        }
+    }
+}
+
+async fn listen_to_others(
+    db: Database,
+    pool: sqlx::PgPool,
+    token: String,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+            Ok(l) => l,
+            Err(error) => {
+                tracing::warn!(%error, "cannot LISTEN for events; polling only");
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 continue;
             }
-            loop {
-                tokio::select! {
-                    n = listener.recv() => match n {
-                        Ok(_) => db.signal_commit(),
-                        Err(error) => {
-                            tracing::warn!(%error, "event notifications interrupted");
-                            break;
-                        }
-                    },
-                    _ = shutdown.changed() => return,
-                }
+        };
+        if let Err(error) = listener.listen("ferry_events").await {
+            tracing::warn!(%error, "LISTEN ferry_events failed; polling only");
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            continue;
+        }
+        loop {
+            tokio::select! {
+                n = listener.recv() => match n {
+                    Ok(n) if n.payload() == token => {}
+                    Ok(_) => db.wake_subscribers(),
+                    Err(error) => {
+                        tracing::warn!(%error, "event notifications interrupted");
+                        break;
+                    }
+                },
+                _ = shutdown.changed() => return,
             }
         }
-    });
+    }
 }
 
 /// Converts a store error into the error type used at start-up.

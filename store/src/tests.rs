@@ -359,18 +359,7 @@ crate::test_on_both_engines! {
     async fn a_subscription_resumes_from_its_checkpoint(backend) {
         let t = TestDatabase::new(backend).await;
         let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
-        for _ in 0..3 {
-            let id = ProvisioningRunId::new_random();
-            runs.execute(
-                &tenant("a"),
-                &id.to_string(),
-                request("a", id),
-                &meta("a"),
-                true,
-            )
-            .await
-            .unwrap();
-        }
+        record_runs(&runs, 3).await;
         let first = Recorder {
             name: "s".to_string(),
             seen: Mutex::new(vec![]),
@@ -381,16 +370,7 @@ crate::test_on_both_engines! {
         })
         .await;
         assert_eq!(first.seen.lock().unwrap().len(), 3);
-        let id = ProvisioningRunId::new_random();
-        runs.execute(
-            &tenant("a"),
-            &id.to_string(),
-            request("a", id),
-            &meta("a"),
-            true,
-        )
-        .await
-        .unwrap();
+        let id = record_runs(&runs, 1).await.remove(0);
         // A new runner of the same subscription only gets what is new.
         let second = Recorder {
             name: "s".to_string(),
@@ -402,7 +382,7 @@ crate::test_on_both_engines! {
         })
         .await;
         assert_eq!(second.seen.lock().unwrap().len(), 1, "{backend:?}");
-        assert_eq!(second.seen.lock().unwrap()[0].aggregate_id, id.to_string());
+        assert_eq!(second.seen.lock().unwrap()[0].aggregate_id, id);
         let status = stream::subscription_status(&t.db).await.unwrap();
         assert_eq!(
             (status[0].lag, status[0].head),
@@ -598,14 +578,7 @@ crate::test_on_both_engines! {
     async fn a_failed_batch_is_handled_again_event_by_event_and_names_the_failing_event(backend) {
         let t = TestDatabase::new(backend).await;
         let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
-        let mut ids = Vec::new();
-        for _ in 0..3 {
-            let id = ProvisioningRunId::new_random();
-            runs.execute(&tenant("a"), &id.to_string(), request("a", id), &meta("a"), true)
-                .await
-                .unwrap();
-            ids.push(id.to_string());
-        }
+        let ids = record_runs(&runs, 3).await;
         let failing = FailingBatch { fails_on: Some(ids[1].clone()), seen: Mutex::new(vec![]) };
         let error = eventually("the failure", || async {
             stream::catch_up(&t.db, &failing).await.err()
@@ -629,6 +602,133 @@ crate::test_on_both_engines! {
         })
         .await;
         assert_eq!(*passing.seen.lock().unwrap(), ids);
+        t.cleanup().await;
+    }
+}
+
+fn ids_of(recorder: &Recorder) -> Vec<String> {
+    recorder
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.aggregate_id.clone())
+        .collect()
+}
+
+async fn record_runs(runs: &Repository<ProvisioningRun>, count: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for _ in 0..count {
+        let id = ProvisioningRunId::new_random();
+        runs.execute(
+            &tenant("a"),
+            &id.to_string(),
+            request("a", id),
+            &meta("a"),
+            true,
+        )
+        .await
+        .unwrap();
+        ids.push(id.to_string());
+    }
+    ids
+}
+
+crate::test_on_both_engines! {
+    async fn subscriptions_sharing_a_batch_each_get_what_follows_their_checkpoint(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let mut ids = record_runs(&runs, 2).await;
+        let ahead = Recorder { name: "ahead".to_string(), seen: Mutex::new(vec![]) };
+        eventually("two events", || async {
+            stream::catch_up(&t.db, &ahead).await.unwrap();
+            (ahead.seen.lock().unwrap().len() == 2).then_some(())
+        })
+        .await;
+        ids.extend(record_runs(&runs, 1).await);
+        let behind = Recorder { name: "behind".to_string(), seen: Mutex::new(vec![]) };
+        let both: [&dyn Handler; 2] = [&ahead, &behind];
+        eventually("three events each", || async {
+            stream::catch_up_together(&t.db, &both).await.unwrap();
+            (ahead.seen.lock().unwrap().len() == 3 && behind.seen.lock().unwrap().len() == 3)
+                .then_some(())
+        })
+        .await;
+        // Each got every event once, in order: one read served both checkpoints.
+        assert_eq!(ids_of(&ahead), ids, "{backend:?}");
+        assert_eq!(ids_of(&behind), ids, "{backend:?}");
+        let status = stream::subscription_status(&t.db).await.unwrap();
+        assert_eq!(status.len(), 2);
+        assert!(status.iter().all(|s| s.lag == 0 && s.position.global_position == s.head), "{status:?}");
+        let again = stream::catch_up_together(&t.db, &both).await.unwrap();
+        let at = Some(status[0].position);
+        assert_eq!(again, [stream::Taken { events: 0, reached: at }; 2], "{backend:?}");
+        t.cleanup().await;
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn a_failing_subscription_does_not_hold_back_those_it_runs_with(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let first = record_runs(&runs, 1).await;
+        // The failing one comes first, so the shared attempt fails before the recorder
+        // handles anything (a recorder keeps what it saw even when its batch rolls back).
+        let failing = std::sync::Arc::new(FailingBatch {
+            fails_on: Some(first[0].clone()),
+            seen: Mutex::new(vec![]),
+        });
+        let recorder = std::sync::Arc::new(Recorder {
+            name: "keeps-up".to_string(),
+            seen: Mutex::new(vec![]),
+        });
+        for name in ["failing-batch", "keeps-up"] {
+            stream::ensure_checkpoint(&t.db, name).await.unwrap();
+        }
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let moved = tokio::sync::watch::channel(Position::default()).0;
+        let progress = moved.subscribe();
+        tokio::spawn(stream::run_subscriptions(
+            t.db.clone(),
+            vec![
+                stream::Running { handler: failing.clone(), progress: None },
+                stream::Running { handler: recorder.clone(), progress: Some(moved) },
+            ],
+            // A short poll: other tests' transactions may hold the stream's horizon back
+            // past a commit signal. Far shorter than the failing one's pause (3.2 s).
+            std::time::Duration::from_millis(100),
+            shutdown,
+        ));
+        let attempts_of_failing = || {
+            t.db.subscription_health()
+                .problems()
+                .into_iter()
+                .find(|p| p.name == "failing-batch")
+                .map(|p| p.attempts)
+        };
+        // Six attempts (3.1 s): the next retry is 3.2 s after the sixth.
+        let attempts = eventually("six failed attempts", || async {
+            attempts_of_failing().filter(|n| *n >= 6)
+        })
+        .await;
+        assert_eq!(ids_of(&recorder), first, "{backend:?}");
+        let second = record_runs(&runs, 1).await;
+        eventually("the recorder keeps up", || async {
+            (ids_of(&recorder).len() == 2).then_some(())
+        })
+        .await;
+        assert_eq!(ids_of(&recorder), [first[0].clone(), second[0].clone()]);
+        let head = stream::read_after(&t.db, Position::default(), 10).await.unwrap()[1].position;
+        assert_eq!(*progress.borrow(), head, "the recorder's checkpoint, for waiters");
+        // It went on at the commit, not at the failing one's next retry, and that one is
+        // still stuck where it was: nothing skipped, nothing moved.
+        assert_eq!(attempts_of_failing(), Some(attempts), "{backend:?}");
+        assert!(failing.seen.lock().unwrap().is_empty());
+        let status = stream::subscription_status(&t.db).await.unwrap();
+        let at = |name: &str| status.iter().find(|s| s.name == name).unwrap().position.global_position;
+        assert_eq!(at("failing-batch"), 0, "{status:?}");
+        assert_eq!(at("keeps-up"), status[0].head, "{status:?}");
+        stop.send(true).unwrap();
         t.cleanup().await;
     }
 }
@@ -759,6 +859,71 @@ crate::test_on_both_engines! {
             .unwrap();
         assert_eq!(same_time, Some(serde_json::json!(2)), "{backend:?}: timestamps kept to the microsecond");
         tx.commit().await.unwrap();
+        t.cleanup().await;
+    }
+}
+
+/// Instances tell each other of their appends with a NOTIFY of their own after the append,
+/// not from the appending transaction (no trigger on the events table): another instance's
+/// subscribers wake when this one appends, and the other way round.
+#[tokio::test]
+async fn an_append_wakes_the_other_instances_subscribers() {
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let other = crate::Database::connect_postgres(&t.location)
+        .await
+        .unwrap();
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    stream::spawn_notifications(&t.db, shutdown.clone());
+    stream::spawn_notifications(&other, shutdown);
+    let triggers: i64 = crate::on_pool!(t.db, pool => sqlx::query_scalar(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events'::regclass AND NOT tgisinternal",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap());
+    assert_eq!(triggers, 0, "nothing notifies from inside an append");
+    for (from, to) in [(&t.db, &other), (&other, &t.db)] {
+        let runs: Repository<ProvisioningRun> = Repository::new(from.clone(), ());
+        let mut woken = to.subscribe_commits();
+        // The listener may still be connecting: append until a notification gets through.
+        let mut attempts = 0;
+        loop {
+            record_runs(&runs, 1).await;
+            let wait = std::time::Duration::from_millis(200);
+            if tokio::time::timeout(wait, woken.changed()).await.is_ok() {
+                break;
+            }
+            attempts += 1;
+            assert!(attempts < 50, "the other instance was never woken");
+        }
+    }
+    stop.send(true).unwrap();
+    other.close().await;
+    t.cleanup().await;
+}
+
+crate::test_on_both_engines! {
+    async fn a_command_reports_where_its_last_event_stands_in_the_stream(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let id = ProvisioningRunId::new_random();
+        let key = id.to_string();
+        let requested = runs
+            .execute(&tenant("a"), &key, request("a", id), &meta("a"), true)
+            .await
+            .unwrap();
+        let cancelled = runs
+            .execute(&tenant("a"), &key, cancel(), &meta("a"), false)
+            .await
+            .unwrap();
+        let stored = eventually("both events", || async {
+            let stored = stream::read_after(&t.db, Position::default(), 10).await.unwrap();
+            (stored.len() == 2).then_some(stored)
+        })
+        .await;
+        // What a read-your-writes wait compares with the projections' checkpoints.
+        assert_eq!(requested.position, Some(stored[0].position), "{backend:?}");
+        assert_eq!(cancelled.position, Some(stored[1].position), "{backend:?}");
         t.cleanup().await;
     }
 }

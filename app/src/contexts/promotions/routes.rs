@@ -35,6 +35,7 @@ use ferry_domain::{
     EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId, PromotionId, ReleaseId,
 };
 use ferry_store::idempotency;
+use ferry_store::stream::Position;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::HashMap;
@@ -192,6 +193,7 @@ pub async fn put_release(
         .wait_until(
             state.read_your_writes(),
             &[DeliveryProjection::NAME],
+            done.position,
             || async { Ok(views::get_release(&db, &tenant, id).await?.is_some()) },
         )
         .await?;
@@ -419,16 +421,18 @@ pub async fn request_promotion(
         )
         .await;
     // The request as this command recorded it, when it was this command that did.
-    let requested = match result {
+    let (requested, after) = match result {
         Ok(requested) => {
             observe(&requested.aggregate, &requested.events);
-            PromotionView::from_events(&requested.events[..1.min(requested.events.len())])
+            let view =
+                PromotionView::from_events(&requested.events[..1.min(requested.events.len())]);
+            (view, requested.position)
         }
         // Another request with this key created it first: answer with that promotion.
         Err(
             ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
             | ferry_store::CommandError::Conflict,
-        ) if key.is_some() => None,
+        ) if key.is_some() => (None, None),
         Err(e) => {
             if let Some(k) = &key {
                 idempotency::release(state.db(), tenant, k, &owner).await?;
@@ -438,7 +442,7 @@ pub async fn request_promotion(
     };
     // Read your writes, then answer with the promotion as requested (its first event): the
     // driver may already have moved it on, and the answer to a request is the request.
-    wait_for_version(&state, &caller, id, 1).await?;
+    wait_for_version(&state, &caller, id, 1, after).await?;
     let view = match requested {
         Some(view) => view,
         None => state
@@ -461,12 +465,13 @@ pub async fn request_promotion(
 }
 
 /// Waits (at most the read-your-writes bound) until the read model holds the promotion at
-/// `version` or later.
+/// `version` or later; `after` is where the command's last event stands in the stream.
 async fn wait_for_version(
     state: &AppState,
     caller: &Caller,
     id: PromotionId,
     version: u64,
+    after: Option<Position>,
 ) -> Result<(), ApiError> {
     let db = state.db().clone();
     let tenant = caller.tenant.clone();
@@ -475,6 +480,7 @@ async fn wait_for_version(
         .wait_until(
             state.read_your_writes(),
             &[DeliveryProjection::NAME],
+            after,
             || async {
                 Ok(views::promotion_version(&db, &tenant, id)
                     .await?
@@ -485,12 +491,14 @@ async fn wait_for_version(
     Ok(())
 }
 
-/// The promotion's view once it reflects at least `version` (read your writes).
+/// The promotion's view once it reflects at least `version` (read your writes; `after` as
+/// in [`wait_for_version`]).
 async fn wait_for_promotion(
     state: &AppState,
     caller: &Caller,
     id: PromotionId,
     version: u64,
+    after: Option<Position>,
 ) -> Result<PromotionView, ApiError> {
     let db = state.db().clone();
     let tenant = caller.tenant.clone();
@@ -501,6 +509,7 @@ async fn wait_for_promotion(
         .wait_until(
             state.read_your_writes(),
             &[DeliveryProjection::NAME],
+            after,
             || async {
                 let view = views::get_promotion(&db, &tenant, id)
                     .await?
@@ -624,7 +633,7 @@ pub async fn decide_approval(
     observe(&done.aggregate, &done.events);
     tracing::info!(decision = ?body.decision, "promotion approval decided");
     Ok(Json(
-        wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
+        wait_for_promotion(&state, &caller, id, done.sequence as u64, done.position).await?,
     ))
 }
 
@@ -710,7 +719,8 @@ pub async fn rollback(
         .map_err(|e| ApiError::from_command(e, promotion_refusal))?
         .map_or(1, |(_, sequence)| sequence as u64);
     Ok(Json(
-        wait_for_promotion(&state, &caller, id, version).await?,
+        // The rollback's events are not at hand: read at once, then on each commit.
+        wait_for_promotion(&state, &caller, id, version, None).await?,
     ))
 }
 
@@ -773,7 +783,7 @@ pub async fn verdict(
     observe(&done.aggregate, &done.events);
     tracing::info!(outcome = ?body.outcome, "held verification decided");
     Ok(Json(
-        wait_for_promotion(&state, &caller, id, done.sequence as u64).await?,
+        wait_for_promotion(&state, &caller, id, done.sequence as u64, done.position).await?,
     ))
 }
 
@@ -876,7 +886,7 @@ pub async fn lift_quarantine(
             ))
         })?;
     let lifted_at = Utc::now();
-    state
+    let lifted = state
         .repository::<Release>()
         .execute(
             &caller.tenant,
@@ -907,6 +917,7 @@ pub async fn lift_quarantine(
         .wait_until(
             state.read_your_writes(),
             &[DeliveryProjection::NAME],
+            lifted.position,
             || async {
                 Ok(views::rolled_back_in(&db, &tenant, release, &env)
                     .await?

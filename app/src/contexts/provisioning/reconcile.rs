@@ -401,6 +401,7 @@ pub async fn reconcile_now(
                 &caller.tenant,
                 run.provisioning_run_id,
                 1,
+                None,
                 state.read_your_writes(),
             )
             .await?;
