@@ -1230,19 +1230,24 @@ impl Taken {
 }
 
 /// Runs batches for several subscriptions together until nothing is left to read; returns
-/// what each handler took.
+/// what each handler took, and whether they stand far apart: a full batch that some handler
+/// had already taken (one far behind the others, e.g. a projection new in this version
+/// replaying the whole stream). Then it stops, so that the caller can run them a batch at a
+/// time each and the others do not wait for the replay.
 pub async fn catch_up_together(
     db: &Database,
     handlers: &[&dyn Handler],
-) -> Result<Vec<Taken>, HandlerError> {
+) -> Result<(Vec<Taken>, bool), HandlerError> {
     let mut total = vec![Taken::default(); handlers.len()];
     loop {
         let (taken, read) = run_batch_together(db, handlers, BATCH_SIZE).await?;
+        let full = read >= BATCH_SIZE as usize;
+        let apart = full && taken.iter().any(|t| t.events == 0);
         for (sum, more) in total.iter_mut().zip(taken) {
             sum.add(more);
         }
-        if read < BATCH_SIZE as usize {
-            return Ok(total);
+        if !full || apart {
+            return Ok((total, apart));
         }
     }
 }
@@ -1308,9 +1313,14 @@ async fn subscription_loop(
         }
         if together {
             match catch_up_together(&db, &handlers).await {
-                Ok(taken) => {
-                    for (subscription, n) in subscriptions.iter().zip(taken) {
-                        caught_up(&db, subscription, n);
+                Ok((taken, apart)) => {
+                    for (subscription, taken) in subscriptions.iter().zip(taken) {
+                        caught_up(&db, subscription, taken);
+                    }
+                    if apart {
+                        tracing::debug!("far apart; a batch at a time each until caught up");
+                        together = false;
+                        continue;
                     }
                 }
                 Err(error) => {
@@ -1320,32 +1330,51 @@ async fn subscription_loop(
                 }
             }
         } else {
-            let now = tokio::time::Instant::now();
-            for (i, subscription) in subscriptions.iter().enumerate() {
-                if retry_at[i].is_some_and(|due| due > now) {
-                    continue;
+            // One batch each in turn, until none has a full batch left: a subscription far
+            // behind (or failing) does not hold the others back.
+            let mut total = vec![Taken::default(); subscriptions.len()];
+            let mut ran = vec![false; subscriptions.len()];
+            let mut failed = vec![false; subscriptions.len()];
+            loop {
+                let now = tokio::time::Instant::now();
+                let mut more = false;
+                for (i, subscription) in subscriptions.iter().enumerate() {
+                    if failed[i] || retry_at[i].is_some_and(|due| due > now) {
+                        continue;
+                    }
+                    ran[i] = true;
+                    let handler = subscription.handler.as_ref();
+                    match run_batch_taking(&db, handler, BATCH_SIZE).await {
+                        Ok(taken) => {
+                            more |= taken.events >= BATCH_SIZE as usize;
+                            total[i].add(taken);
+                        }
+                        Err(error) => {
+                            failed[i] = true;
+                            let problem = db.subscription_health().failed(handler.name(), &error);
+                            tracing::error!(
+                                %error,
+                                subscription = handler.name(),
+                                attempts = problem.attempts,
+                                event_id = ?problem.event_id,
+                                position = ?problem.position.map(|p| p.global_position),
+                                retry_in_ms = backoff[i].as_millis() as u64,
+                                "subscription is stuck: batch failed, nothing skipped; retrying"
+                            );
+                            retry_at[i] = Some(tokio::time::Instant::now() + backoff[i]);
+                            backoff[i] = (backoff[i] * 2).min(Duration::from_secs(30));
+                        }
+                    }
                 }
-                let handler = subscription.handler.as_ref();
-                match catch_up_taking(&db, handler).await {
-                    Ok(taken) => {
-                        caught_up(&db, subscription, taken);
-                        backoff[i] = FIRST_RETRY;
-                        retry_at[i] = None;
-                    }
-                    Err(error) => {
-                        let problem = db.subscription_health().failed(handler.name(), &error);
-                        tracing::error!(
-                            %error,
-                            subscription = handler.name(),
-                            attempts = problem.attempts,
-                            event_id = ?problem.event_id,
-                            position = ?problem.position.map(|p| p.global_position),
-                            retry_in_ms = backoff[i].as_millis() as u64,
-                            "subscription is stuck: batch failed, nothing skipped; retrying"
-                        );
-                        retry_at[i] = Some(tokio::time::Instant::now() + backoff[i]);
-                        backoff[i] = (backoff[i] * 2).min(Duration::from_secs(30));
-                    }
+                if !more || *shutdown.borrow() {
+                    break;
+                }
+            }
+            for (i, subscription) in subscriptions.iter().enumerate() {
+                if ran[i] && !failed[i] {
+                    caught_up(&db, subscription, total[i]);
+                    backoff[i] = FIRST_RETRY;
+                    retry_at[i] = None;
                 }
             }
             together = subscriptions.len() > 1 && retry_at.iter().all(Option::is_none);

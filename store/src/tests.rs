@@ -660,7 +660,8 @@ crate::test_on_both_engines! {
         let status = stream::subscription_status(&t.db).await.unwrap();
         assert_eq!(status.len(), 2);
         assert!(status.iter().all(|s| s.lag == 0 && s.position.global_position == s.head), "{status:?}");
-        let again = stream::catch_up_together(&t.db, &both).await.unwrap();
+        let (again, apart) = stream::catch_up_together(&t.db, &both).await.unwrap();
+        assert!(!apart);
         let at = Some(status[0].position);
         assert_eq!(again, [stream::Taken { events: 0, reached: at }; 2], "{backend:?}");
         t.cleanup().await;
@@ -924,6 +925,73 @@ crate::test_on_both_engines! {
         // What a read-your-writes wait compares with the projections' checkpoints.
         assert_eq!(requested.position, Some(stored[0].position), "{backend:?}");
         assert_eq!(cancelled.position, Some(stored[1].position), "{backend:?}");
+        t.cleanup().await;
+    }
+}
+
+/// Records, in one log shared by several handlers, which handler took each event.
+struct Logged {
+    name: &'static str,
+    log: std::sync::Arc<Mutex<Vec<&'static str>>>,
+}
+
+#[async_trait::async_trait]
+impl Handler for Logged {
+    fn name(&self) -> &str {
+        self.name
+    }
+    async fn handle(&self, _tx: &mut Tx, _event: &StoredEvent) -> Result<(), HandlerError> {
+        self.log.lock().unwrap().push(self.name);
+        Ok(())
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn a_subscription_far_behind_does_not_hold_back_those_it_runs_with(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        let before = 600;
+        record_runs(&runs, before).await;
+        let ahead = Recorder { name: "ahead".to_string(), seen: Mutex::new(vec![]) };
+        eventually("the ahead one caught up", || async {
+            stream::catch_up(&t.db, &ahead).await.unwrap();
+            (ahead.seen.lock().unwrap().len() == before).then_some(())
+        })
+        .await;
+        record_runs(&runs, 1).await;
+        // A new subscription (e.g. a projection new in this version) starts from the first
+        // event, beside one that only has the newest to take.
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        tokio::spawn(stream::run_subscriptions(
+            t.db.clone(),
+            vec![
+                stream::Running {
+                    handler: std::sync::Arc::new(Logged { name: "behind", log: log.clone() }),
+                    progress: None,
+                },
+                stream::Running {
+                    handler: std::sync::Arc::new(Logged { name: "ahead", log: log.clone() }),
+                    progress: None,
+                },
+            ],
+            std::time::Duration::from_millis(100),
+            shutdown,
+        ));
+        let log = eventually("every event taken", || async {
+            let log = log.lock().unwrap().clone();
+            (log.len() == before + 2).then_some(log)
+        })
+        .await;
+        let behind_first = log.iter().position(|name| *name == "ahead").unwrap();
+        // The ahead one took its event after the first batches of the one behind, not
+        // after its whole replay: the two went a batch at a time each.
+        assert!(
+            behind_first < before,
+            "{backend:?}: {behind_first} events of the one behind came first"
+        );
+        assert_eq!(log.iter().filter(|name| **name == "behind").count(), before + 1);
+        stop.send(true).unwrap();
         t.cleanup().await;
     }
 }
