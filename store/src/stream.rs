@@ -1299,13 +1299,11 @@ async fn subscription_loop(
     poll: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    const FIRST_RETRY: Duration = Duration::from_millis(100);
     let mut commits = db.subscribe_commits();
     let handlers: Vec<&dyn Handler> = subscriptions.iter().map(|s| s.handler.as_ref()).collect();
-    // Per subscription: the pause before its next attempt and when that is due, so that one
-    // failing subscription waits out its pause while the others keep up.
-    let mut backoff = vec![FIRST_RETRY; subscriptions.len()];
-    let mut retry_at: Vec<Option<tokio::time::Instant>> = vec![None; subscriptions.len()];
+    // Per subscription, so that one failing subscription waits out its pause while the
+    // others keep up.
+    let mut retries = vec![Retry::default(); subscriptions.len()];
     let mut together = subscriptions.len() > 1;
     loop {
         if *shutdown.borrow() {
@@ -1330,56 +1328,10 @@ async fn subscription_loop(
                 }
             }
         } else {
-            // One batch each in turn, until none has a full batch left: a subscription far
-            // behind (or failing) does not hold the others back.
-            let mut total = vec![Taken::default(); subscriptions.len()];
-            let mut ran = vec![false; subscriptions.len()];
-            let mut failed = vec![false; subscriptions.len()];
-            loop {
-                let now = tokio::time::Instant::now();
-                let mut more = false;
-                for (i, subscription) in subscriptions.iter().enumerate() {
-                    if failed[i] || retry_at[i].is_some_and(|due| due > now) {
-                        continue;
-                    }
-                    ran[i] = true;
-                    let handler = subscription.handler.as_ref();
-                    match run_batch_taking(&db, handler, BATCH_SIZE).await {
-                        Ok(taken) => {
-                            more |= taken.events >= BATCH_SIZE as usize;
-                            total[i].add(taken);
-                        }
-                        Err(error) => {
-                            failed[i] = true;
-                            let problem = db.subscription_health().failed(handler.name(), &error);
-                            tracing::error!(
-                                %error,
-                                subscription = handler.name(),
-                                attempts = problem.attempts,
-                                event_id = ?problem.event_id,
-                                position = ?problem.position.map(|p| p.global_position),
-                                retry_in_ms = backoff[i].as_millis() as u64,
-                                "subscription is stuck: batch failed, nothing skipped; retrying"
-                            );
-                            retry_at[i] = Some(tokio::time::Instant::now() + backoff[i]);
-                            backoff[i] = (backoff[i] * 2).min(Duration::from_secs(30));
-                        }
-                    }
-                }
-                if !more || *shutdown.borrow() {
-                    break;
-                }
-            }
-            for (i, subscription) in subscriptions.iter().enumerate() {
-                if ran[i] && !failed[i] {
-                    caught_up(&db, subscription, total[i]);
-                    backoff[i] = FIRST_RETRY;
-                    retry_at[i] = None;
-                }
-            }
-            together = subscriptions.len() > 1 && retry_at.iter().all(Option::is_none);
+            catch_up_in_turn(&db, subscriptions, &mut retries, &shutdown).await;
+            together = subscriptions.len() > 1 && retries.iter().all(|r| r.due.is_none());
         }
-        let next_retry = retry_at.iter().flatten().min().copied();
+        let next_retry = retries.iter().filter_map(|r| r.due).min();
         // A failing subscription's retry is due at its time; the others go on at each commit.
         let retry = async {
             match next_retry {
@@ -1392,6 +1344,78 @@ async fn subscription_loop(
             _ = tokio::time::sleep(poll) => {}
             _ = retry => {}
             _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// A subscription's pause after failures: how long the next one lasts, and when the
+/// current one ends (`None`: not failing).
+#[derive(Clone, Copy)]
+struct Retry {
+    backoff: Duration,
+    due: Option<tokio::time::Instant>,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self {
+            backoff: Duration::from_millis(100),
+            due: None,
+        }
+    }
+}
+
+/// One batch each in turn, until none has a full batch left, skipping those whose pause
+/// has not ended: a subscription far behind (or failing) does not hold the others back.
+async fn catch_up_in_turn(
+    db: &Database,
+    subscriptions: &[Running],
+    retries: &mut [Retry],
+    shutdown: &watch::Receiver<bool>,
+) {
+    let mut total = vec![Taken::default(); subscriptions.len()];
+    let mut ran = vec![false; subscriptions.len()];
+    let mut failed = vec![false; subscriptions.len()];
+    loop {
+        let now = tokio::time::Instant::now();
+        let mut more = false;
+        for (i, subscription) in subscriptions.iter().enumerate() {
+            if failed[i] || retries[i].due.is_some_and(|due| due > now) {
+                continue;
+            }
+            ran[i] = true;
+            let handler = subscription.handler.as_ref();
+            match run_batch_taking(db, handler, BATCH_SIZE).await {
+                Ok(taken) => {
+                    more |= taken.events >= BATCH_SIZE as usize;
+                    total[i].add(taken);
+                }
+                Err(error) => {
+                    failed[i] = true;
+                    let retry = &mut retries[i];
+                    let problem = db.subscription_health().failed(handler.name(), &error);
+                    tracing::error!(
+                        %error,
+                        subscription = handler.name(),
+                        attempts = problem.attempts,
+                        event_id = ?problem.event_id,
+                        position = ?problem.position.map(|p| p.global_position),
+                        retry_in_ms = retry.backoff.as_millis() as u64,
+                        "subscription is stuck: batch failed, nothing skipped; retrying"
+                    );
+                    retry.due = Some(tokio::time::Instant::now() + retry.backoff);
+                    retry.backoff = (retry.backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        if !more || *shutdown.borrow() {
+            break;
+        }
+    }
+    for (i, subscription) in subscriptions.iter().enumerate() {
+        if ran[i] && !failed[i] {
+            caught_up(db, subscription, total[i]);
+            retries[i] = Retry::default();
         }
     }
 }
