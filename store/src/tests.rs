@@ -959,6 +959,13 @@ crate::test_on_both_engines! {
         })
         .await;
         record_runs(&runs, 1).await;
+        // Readable by a subscription (other tests' transactions on the server can hold the
+        // stream's horizon back a moment): else the one behind might catch up first.
+        eventually("the newest event readable", || async {
+            let stored = stream::read_after(&t.db, Position::default(), 1000).await.unwrap();
+            (stored.len() == before + 1).then_some(())
+        })
+        .await;
         // A new subscription (e.g. a projection new in this version) starts from the first
         // event, beside one that only has the newest to take.
         let log = std::sync::Arc::new(Mutex::new(Vec::new()));
