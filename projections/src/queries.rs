@@ -287,11 +287,17 @@ impl ReadModels {
         let sql = self
             .db
             .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        self.wait_until(timeout, &[RunsProjection::NAME], after, || async {
-            let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
+        self.wait(
+            timeout,
+            &[RunsProjection::NAME],
+            after,
+            Confirm::ByProgress,
+            || async {
+                let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
-            Ok(v.is_some_and(|v| v as u64 >= version))
-        })
+                Ok(v.is_some_and(|v| v as u64 >= version))
+            },
+        )
         .await
     }
 
@@ -311,7 +317,7 @@ impl ReadModels {
                   + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
         );
         let projections = [SpecificationsProjection::NAME, EnvironmentsProjection::NAME];
-        self.wait_until(timeout, &projections, after, || async {
+        self.wait(timeout, &projections, after, Confirm::ByProgress, || async {
             let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
             Ok(n == 2)
@@ -335,6 +341,23 @@ impl ReadModels {
         timeout: Duration,
         projections: &[&str],
         after: Option<Position>,
+        check: F,
+    ) -> Result<bool, QueryError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, QueryError>>,
+    {
+        self.wait(timeout, projections, after, Confirm::ByCheck, check)
+            .await
+    }
+
+    /// [`ReadModels::wait_until`], confirmed as `confirm` says.
+    async fn wait<F, Fut>(
+        &self,
+        timeout: Duration,
+        projections: &[&str],
+        after: Option<Position>,
+        confirm: Confirm,
         mut check: F,
     ) -> Result<bool, QueryError>
     where
@@ -353,6 +376,15 @@ impl ReadModels {
         };
         let mut read = watched.is_empty() || passed(&watched);
         loop {
+            // This process's projections committed the command's events: what the check
+            // would read is there (they skip nothing; a failing batch holds them back).
+            if confirm == Confirm::ByProgress
+                && after.is_some()
+                && !watched.is_empty()
+                && passed(&watched)
+            {
+                return Ok(true);
+            }
             if read && check().await? {
                 return Ok(true);
             }
@@ -383,6 +415,18 @@ impl ReadModels {
             };
         }
     }
+}
+
+/// How a read-your-writes wait knows the command's effect is visible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Confirm {
+    /// Only by reading the read model (the check looks at more than the command's events,
+    /// or keeps what it read).
+    ByCheck,
+    /// Once this process's projections have passed the command's last event, without a
+    /// read: the check only asks whether they applied the command's own events. It still
+    /// reads when there is no event to pass or another instance is the one projecting.
+    ByProgress,
 }
 
 #[cfg(test)]

@@ -717,3 +717,60 @@ async fn a_wait_reads_once_its_projections_pass_the_command() {
     assert_eq!(start.elapsed(), waited, "no time passed");
     tdb.cleanup().await;
 }
+
+/// A run's wait is confirmed by this process's projection passing the command's last
+/// event, without a read (the table here never holds the run); with no event to pass, or
+/// before its projection passes it, it reads the table.
+#[tokio::test]
+async fn a_runs_wait_is_confirmed_by_its_projection_passing_the_command() {
+    use crate::projection::Progress;
+    use ferry_store::stream::Position;
+    use std::collections::HashMap;
+    use std::time::Duration;
+    let at = |global_position| Position {
+        transaction_id: 0,
+        global_position,
+    };
+    let tdb = TestDatabase::new(ferry_store::database::Backend::Sqlite).await;
+    project_all(&tdb.db).await;
+    let runs = tokio::sync::watch::channel(at(0)).0;
+    let reads = ReadModels::new(
+        tdb.db.clone(),
+        Some(Progress::of(&HashMap::from([("runs", runs.clone())]))),
+    );
+    let id = ProvisioningRunId::new_random();
+    let wait = {
+        let reads = reads.clone();
+        tokio::spawn(async move {
+            reads
+                .wait_for_run(&t("a"), id, 1, Some(at(5)), Duration::from_secs(2))
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !wait.is_finished(),
+        "not before the projection passes the event"
+    );
+    runs.send_replace(at(5));
+    assert!(wait.await.unwrap());
+
+    let start = tokio::time::Instant::now();
+    let short = Duration::from_millis(200);
+    let not_passed = reads
+        .wait_for_run(&t("a"), id, 1, Some(at(9)), short)
+        .await
+        .unwrap();
+    assert!(
+        !not_passed,
+        "not passed: the table decides, and holds no such run"
+    );
+    assert!(start.elapsed() >= short, "{:?}", start.elapsed());
+    let nothing_to_pass = reads
+        .wait_for_run(&t("a"), id, 1, None, short)
+        .await
+        .unwrap();
+    assert!(!nothing_to_pass, "nothing to pass: the table decides");
+    tdb.cleanup().await;
+}

@@ -67,6 +67,8 @@ pub struct Database {
     appended: Arc<watch::Sender<u64>>,
     health: Arc<crate::stream::SubscriptionHealth>,
     caches: Arc<crate::cache::Caches>,
+    /// Postgres: writes the events of concurrent commands in groups.
+    appender: Option<Arc<crate::group::GroupAppender>>,
 }
 
 /// How Ferry's connections behave when the store is slow or busy.
@@ -243,7 +245,12 @@ impl Database {
     /// Wraps an existing pool, with an aggregate cache of the default size of its own (a
     /// second `Database` over the same pool behaves as another process would).
     pub fn from_pool(pool: Pool) -> Self {
+        let appender = match &pool {
+            Pool::Postgres(pool) => Some(Arc::new(crate::group::GroupAppender::new(pool.clone()))),
+            Pool::Sqlite(_) => None,
+        };
         Self {
+            appender,
             pool,
             committed: Arc::new(watch::channel(0).0),
             appended: Arc::new(watch::channel(0).0),
@@ -261,6 +268,12 @@ impl Database {
 
     pub(crate) fn caches(&self) -> &crate::cache::Caches {
         &self.caches
+    }
+
+    /// Postgres: the group commit that a command's events go through when they are all it
+    /// commits. SQLite has one writer at a time, so there is nothing to group.
+    pub(crate) fn group_appender(&self) -> Option<&Arc<crate::group::GroupAppender>> {
+        self.appender.as_ref()
     }
 
     /// What the subscriptions of this process report about themselves (e.g. stuck on an

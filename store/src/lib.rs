@@ -10,11 +10,13 @@
 //!   other subscriptions read with their own checkpoints (ARCHITECTURE.md, The global stream).
 //! * [`events`]: the same events decoded once, through each aggregate's upcasters, into the
 //!   aggregate's event type; subscriptions made of one subscriber per aggregate.
+//! * [`group`]: on Postgres, the events of concurrent commands written as one transaction.
 #![forbid(unsafe_code)]
 
 mod cache;
 pub mod database;
 pub mod events;
+pub mod group;
 pub mod idempotency;
 pub mod metadata;
 pub mod repository;

@@ -13,6 +13,7 @@
 use crate::cache::{AggregateCache, Cached};
 use crate::database::{is_unavailable, Backend, Database};
 use crate::events::{events_after, ReadError, StoredAggregate};
+use crate::group::{AppendError, NewEvent, NewEvents};
 use crate::metadata::EventMetadata;
 use crate::stream::{Param, Position, Tx};
 use cqrs_es::event_sink::EventSink;
@@ -404,7 +405,8 @@ where
     /// Inserts `events` after `current_sequence` (the columns postgres-es and sqlite-es
     /// write; the stream columns take their defaults) and runs `linked`, atomically. The
     /// events are one statement, the transaction's first write (the global stream relies on
-    /// it); without a linked write that statement is the whole transaction, one round trip.
+    /// it); without a linked write that statement is the whole transaction, one round trip,
+    /// which on Postgres it shares with the events of concurrent commands ([`crate::group`]).
     /// Returns the position of the last event inserted.
     async fn commit(
         &self,
@@ -416,6 +418,40 @@ where
     ) -> Result<Option<Position>, CommandError<A::Error>> {
         let sql = CommandError::from_sql;
         let serialize = |e: serde_json::Error| CommandError::store(e);
+        if let (None, false, Some(appender)) = (linked, events.is_empty(), self.db.group_appender())
+        {
+            let first_sequence =
+                i64::try_from(current_sequence + 1).map_err(CommandError::store)?;
+            let events = events
+                .iter()
+                .map(|event| {
+                    Ok(NewEvent {
+                        event_type: event.event_type(),
+                        event_version: event.event_version(),
+                        payload: serde_json::to_string(event).map_err(serialize)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, CommandError<A::Error>>>()?;
+            let metadata = serde_json::to_string(&metadata.to_map()).map_err(serialize)?;
+            let appended = appender
+                .append(NewEvents {
+                    aggregate_type: A::TYPE,
+                    aggregate_id: id.to_string(),
+                    first_sequence,
+                    events,
+                    metadata,
+                })
+                .await;
+            return match appended {
+                Ok(position) => Ok(Some(position)),
+                Err(AppendError::Own(error)) => Err(sql(error)),
+                Err(AppendError::Group(error)) if is_unavailable(&error) => {
+                    Err(CommandError::Unavailable(Box::new(error)))
+                }
+                Err(error @ AppendError::Lost) => Err(CommandError::Unavailable(Box::new(error))),
+                Err(error @ AppendError::Group(_)) => Err(CommandError::store(error)),
+            };
+        }
         let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
         let mut insert = String::from(
             "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) VALUES ",
