@@ -287,17 +287,11 @@ impl ReadModels {
         let sql = self
             .db
             .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        self.wait(
-            timeout,
-            &[RunsProjection::NAME],
-            after,
-            Confirm::ByProgress,
-            || async {
-                let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
+        self.wait_for_own_events(timeout, &[RunsProjection::NAME], after, || async {
+            let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
-                Ok(v.is_some_and(|v| v as u64 >= version))
-            },
-        )
+            Ok(v.is_some_and(|v| v as u64 >= version))
+        })
         .await
     }
 
@@ -317,7 +311,7 @@ impl ReadModels {
                   + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
         );
         let projections = [SpecificationsProjection::NAME, EnvironmentsProjection::NAME];
-        self.wait(timeout, &projections, after, Confirm::ByProgress, || async {
+        self.wait_for_own_events(timeout, &projections, after, || async {
             let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
                 .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
             Ok(n == 2)
@@ -348,6 +342,24 @@ impl ReadModels {
         Fut: std::future::Future<Output = Result<bool, QueryError>>,
     {
         self.wait(timeout, projections, after, Confirm::ByCheck, check)
+            .await
+    }
+
+    /// As [`ReadModels::wait_until`], for a `check` that only asks whether the command's
+    /// own events were applied (e.g. a view's version): once this process's `projections`
+    /// have passed `after` the wait ends without reading ([`Confirm::ByProgress`]).
+    pub async fn wait_for_own_events<F, Fut>(
+        &self,
+        timeout: Duration,
+        projections: &[&str],
+        after: Option<Position>,
+        check: F,
+    ) -> Result<bool, QueryError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, QueryError>>,
+    {
+        self.wait(timeout, projections, after, Confirm::ByProgress, check)
             .await
     }
 

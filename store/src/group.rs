@@ -469,6 +469,33 @@ mod tests {
         t.cleanup().await;
     }
 
+    #[tokio::test]
+    async fn a_group_that_fails_for_another_reason_fails_every_member_and_stores_nothing() {
+        let t = TestDatabase::new(Backend::Postgres).await;
+        let appender = Arc::clone(t.db.group_appender().unwrap());
+        // Not JSON: Postgres refuses the whole statement.
+        let mut broken = command("broken", 1, 1);
+        broken.events[0].payload = "{not json".to_string();
+        let queued = vec![command("fine", 1, 1), broken, command("also-fine", 1, 2)];
+        let (busy, waiting) = queued_behind_busy_writers(&t, &appender, queued).await;
+        for answer in busy {
+            answer.await.unwrap().unwrap();
+        }
+        for answer in futures_join(waiting).await {
+            assert!(matches!(answer, Err(AppendError::Group(_))), "{answer:?}");
+        }
+        // Only the busy writers' events: none of the group's, and none appended again.
+        let stored = eventually("the busy writers' events readable", || async {
+            let stored = stored(&t).await;
+            (stored.len() >= IN_FLIGHT).then_some(stored)
+        })
+        .await;
+        assert_eq!(stored.len(), IN_FLIGHT, "{stored:?}");
+        assert!(stored.iter().all(|e| e.aggregate_id.starts_with("busy-")));
+        assert_eq!(appender.counts(), (0, 0));
+        t.cleanup().await;
+    }
+
     async fn futures_join(answers: Vec<Answer>) -> Vec<Result<Position, AppendError>> {
         let mut out = vec![];
         for answer in answers {

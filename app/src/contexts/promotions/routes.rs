@@ -477,7 +477,7 @@ async fn wait_for_version(
     let tenant = caller.tenant.clone();
     state
         .reads()
-        .wait_until(
+        .wait_for_own_events(
             state.read_your_writes(),
             &[DeliveryProjection::NAME],
             after,
