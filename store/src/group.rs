@@ -21,6 +21,7 @@ use sqlx::postgres::PgPool;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 /// How many groups may be written at once (each holds a connection while it is). Two
 /// measured best: with four, most groups held one command; with one, the (b) mix of
@@ -144,7 +145,8 @@ impl GroupAppender {
             // A task of its own: a caller that goes away (a client that hung up) must not
             // stop the write of the others' events.
             let appender = Arc::clone(self);
-            tokio::spawn(async move { appender.write_groups(group).await });
+            let span = tracing::debug_span!("group_commit");
+            tokio::spawn(async move { appender.write_groups(group).await }.instrument(span));
         }
         answer.await.unwrap_or(Err(AppendError::Lost))
     }

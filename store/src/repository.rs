@@ -13,7 +13,7 @@
 use crate::cache::{AggregateCache, Cached};
 use crate::database::{is_unavailable, Backend, Database};
 use crate::events::{events_after, ReadError, StoredAggregate};
-use crate::group::{AppendError, NewEvent, NewEvents};
+use crate::group::{AppendError, GroupAppender, NewEvent, NewEvents};
 use crate::metadata::EventMetadata;
 use crate::stream::{Param, Position, Tx};
 use cqrs_es::event_sink::EventSink;
@@ -420,37 +420,10 @@ where
         let serialize = |e: serde_json::Error| CommandError::store(e);
         if let (None, false, Some(appender)) = (linked, events.is_empty(), self.db.group_appender())
         {
-            let first_sequence =
-                i64::try_from(current_sequence + 1).map_err(CommandError::store)?;
-            let events = events
-                .iter()
-                .map(|event| {
-                    Ok(NewEvent {
-                        event_type: event.event_type(),
-                        event_version: event.event_version(),
-                        payload: serde_json::to_string(event).map_err(serialize)?,
-                    })
-                })
-                .collect::<Result<Vec<_>, CommandError<A::Error>>>()?;
-            let metadata = serde_json::to_string(&metadata.to_map()).map_err(serialize)?;
-            let appended = appender
-                .append(NewEvents {
-                    aggregate_type: A::TYPE,
-                    aggregate_id: id.to_string(),
-                    first_sequence,
-                    events,
-                    metadata,
-                })
-                .await;
-            return match appended {
-                Ok(position) => Ok(Some(position)),
-                Err(AppendError::Own(error)) => Err(sql(error)),
-                Err(AppendError::Group(error)) if is_unavailable(&error) => {
-                    Err(CommandError::Unavailable(Box::new(error)))
-                }
-                Err(error @ AppendError::Lost) => Err(CommandError::Unavailable(Box::new(error))),
-                Err(error @ AppendError::Group(_)) => Err(CommandError::store(error)),
-            };
+            return self
+                .commit_grouped(appender, id, current_sequence, events, metadata)
+                .await
+                .map(Some);
         }
         let metadata = serde_json::to_value(metadata.to_map()).map_err(serialize)?;
         let mut insert = String::from(
@@ -514,6 +487,49 @@ where
         }
         tx.commit().await.map_err(sql)?;
         Ok(position)
+    }
+
+    /// Postgres, events and nothing else to commit: the events go with those of concurrent
+    /// commands, one `INSERT` for all ([`crate::group`]).
+    async fn commit_grouped(
+        &self,
+        appender: &Arc<GroupAppender>,
+        id: &str,
+        current_sequence: usize,
+        events: &[A::Event],
+        metadata: &EventMetadata,
+    ) -> Result<Position, CommandError<A::Error>> {
+        let serialize = |e: serde_json::Error| CommandError::store(e);
+        let first_sequence = i64::try_from(current_sequence + 1).map_err(CommandError::store)?;
+        let events = events
+            .iter()
+            .map(|event| {
+                Ok(NewEvent {
+                    event_type: event.event_type(),
+                    event_version: event.event_version(),
+                    payload: serde_json::to_string(event).map_err(serialize)?,
+                })
+            })
+            .collect::<Result<Vec<_>, CommandError<A::Error>>>()?;
+        let metadata = serde_json::to_string(&metadata.to_map()).map_err(serialize)?;
+        let appended = appender
+            .append(NewEvents {
+                aggregate_type: A::TYPE,
+                aggregate_id: id.to_string(),
+                first_sequence,
+                events,
+                metadata,
+            })
+            .await;
+        appended.map_err(|error| match error {
+            AppendError::Own(error) => CommandError::from_sql(error),
+            AppendError::Group(error) if is_unavailable(&error) => {
+                CommandError::Unavailable(Box::new(error))
+            }
+            // The outcome is unknown: a retry later finds the events stored or not.
+            error @ AppendError::Lost => CommandError::Unavailable(Box::new(error)),
+            error @ AppendError::Group(_) => CommandError::store(error),
+        })
     }
 }
 
