@@ -176,18 +176,7 @@ impl GroupAppender {
         match insert(&self.pool, &members).await {
             Ok(stored) => {
                 for (events, reply) in group {
-                    let key = (
-                        events.aggregate_type.to_string(),
-                        events.aggregate_id.clone(),
-                        events.last_sequence(),
-                    );
-                    let answer = stored.get(&key).copied().ok_or_else(|| {
-                        AppendError::Own(sqlx::Error::Protocol(format!(
-                            "the insert returned no row for {} {} sequence {}",
-                            key.0, key.1, key.2
-                        )))
-                    });
-                    let _ = reply.send(answer);
+                    let _ = reply.send(position_of(&stored, &events));
                 }
             }
             Err(error) if is_unique_violation(&error) && group.len() > 1 => {
@@ -199,13 +188,7 @@ impl GroupAppender {
                     let answer = insert(&self.pool, &[&events])
                         .await
                         .map_err(AppendError::Own)
-                        .and_then(|stored| {
-                            stored.into_values().max().ok_or_else(|| {
-                                AppendError::Own(sqlx::Error::Protocol(
-                                    "the insert returned no rows".to_string(),
-                                ))
-                            })
-                        });
+                        .and_then(|stored| position_of(&stored, &events));
                     let _ = reply.send(answer);
                 }
             }
@@ -222,6 +205,24 @@ impl GroupAppender {
             }
         }
     }
+}
+
+/// Where the last of `events` was stored, from the rows an insert returned.
+fn position_of(
+    stored: &HashMap<(String, String, i64), Position>,
+    events: &NewEvents,
+) -> Result<Position, AppendError> {
+    let key = (
+        events.aggregate_type.to_string(),
+        events.aggregate_id.clone(),
+        events.last_sequence(),
+    );
+    stored.get(&key).copied().ok_or_else(|| {
+        AppendError::Own(sqlx::Error::Protocol(format!(
+            "the insert returned no row for {} {} sequence {}",
+            key.0, key.1, key.2
+        )))
+    })
 }
 
 /// Marks a writer gone; if it ends without finishing (its task was cancelled or panicked),
