@@ -774,3 +774,62 @@ async fn a_runs_wait_is_confirmed_by_its_projection_passing_the_command() {
     assert!(!nothing_to_pass, "nothing to pass: the table decides");
     tdb.cleanup().await;
 }
+
+/// A live projection analyzes a table that grew past its last statistics (so that plans
+/// cached while it was small are made again), and only once the changes are counted: its
+/// check inside a batch sees the committed batches before it.
+#[tokio::test]
+async fn a_live_projection_analyzes_a_table_that_grew() {
+    use crate::projection::GROWTH_CHECK_EVERY;
+    let tdb = TestDatabase::new(ferry_store::database::Backend::Postgres).await;
+    let db = &tdb.db;
+    let runs = all_projections()
+        .into_iter()
+        .find(|p| p.name() == "runs")
+        .unwrap();
+    let runner = ProjectionRunner::live(runs);
+    runner.ensure_tables(db).await.unwrap();
+    // The autovacuum daemon must not analyze it behind the test's back.
+    on_pool!(db, pool => sqlx::query("ALTER TABLE rm_runs SET (autovacuum_enabled = false)")
+        .execute(pool).await.map(|_| ()).unwrap());
+    let reltuples = || async {
+        on_pool!(db, pool => sqlx::query_scalar::<_, f32>(
+            "SELECT reltuples FROM pg_class WHERE oid = to_regclass('rm_runs')")
+            .fetch_one(pool).await.unwrap())
+    };
+    let w = World::new(db);
+    let spec = w.declare("a", "dev", "aaaaaaa").await;
+    let requests = |n: u64| {
+        let w = &w;
+        async move {
+            for _ in 0..n.div_ceil(16) {
+                futures::future::join_all((0..16).map(|_| w.request("a", "dev", spec))).await;
+            }
+        }
+    };
+    // Past the first check: the rows of the batch that crosses it are not counted yet, the
+    // ones before it are fewer than the threshold, so nothing is analyzed.
+    requests(GROWTH_CHECK_EVERY + 100).await;
+    catch_up(db, &runner).await.unwrap();
+    assert_eq!(
+        reltuples().await,
+        -1.0,
+        "analyzed before the table grew enough"
+    );
+    eventually("the changes counted", || async {
+        let changed: i64 = on_pool!(db, pool => sqlx::query_scalar(
+            "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = to_regclass('rm_runs')")
+            .fetch_one(pool).await.unwrap());
+        (changed >= GROWTH_CHECK_EVERY as i64).then_some(())
+    })
+    .await;
+    // Past the next check: the table is analyzed in the batch's transaction.
+    requests(GROWTH_CHECK_EVERY).await;
+    catch_up(db, &runner).await.unwrap();
+    assert!(
+        reltuples().await >= GROWTH_CHECK_EVERY as f32,
+        "not analyzed: {}",
+        reltuples().await
+    );
+    tdb.cleanup().await;
+}

@@ -484,7 +484,11 @@ impl Tx {
                 .collect();
             if let Some(texts) = texts {
                 let sql = format!("{select} (SELECT unnest($1::text[]))");
-                for row in sqlx::query(&sql).bind(texts).fetch_all(&mut **t).await? {
+                // Planned at each call, never from a cached generic plan: a plan cached
+                // while the table was small (a fresh or rebuilt one) is a scan of the
+                // whole table, kept as it grows until the next ANALYZE.
+                let query = sqlx::query(&sql).bind(texts).persistent(false);
+                for row in query.fetch_all(&mut **t).await? {
                     found.push((row.try_get(0)?, row.try_get(1)?));
                 }
                 return Ok(found);
