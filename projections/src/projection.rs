@@ -17,10 +17,11 @@ use ferry_store::stream::{
 use ferry_store::{Database, Subscriber, Subscription, Typed};
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 /// One read-model table: its live name and its DDL, with `{t}` for the table name, `{i}`
 /// for a unique index-name prefix, `{json}` and `{ts}` for the engine's types.
@@ -620,8 +621,8 @@ pub struct ProjectionRunner {
     projection: Arc<dyn Projection>,
     tables: TableNames,
     subscription: Subscription,
-    /// Events handled by this process, for the growth check; `None` for a rebuild copy.
-    handled: Option<AtomicU64>,
+    /// The live projector's growth check ([`ProjectionRunner::analyzing`]); `None` elsewhere.
+    analyzer: Option<Analyzer>,
 }
 
 /// How many events a live projection handles between two looks at how much its tables grew.
@@ -636,6 +637,46 @@ const GROWN: &str = "SELECT COALESCE(jsonb_agg(n), '[]') FROM unnest(string_to_a
   JOIN pg_stat_user_tables s ON s.relid = to_regclass(n)
   JOIN pg_class c ON c.oid = s.relid
  WHERE s.n_mod_since_analyze >= GREATEST($2, c.reltuples)";
+
+/// A live projection's growth check: every [`GROWTH_CHECK_EVERY`] events it looks at how many
+/// rows its tables changed since their last `ANALYZE` and analyzes those that have doubled
+/// (at least [`ANALYZE_AT_LEAST`] rows).
+///
+/// Why: Postgres keeps a prepared statement's generic plan until the table's statistics
+/// change, and a plan made while a table was nearly empty scans all of it. The autovacuum
+/// daemon analyzes at most once a minute; until then a fresh table's lookups slow down as it
+/// grows (measured: a promotion's quarantine lookup from 0.2 ms to 1.2 ms in ten seconds of
+/// `bench/run.sh`'s mix). Doubling keeps the checks and analyses few; they run on a
+/// connection of their own, one at a time, beside the projector.
+struct Analyzer {
+    db: Database,
+    /// Events handled by this process.
+    handled: AtomicU64,
+    /// A check is running (the next due one is skipped rather than queued).
+    busy: Arc<AtomicBool>,
+}
+
+/// Analyzes the tables of `names` that [`GROWN`] finds.
+async fn analyze_grown(db: &Database, names: &[String]) -> Result<(), sqlx::Error> {
+    let mut tx = Tx::begin(db).await?;
+    let params = [text(names.join(",")), int(ANALYZE_AT_LEAST)];
+    let found: Vec<String> = match tx.fetch_json(GROWN, &params).await? {
+        Some(found) => serde_json::from_value(found).unwrap_or_default(),
+        None => Vec::new(),
+    };
+    // Only names of the runner's own tables go into the statement.
+    let grown: Vec<&str> = names
+        .iter()
+        .filter(|n| found.contains(n))
+        .map(String::as_str)
+        .collect();
+    if !grown.is_empty() {
+        tracing::debug!(tables = ?grown, "analyzing read-model tables that grew");
+        tx.execute(&format!("ANALYZE {}", grown.join(", ")), &[])
+            .await?;
+    }
+    tx.commit().await
+}
 
 impl ProjectionRunner {
     /// The live runner, writing the live tables.
@@ -658,52 +699,52 @@ impl ProjectionRunner {
             projection,
             tables,
             subscription,
-            handled: suffix.is_empty().then(AtomicU64::default),
+            analyzer: None,
         }
     }
 
-    /// Analyzes the live tables that doubled (or changed [`ANALYZE_AT_LEAST`] rows) since
-    /// their last `ANALYZE`, every [`GROWTH_CHECK_EVERY`] events, in the batch's transaction.
-    ///
-    /// Why: Postgres keeps a prepared statement's generic plan until the table's statistics
-    /// change, and a plan made while a table was nearly empty scans all of it. The autovacuum
-    /// daemon analyzes at most once a minute; until then a fresh table's lookups slow down as
-    /// it grows (measured: a promotion's quarantine lookup from 0.2 ms to 1.2 ms in ten
-    /// seconds of `bench/run.sh`'s mix). Doubling keeps the checks and analyses few.
-    async fn analyze_if_grown(&self, tx: &mut Tx, events: usize) -> Result<(), HandlerError> {
-        let Some(handled) = &self.handled else {
-            return Ok(());
+    /// This runner analyzes its tables on `db` when they grow (see [`Analyzer`]).
+    pub fn analyzing(mut self, db: Database) -> Self {
+        if db.backend() == Backend::Postgres {
+            self.analyzer = Some(Analyzer {
+                db,
+                handled: AtomicU64::new(0),
+                busy: Arc::new(AtomicBool::new(false)),
+            });
+        }
+        self
+    }
+
+    /// Counts `events` and, every [`GROWTH_CHECK_EVERY`], starts the growth check on a
+    /// task of its own (never in the batch's transaction, which it would lengthen).
+    fn count(&self, events: usize) {
+        let Some(analyzer) = &self.analyzer else {
+            return;
         };
-        if tx.backend() != Backend::Postgres {
-            return Ok(());
-        }
         let events = events as u64;
-        let before = handled.fetch_add(events, Ordering::Relaxed);
-        if before / GROWTH_CHECK_EVERY == (before + events) / GROWTH_CHECK_EVERY {
-            return Ok(());
+        let before = analyzer.handled.fetch_add(events, Ordering::Relaxed);
+        if before / GROWTH_CHECK_EVERY == (before + events) / GROWTH_CHECK_EVERY
+            || analyzer.busy.swap(true, Ordering::AcqRel)
+        {
+            return;
         }
-        let names: Vec<&str> = self
+        let names: Vec<String> = self
             .projection
             .tables()
             .iter()
-            .map(|t| self.tables.get(t.base))
+            .map(|t| self.tables.get(t.base).to_string())
             .collect();
-        let params = [text(names.join(",")), int(ANALYZE_AT_LEAST)];
-        let grown: Vec<String> = match tx.fetch_json(GROWN, &params).await? {
-            Some(found) => serde_json::from_value(found).unwrap_or_default(),
-            None => Vec::new(),
-        };
-        // Only names of our own tables come back, so they are safe to put in the statement.
-        let grown: Vec<&str> = names
-            .into_iter()
-            .filter(|n| grown.iter().any(|g| g == n))
-            .collect();
-        if !grown.is_empty() {
-            tracing::debug!(tables = ?grown, "analyzing read-model tables that grew");
-            tx.execute(&format!("ANALYZE {}", grown.join(", ")), &[])
-                .await?;
-        }
-        Ok(())
+        let (db, busy) = (analyzer.db.clone(), Arc::clone(&analyzer.busy));
+        let span = tracing::debug_span!("analyze", projection = self.projection.name());
+        tokio::spawn(
+            async move {
+                if let Err(error) = analyze_grown(&db, &names).await {
+                    tracing::warn!(%error, "could not analyze the read-model tables that grew");
+                }
+                busy.store(false, Ordering::Release);
+            }
+            .instrument(span),
+        );
     }
 
     /// The tables it writes.
@@ -766,11 +807,13 @@ impl Handler for ProjectionRunner {
     }
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
         self.subscription.handle(tx, event).await?;
-        self.analyze_if_grown(tx, 1).await
+        self.count(1);
+        Ok(())
     }
     async fn handle_batch(&self, tx: &mut Tx, events: &[StoredEvent]) -> Result<(), HandlerError> {
         self.subscription.handle_batch(tx, events).await?;
-        self.analyze_if_grown(tx, events.len()).await
+        self.count(events.len());
+        Ok(())
     }
 }
 
@@ -828,7 +871,7 @@ impl Projector {
         for projection in projections.iter().cloned() {
             let moved = watch::channel(Position::default()).0;
             progress.insert(projection.name(), moved.clone());
-            let runner = ProjectionRunner::live(projection);
+            let runner = ProjectionRunner::live(projection).analyzing(db.clone());
             runner.ensure_tables(db).await?;
             ferry_store::stream::ensure_checkpoint(db, runner.name()).await?;
             subscriptions.push(Running {
