@@ -130,10 +130,7 @@ async fn replay(db: &Database, runners: &[Arc<ProjectionRunner>]) -> Result<usiz
                     return Ok(events);
                 }
             }
-            if events % PROGRESS_EVERY < REBUILD_BATCH as usize {
-                let rate = events as f64 / started.elapsed().as_secs_f64().max(0.001);
-                tracing::info!(events, per_second = rate.round(), "replaying");
-            }
+            report_progress(events, started);
             if !more {
                 break;
             }
@@ -172,12 +169,17 @@ async fn replay_in_step(
         events += batch.len();
         position = last;
         batch = next?;
-        if events % PROGRESS_EVERY < REBUILD_BATCH as usize {
-            let rate = events as f64 / started.elapsed().as_secs_f64().max(0.001);
-            tracing::info!(events, per_second = rate.round(), "replaying");
-        }
+        report_progress(events, started);
     }
     Ok(events)
+}
+
+/// Logs a long replay's progress about every [`PROGRESS_EVERY`] events.
+fn report_progress(events: usize, started: std::time::Instant) {
+    if events % PROGRESS_EVERY < REBUILD_BATCH as usize {
+        let rate = events as f64 / started.elapsed().as_secs_f64().max(0.001);
+        tracing::info!(events, per_second = rate.round(), "replaying");
+    }
 }
 
 async fn apply_to_all(
