@@ -720,7 +720,12 @@ crate::test_on_both_engines! {
         .await;
         assert_eq!(ids_of(&recorder), [first[0].clone(), second[0].clone()]);
         let head = stream::read_after(&t.db, Position::default(), 10).await.unwrap()[1].position;
-        assert_eq!(*progress.borrow(), head, "the recorder's checkpoint, for waiters");
+        // The recorder sees the event inside its batch's transaction; waiters are told after
+        // the commit, a moment later.
+        eventually("the recorder's checkpoint, for waiters", || async {
+            (*progress.borrow() == head).then_some(())
+        })
+        .await;
         // It went on at the commit, not at the failing one's next retry, and that one is
         // still stuck where it was: nothing skipped, nothing moved.
         assert_eq!(attempts_of_failing(), Some(attempts), "{backend:?}");
