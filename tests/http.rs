@@ -937,3 +937,81 @@ async fn what_axum_refuses_before_a_handler_is_a_problem_too() {
     assert!(!required.contains(&json!("errors")), "{required:?}");
     s.stop().await;
 }
+
+/// Two instances on one database, each with its own cache of aggregates: a plan request on
+/// one is decided on what the other recorded, never on a stale copy.
+#[tokio::test]
+async fn a_plan_is_decided_on_what_another_instance_recorded() {
+    let s = TestServer::start(Backend::Postgres).await;
+    let t = s.db.as_ref().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let mut other_config = config(data.path());
+    other_config.database_url = Some(t.location.clone());
+    let other = ferry_app::Server::start_with(
+        &other_config,
+        ferry_store::Database::from_pool(t.db.pool().clone()),
+    )
+    .await
+    .unwrap();
+    let other_base = format!("http://{}", other.addr);
+    let alice = operator("acme", "alice");
+    let admin = token("acme", "platform", &[READ, APPLY], &["PlatformAdmin"]);
+    let register = |base: String, class: &'static str| {
+        let (client, admin) = (s.client.clone(), admin.clone());
+        async move {
+            let r = client
+                .put(format!("{base}/factory/environments/payments-dev"))
+                .bearer_auth(admin)
+                .json(&json!({"environmentClass": class}))
+                .send()
+                .await
+                .unwrap();
+            let (status, body) = response(r).await;
+            assert!(status == 200 || status == 201, "{status} {body}");
+        }
+    };
+    register(s.base.clone(), "development").await;
+    let v1 = declare(&s, &alice, "payments-dev", "3f2a9c1").await;
+    let plan = |spec: Value| {
+        let (s, alice) = (&s, &alice);
+        async move {
+            let (status, run) = s
+                .post(
+                    alice,
+                    "/factory/provisioning/runs",
+                    &plan_body(&spec, "Release"),
+                )
+                .await;
+            assert_eq!(status, 201, "{run}");
+            run
+        }
+    };
+    assert_eq!(plan(v1.clone()).await["environmentClass"], "development");
+
+    // The other instance makes the environment production: this one's cached copy says
+    // development, the append sees it moved, and the plan is decided on the stored class.
+    register(other_base.clone(), "production").await;
+    assert_eq!(plan(v1).await["environmentClass"], "production");
+
+    // The other instance declares version 2, which this one's cached specification lacks.
+    let r = s
+        .client
+        .post(format!("{other_base}/factory/provisioning/specifications"))
+        .bearer_auth(&alice)
+        .json(&declaration("payments-dev", "4b5c6d7"))
+        .send()
+        .await
+        .unwrap();
+    let (status, v2) = response(r).await;
+    assert_eq!(status, 201, "{v2}");
+    let run = plan(v2).await;
+    assert_eq!(
+        (
+            run["specificationVersion"].as_u64(),
+            &run["environmentClass"]
+        ),
+        (Some(2), &json!("production"))
+    );
+    other.stop().await;
+    s.stop().await;
+}

@@ -1709,3 +1709,47 @@ async fn over_grpc_a_promotion_is_requested_once_and_the_applied_specification_i
     assert!(away.get_error_details().retry_info().is_some());
     d.s.stop().await;
 }
+
+/// A release withdrawn by another instance (its own cache of aggregates) is refused here,
+/// though this instance's cached copy of the release is not withdrawn: the request is
+/// decided on the release as stored.
+#[tokio::test]
+async fn a_release_withdrawn_on_another_instance_is_not_promoted() {
+    use ferry_domain::release::{Release, ReleaseCommand};
+    use ferry_domain::{Actor, ReleaseId, TenantId};
+    use ferry_store::{Database, EventMetadata, Repository};
+
+    let d = start(Backend::Postgres, None).await;
+    d.environment("payments-dev", "development").await;
+    // Recorded through this instance, which keeps it cached.
+    let release = d.deployable("1.0.0").await;
+    let t = d.s.db.as_ref().unwrap();
+    let elsewhere: Repository<Release> =
+        Repository::new(Database::from_pool(t.db.pool().clone()), ());
+    let acme = TenantId::parse("acme").unwrap();
+    let by = Actor::parse("svc-releases").unwrap();
+    let withdraw = ReleaseCommand::Withdraw {
+        reason: "licence problem".to_string(),
+        by: by.clone(),
+        at: chrono::Utc::now(),
+    };
+    let id = Release::aggregate_id(&acme, ReleaseId::parse(&release).unwrap());
+    let meta = EventMetadata::for_request(acme.clone(), by, uuid::Uuid::new_v4());
+    elsewhere
+        .execute(&acme, &id, withdraw, &meta, false)
+        .await
+        .unwrap();
+    let (status, body) =
+        d.s.post(
+            &promoter("acme", "alice"),
+            "/factory/delivery/promotions",
+            &json!({"releaseId": release, "environmentId": "payments-dev"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert!(
+        body.to_string().contains("was withdrawn: licence problem"),
+        "{body}"
+    );
+    d.s.stop().await;
+}

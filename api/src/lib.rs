@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod basis;
 pub mod environments;
 pub mod events;
 pub mod extract;

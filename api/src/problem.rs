@@ -332,7 +332,8 @@ impl ApiError {
         match e {
             CommandError::Domain(d) => refusal(d),
             CommandError::NotFound => Self::NotFound("no such resource".to_string()),
-            CommandError::Conflict => Self::Conflict,
+            // The record, or one the command was decided on, changed: retry.
+            CommandError::Conflict | CommandError::Moved => Self::Conflict,
             CommandError::Unavailable(cause) => Self::Unavailable(cause),
             CommandError::Store(cause) => Self::Internal(cause),
         }

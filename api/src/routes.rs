@@ -2,6 +2,7 @@
 //! specification, decide an approval, the current specification of an environment).
 
 use crate::auth::Caller;
+use crate::basis::Decided;
 use crate::extract::{
     created, enum_from_str, idempotency_key, OptionalJson, QueryParams, RequestIds, ValidJson,
 };
@@ -17,7 +18,7 @@ use ferry_domain::specification::{Declaration, SpecificationCommand, Specificati
 use ferry_domain::*;
 use ferry_projections::queries::{RunFilter, SpecificationFilter};
 use ferry_projections::RunView;
-use ferry_store::idempotency;
+use ferry_store::{idempotency, Basis, Read};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 
@@ -308,48 +309,9 @@ pub async fn plan_provisioning(
             "versions start at 1",
         ));
     }
-    let (spec, _) = state
-        .specifications()
-        .load(&caller.tenant, &body.specification_id.to_string())
-        .await?
-        .ok_or_else(|| {
-            ApiError::invalid_field(
-                "specificationId",
-                format!("no specification {}", body.specification_id),
-            )
-        })?;
-    let version = spec.version(body.specification_version).ok_or_else(|| {
-        ApiError::invalid_field(
-            "specificationVersion",
-            format!(
-                "specification {} has no version {} (latest is {})",
-                body.specification_id,
-                body.specification_version,
-                spec.latest().map_or(0, |v| v.version)
-            ),
-        )
-    })?;
-    if version.environment_id != body.environment_id {
-        return Err(ApiError::invalid_field(
-            "environmentId",
-            format!(
-                "specification {} belongs to environment {}",
-                body.specification_id, version.environment_id
-            ),
-        ));
-    }
-
-    let environment_class = state
-        .environments()
-        .load(
-            &caller.tenant,
-            &ferry_domain::environment::Environment::aggregate_id(
-                &caller.tenant,
-                &body.environment_id,
-            ),
-        )
-        .await?
-        .and_then(|(e, _)| e.class());
+    // Decided on the cached specification and environment, which the append checks (see
+    // `crate::basis`).
+    let mut decision = Decided::decide(|read| plan_basis(&state, &caller, &body, read)).await?;
     let tenant = caller.tenant.as_str();
     // The reservation belongs to this request: only it may give the key back.
     let owner = ids.request_id.to_string();
@@ -371,32 +333,52 @@ pub async fn plan_provisioning(
         }
     }
 
-    let request = RunRequest {
-        provisioning_run_id: run_id,
-        tenant_id: caller.tenant.clone(),
-        project_id: version.project_id.clone(),
-        environment_id: body.environment_id,
-        // Unknown environments count as production (the domain's rule).
-        environment_class,
-        specification_id: body.specification_id,
-        specification_version: body.specification_version,
-        kind: body.kind,
-        promotion_id: None,
-        approval_id: None,
-        follows_failed_apply: None,
-        requested_by: caller.actor.clone(),
-        requested_at: Utc::now(),
-    };
-    let result = state
-        .runs()
+    let executed = decision
         .execute(
-            &caller.tenant,
-            &run_id.to_string(),
-            RunCommand::Request(Box::new(request)),
-            &caller.metadata(ids),
-            true,
+            |read| plan_basis(&state, &caller, &body, read),
+            |decided: &PlanBasis| {
+                let request = RunRequest {
+                    provisioning_run_id: run_id,
+                    tenant_id: caller.tenant.clone(),
+                    project_id: decided.project_id.clone(),
+                    environment_id: body.environment_id.clone(),
+                    // Unknown environments count as production (the domain's rule).
+                    environment_class: decided.environment_class,
+                    specification_id: body.specification_id,
+                    specification_version: body.specification_version,
+                    kind: body.kind,
+                    promotion_id: None,
+                    approval_id: None,
+                    follows_failed_apply: None,
+                    requested_by: caller.actor.clone(),
+                    requested_at: Utc::now(),
+                };
+                let (state, caller, basis) = (&state, &caller, decided.basis.clone());
+                async move {
+                    state
+                        .runs()
+                        .execute_on(
+                            &caller.tenant,
+                            &run_id.to_string(),
+                            RunCommand::Request(Box::new(request)),
+                            &caller.metadata(ids),
+                            true,
+                            &basis,
+                        )
+                        .await
+                }
+            },
         )
         .await;
+    let result = match executed {
+        Ok(result) => result,
+        Err(e) => {
+            if let Some(k) = &key {
+                idempotency::release(state.db(), tenant, k, &owner).await?;
+            }
+            return Err(e);
+        }
+    };
     let (view, after) = match result {
         Ok(done) => (fold(done.history.as_deref())?, done.position),
         // Another request with this key created the run first (it committed before us, or
@@ -444,6 +426,69 @@ pub async fn plan_provisioning(
         &format!("/factory/provisioning/runs/{run_id}"),
         &body,
     ))
+}
+
+/// What a plan request is decided on besides its run: the specification version it names
+/// and its environment's class, with the bases the run's append checks.
+struct PlanBasis {
+    project_id: ProjectId,
+    environment_class: Option<EnvironmentClass>,
+    basis: [Basis; 2],
+}
+
+/// Reads and checks the specification version and the environment `body` names.
+async fn plan_basis(
+    state: &AppState,
+    caller: &Caller,
+    body: &PlanProvisioningRequest,
+    read: Read,
+) -> Result<PlanBasis, ApiError> {
+    let (spec, spec_basis) = state
+        .specifications()
+        .load_basis(&caller.tenant, &body.specification_id.to_string(), read)
+        .await?;
+    let spec = spec.ok_or_else(|| {
+        ApiError::invalid_field(
+            "specificationId",
+            format!("no specification {}", body.specification_id),
+        )
+    })?;
+    let version = spec.version(body.specification_version).ok_or_else(|| {
+        ApiError::invalid_field(
+            "specificationVersion",
+            format!(
+                "specification {} has no version {} (latest is {})",
+                body.specification_id,
+                body.specification_version,
+                spec.latest().map_or(0, |v| v.version)
+            ),
+        )
+    })?;
+    if version.environment_id != body.environment_id {
+        return Err(ApiError::invalid_field(
+            "environmentId",
+            format!(
+                "specification {} belongs to environment {}",
+                body.specification_id, version.environment_id
+            ),
+        ));
+    }
+    let (environment, environment_basis) = state
+        .environments()
+        .load_basis(
+            &caller.tenant,
+            &ferry_domain::environment::Environment::aggregate_id(
+                &caller.tenant,
+                &body.environment_id,
+            ),
+            read,
+        )
+        .await?;
+    Ok(PlanBasis {
+        project_id: version.project_id.clone(),
+        environment_class: environment.and_then(|e| e.class()),
+        basis: [spec_basis, environment_basis],
+    })
 }
 
 fn fold(history: Option<&[ferry_domain::run::RunEvent]>) -> Result<RunView, ApiError> {

@@ -68,7 +68,7 @@ fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
             InboundError::Permanent("no such record for this tenant".to_string())
         }
         // Also: the claim was taken over by another delivery (the mark matched no row).
-        CommandError::Conflict => {
+        CommandError::Conflict | CommandError::Moved => {
             InboundError::Transient("concurrent change, or the claim was lost".to_string())
         }
         CommandError::Unavailable(s) | CommandError::Store(s) => {

@@ -10,7 +10,7 @@ use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
 use ferry_domain::*;
 use ferry_store::stream::catch_up;
-use ferry_store::testing::{eventually, TestDatabase};
+use ferry_store::testing::{eventually, eventually_within, TestDatabase};
 use ferry_store::{on_pool, Database, EventMetadata, Repository};
 use std::collections::BTreeMap;
 use uuid::Uuid;
@@ -809,7 +809,9 @@ async fn a_live_projection_analyzes_a_table_that_grew() {
     };
     requests(GROWTH_CHECK_EVERY + 100).await;
     catch_up(db, &runner).await.unwrap();
-    eventually("the changes counted", || async {
+    // Postgres counts a connection's changes when it goes idle, at most once a second and
+    // otherwise up to ten seconds later: a busy test suite can see them that late.
+    eventually_within("the changes counted", 30, || async {
         let changed: i64 = on_pool!(db, pool => sqlx::query_scalar(
             "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relid = to_regclass('rm_runs')")
             .fetch_one(pool).await.unwrap());
@@ -819,7 +821,7 @@ async fn a_live_projection_analyzes_a_table_that_grew() {
     // Past the next check, the table is analyzed.
     requests(GROWTH_CHECK_EVERY).await;
     catch_up(db, &runner).await.unwrap();
-    eventually("rm_runs analyzed", || async {
+    eventually_within("rm_runs analyzed", 30, || async {
         (reltuples().await >= GROWTH_CHECK_EVERY as f32).then_some(())
     })
     .await;

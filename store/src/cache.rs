@@ -7,7 +7,10 @@
 //! another instance, or by this one through another path, is always seen. A command runs on
 //! the cached state without asking, and its append names the sequence it follows: the
 //! store refuses it when anything was written after, and the command is decided again on
-//! the stored state (`Repository::execute_linked`). What the cache saves is decoding and
+//! the stored state (`Repository::execute_linked`). An aggregate another command is decided
+//! on (`Repository::load_basis`) is taken from the cache without asking as well: that
+//! command names it with the sequence it saw, and its append stores nothing if the
+//! aggregate has events after it (`Repository::execute_on`). What the cache saves is decoding and
 //! folding the history again, which for an aggregate with thousands of events was most of a
 //! command's cost, and for a command the read of its aggregate.
 //!

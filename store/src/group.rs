@@ -12,6 +12,12 @@
 //! failure is every member's: a statement whose connection broke may or may not have
 //! committed, and appending again could store a command twice.
 //!
+//! A command may name its basis: other aggregates it was decided on, at the sequence it saw
+//! ([`Basis`]). The statement stores a command's events only if none of them has events
+//! after that sequence, read when the statement begins; a command whose basis moved stores
+//! nothing and is answered [`AppendError::Moved`] (the others of its group are stored). So a
+//! decision on another aggregate costs no read of its own: it is checked in the append.
+//!
 //! Nothing waits to fill a group: a command's events are written at once while fewer than
 //! [`IN_FLIGHT`] groups are being written; otherwise they queue, and the next group takes
 //! everything queued (up to [`MAX_GROUP_ROWS`] events).
@@ -55,11 +61,52 @@ pub struct NewEvents {
     pub events: Vec<NewEvent>,
     /// The command's metadata, as JSON text; every event carries it.
     pub metadata: String,
+    /// The other aggregates the command was decided on (often none).
+    pub basis: Vec<Basis>,
 }
 
 impl NewEvents {
     fn last_sequence(&self) -> i64 {
         self.first_sequence + self.events.len() as i64 - 1
+    }
+}
+
+/// An aggregate a command was decided on, at the last sequence the decision saw (0: none
+/// stored). The command is stored only while that aggregate has no events after it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Basis {
+    aggregate_type: &'static str,
+    aggregate_id: String,
+    sequence: i64,
+}
+
+impl Basis {
+    /// Aggregate `aggregate_id` of type `aggregate_type`, seen at `sequence`.
+    pub fn new(
+        aggregate_type: &'static str,
+        aggregate_id: impl Into<String>,
+        sequence: i64,
+    ) -> Self {
+        Self {
+            aggregate_type,
+            aggregate_id: aggregate_id.into(),
+            sequence,
+        }
+    }
+
+    /// The aggregate's type.
+    pub fn aggregate_type(&self) -> &'static str {
+        self.aggregate_type
+    }
+
+    /// The aggregate's id.
+    pub fn aggregate_id(&self) -> &str {
+        &self.aggregate_id
+    }
+
+    /// The last sequence the decision saw.
+    pub fn sequence(&self) -> i64 {
+        self.sequence
     }
 }
 
@@ -76,6 +123,10 @@ pub enum AppendError {
     /// events may or may not be stored.
     #[error("the group of appends ended before it answered; the outcome is unknown")]
     Lost,
+    /// An aggregate of the command's basis has events after the sequence it was decided on:
+    /// nothing of the command was stored; deciding it again may succeed.
+    #[error("an aggregate the command was decided on changed meanwhile")]
+    Moved,
 }
 
 type Reply = oneshot::Sender<Result<Position, AppendError>>;
@@ -98,13 +149,52 @@ impl std::fmt::Debug for GroupAppender {
     }
 }
 
-/// One statement for any number of events, so that Postgres prepares it once per
-/// connection. Rows take their global positions in the order they are listed.
+/// The most bases one group checks (and one command may name); a group takes no more
+/// members once it has this many.
+pub const BASIS_SLOTS: usize = 16;
+
+/// The insert of a group without bases: one statement for any number of events, so that
+/// Postgres prepares it once per connection. Rows take their global positions in the order
+/// they are listed.
 const INSERT: &str = "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) \
      SELECT t, i, s, et, ev, p::jsonb, m::jsonb \
      FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::text[], $5::text[], $6::text[], $7::text[]) WITH ORDINALITY AS u(t, i, s, et, ev, p, m, n) \
      ORDER BY n \
      RETURNING aggregate_type, aggregate_id, sequence, transaction_id::text::bigint, global_position";
+
+/// The insert of a group with bases: as [`INSERT`], leaving out the rows of the members
+/// (numbered by `$8`, one per row) one of whose bases has events after the sequence it
+/// names. The bases are [`BASIS_SLOTS`] rows of four parameters each (type, id, sequence,
+/// member; unused ones NULL) rather than arrays: with as many rows whatever the group,
+/// Postgres keeps one plan for the statement instead of planning it at every call (it plans
+/// an array's rows as ten, and the cheaper plan for the few a group holds won each time).
+static INSERT_CHECKED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let slots: Vec<String> = (0..BASIS_SLOTS)
+        .map(|k| {
+            let n = 9 + 4 * k;
+            format!(
+                "(${}::text, ${}::text, ${}::int8, ${}::int4)",
+                n,
+                n + 1,
+                n + 2,
+                n + 3
+            )
+        })
+        .collect();
+    format!(
+        "WITH moved AS ( \
+           SELECT b.member FROM (VALUES {}) AS b(t, i, s, member) \
+            WHERE b.t IS NOT NULL \
+              AND EXISTS (SELECT 1 FROM events e WHERE e.aggregate_type = b.t AND e.aggregate_id = b.i AND e.sequence > b.s)) \
+         INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) \
+         SELECT t, i, s, et, ev, p::jsonb, m::jsonb \
+         FROM UNNEST($1::text[], $2::text[], $3::int8[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int4[]) WITH ORDINALITY AS u(t, i, s, et, ev, p, m, member, n) \
+         WHERE u.member NOT IN (SELECT moved.member FROM moved) \
+         ORDER BY n \
+         RETURNING aggregate_type, aggregate_id, sequence, transaction_id::text::bigint, global_position",
+        slots.join(", ")
+    )
+});
 
 impl GroupAppender {
     /// An appender writing to `pool`.
@@ -207,7 +297,8 @@ impl GroupAppender {
     }
 }
 
-/// Where the last of `events` was stored, from the rows an insert returned.
+/// Where the last of `events` was stored, from the rows an insert returned. A command
+/// with a basis whose rows were left out had its basis moved.
 fn position_of(
     stored: &HashMap<(String, String, i64), Position>,
     events: &NewEvents,
@@ -217,12 +308,14 @@ fn position_of(
         events.aggregate_id.clone(),
         events.last_sequence(),
     );
-    stored.get(&key).copied().ok_or_else(|| {
-        AppendError::Own(sqlx::Error::Protocol(format!(
+    match stored.get(&key) {
+        Some(position) => Ok(*position),
+        None if !events.basis.is_empty() => Err(AppendError::Moved),
+        None => Err(AppendError::Own(sqlx::Error::Protocol(format!(
             "the insert returned no row for {} {} sequence {}",
             key.0, key.1, key.2
-        )))
-    })
+        )))),
+    }
 }
 
 /// Marks a writer gone; if it ends without finishing (its task was cancelled or panicked),
@@ -240,14 +333,18 @@ impl Drop for Writer<'_> {
     }
 }
 
-/// The oldest waiting commands, up to [`MAX_GROUP_ROWS`] events (always at least one).
+/// The oldest waiting commands, up to [`MAX_GROUP_ROWS`] events and [`BASIS_SLOTS`] bases
+/// (always at least one command).
 fn take_group(waiting: &mut Vec<(NewEvents, Reply)>) -> Vec<(NewEvents, Reply)> {
-    let mut rows = 0;
+    let (mut rows, mut bases) = (0, 0);
     let count = waiting
         .iter()
         .take_while(|(events, _)| {
-            let fits = rows == 0 || rows + events.events.len() <= MAX_GROUP_ROWS;
+            let fits = rows == 0
+                || (rows + events.events.len() <= MAX_GROUP_ROWS
+                    && bases + events.basis.len() <= BASIS_SLOTS);
             rows += events.events.len();
+            bases += events.basis.len();
             fits
         })
         .count();
@@ -260,13 +357,31 @@ fn is_unique_violation(error: &sqlx::Error) -> bool {
         .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
 }
 
-/// Inserts every member's events in one statement; returns each stored row's place in the
-/// stream by `(aggregate type, aggregate id, sequence)`.
+/// Whether `member`'s basis names an aggregate that one of the `earlier` members writes
+/// after the sequence the basis saw: the statement's own rows are invisible to its check,
+/// and the stream would show the command after the change it did not see.
+fn moved_by_earlier(member: &NewEvents, earlier: &[&NewEvents]) -> bool {
+    member.basis.iter().any(|basis| {
+        earlier.iter().any(|other| {
+            other.aggregate_type == basis.aggregate_type
+                && other.aggregate_id == basis.aggregate_id
+                && other.last_sequence() > basis.sequence
+        })
+    })
+}
+
+/// Inserts every member's events in one statement, but those whose basis moved; returns
+/// each stored row's place in the stream by `(aggregate type, aggregate id, sequence)`.
 async fn insert(
     pool: &PgPool,
     members: &[&NewEvents],
 ) -> Result<HashMap<(String, String, i64), Position>, sqlx::Error> {
     let rows: usize = members.iter().map(|m| m.events.len()).sum();
+    let mut basis_types = Vec::new();
+    let mut basis_ids = Vec::new();
+    let mut basis_sequences = Vec::new();
+    let mut basis_members = Vec::new();
+    let mut row_members = Vec::with_capacity(rows);
     let mut types = Vec::with_capacity(rows);
     let mut ids = Vec::with_capacity(rows);
     let mut sequences = Vec::with_capacity(rows);
@@ -274,8 +389,20 @@ async fn insert(
     let mut versions = Vec::with_capacity(rows);
     let mut payloads = Vec::with_capacity(rows);
     let mut metadata = Vec::with_capacity(rows);
-    for member in members {
+    for (number, member) in members.iter().enumerate() {
+        if moved_by_earlier(member, &members[..number]) {
+            continue;
+        }
+        // A group holds at most MAX_GROUP_ROWS commands.
+        let number = number as i32;
+        for basis in &member.basis {
+            basis_types.push(basis.aggregate_type);
+            basis_ids.push(basis.aggregate_id.as_str());
+            basis_sequences.push(basis.sequence);
+            basis_members.push(number);
+        }
         for (offset, event) in member.events.iter().enumerate() {
+            row_members.push(number);
             types.push(member.aggregate_type);
             ids.push(member.aggregate_id.as_str());
             sequences.push(member.first_sequence + offset as i64);
@@ -285,16 +412,38 @@ async fn insert(
             metadata.push(member.metadata.as_str());
         }
     }
-    let stored: Vec<(String, String, i64, i64, i64)> = sqlx::query_as(INSERT)
+    if basis_types.len() > BASIS_SLOTS {
+        // `take_group` keeps a group within the slots; only one command naming more than
+        // there are (refused by the repository before it gets here) could exceed them.
+        return Err(sqlx::Error::Protocol(format!(
+            "a group names {} bases; a statement checks at most {BASIS_SLOTS}",
+            basis_types.len()
+        )));
+    }
+    let query = if basis_types.is_empty() {
+        sqlx::query_as(INSERT)
+    } else {
+        sqlx::query_as(INSERT_CHECKED.as_str())
+    };
+    let mut query = query
         .bind(types)
         .bind(ids)
         .bind(sequences)
         .bind(event_types)
         .bind(versions)
         .bind(payloads)
-        .bind(metadata)
-        .fetch_all(pool)
-        .await?;
+        .bind(metadata);
+    if !basis_types.is_empty() {
+        query = query.bind(row_members);
+        for slot in 0..BASIS_SLOTS {
+            query = query
+                .bind(basis_types.get(slot).copied())
+                .bind(basis_ids.get(slot).copied())
+                .bind(basis_sequences.get(slot).copied())
+                .bind(basis_members.get(slot).copied());
+        }
+    }
+    let stored: Vec<(String, String, i64, i64, i64)> = query.fetch_all(pool).await?;
     Ok(stored
         .into_iter()
         .map(|(kind, id, sequence, transaction_id, global_position)| {
@@ -329,6 +478,7 @@ mod tests {
                 })
                 .collect(),
             metadata: format!(r#"{{"command":"{id}"}}"#),
+            basis: vec![],
         }
     }
 
@@ -497,6 +647,90 @@ mod tests {
         assert!(stored.iter().all(|e| e.aggregate_id.starts_with("busy-")));
         assert_eq!(appender.counts(), (0, 0));
         t.cleanup().await;
+    }
+
+    #[tokio::test]
+    async fn a_command_whose_basis_moved_stores_nothing_and_the_others_are_stored() {
+        let t = TestDatabase::new(Backend::Postgres).await;
+        let appender = Arc::clone(t.db.group_appender().unwrap());
+        appender.append(command("dep", 1, 1)).await.unwrap();
+        let decided_on = |id: &str, seen: i64| {
+            let mut c = command(id, 1, 1);
+            c.basis = vec![Basis::new("T", "dep", seen)];
+            c
+        };
+        let queued = vec![
+            // Decided before dep's first event: moved.
+            decided_on("stale", 0),
+            // Decided on dep as stored: kept, though the group changes dep after it.
+            decided_on("current", 1),
+            command("dep", 2, 1),
+            // Decided on dep as stored, but listed after the command that changes it.
+            decided_on("after", 1),
+            command("plain", 1, 1),
+        ];
+        let (busy, waiting) = queued_behind_busy_writers(&t, &appender, queued).await;
+        for answer in busy {
+            answer.await.unwrap().unwrap();
+        }
+        let answers = futures_join(waiting).await;
+        let outcome: Vec<&str> = answers
+            .iter()
+            .map(|a| match a {
+                Ok(_) => "stored",
+                Err(AppendError::Moved) => "moved",
+                Err(_) => "failed",
+            })
+            .collect();
+        assert_eq!(
+            outcome,
+            ["moved", "stored", "stored", "moved", "stored"],
+            "{answers:?}"
+        );
+        let stored = eventually("every event readable", || async {
+            let stored = stored(&t).await;
+            (stored.len() == 1 + IN_FLIGHT + 3).then_some(stored)
+        })
+        .await;
+        let ids: Vec<&str> = stored.iter().map(|e| e.aggregate_id.as_str()).collect();
+        assert!(
+            !ids.contains(&"stale") && !ids.contains(&"after"),
+            "{ids:?}"
+        );
+        // The three stored went together, in the order they were listed.
+        let group: Vec<&StoredEvent> = stored
+            .iter()
+            .filter(|e| ["current", "dep", "plain"].contains(&e.aggregate_id.as_str()))
+            .filter(|e| !(e.aggregate_id == "dep" && e.sequence == 1))
+            .collect();
+        let order: Vec<&str> = group.iter().map(|e| e.aggregate_id.as_str()).collect();
+        assert_eq!(order, ["current", "dep", "plain"]);
+        assert!(group
+            .iter()
+            .all(|e| e.position.transaction_id == group[0].position.transaction_id));
+        // Alone, the same check: a basis as stored is kept, a moved one refused.
+        assert!(appender.append(decided_on("alone", 2)).await.is_ok());
+        assert!(matches!(
+            appender.append(decided_on("alone-stale", 1)).await,
+            Err(AppendError::Moved)
+        ));
+        assert_eq!(appender.counts(), (0, 0));
+        t.cleanup().await;
+    }
+
+    #[test]
+    fn a_group_takes_no_more_bases_than_its_statement_checks() {
+        let with_bases = |count: usize| {
+            let mut c = command("x", 1, 1);
+            c.basis = (0..count)
+                .map(|k| Basis::new("T", format!("d{k}"), 0))
+                .collect();
+            (c, oneshot::channel().0)
+        };
+        let mut waiting = vec![with_bases(10), with_bases(6), with_bases(1), with_bases(0)];
+        assert_eq!(take_group(&mut waiting).len(), 2, "10 + 6 fill the slots");
+        assert_eq!(take_group(&mut waiting).len(), 2);
+        assert!(waiting.is_empty());
     }
 
     async fn futures_join(answers: Vec<Answer>) -> Vec<Result<Position, AppendError>> {

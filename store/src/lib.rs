@@ -26,8 +26,11 @@ pub mod testing;
 
 pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOptions};
 pub use events::{DecodeError, StoredAggregate, Subscriber, Subscription, Typed};
+pub use group::Basis;
 pub use metadata::EventMetadata;
-pub use repository::{error_chain, BoxError, CommandError, Executed, LinkedWrite, Repository};
+pub use repository::{
+    error_chain, BoxError, CommandError, Executed, LinkedWrite, Read, Repository,
+};
 pub use stream::{Handler, HandlerError, Param, Payload, Position, StoredEvent, Tx};
 
 #[cfg(test)]

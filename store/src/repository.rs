@@ -5,6 +5,12 @@
 //! events stored after it, see [`crate::cache`]), check the tenant, handle, commit with
 //! metadata, keep the new state in the cache, and hand it back.
 //!
+//! A command decided on other aggregates as well (a run request on its environment's class)
+//! names them as its basis ([`Repository::load_basis`], [`Repository::execute_on`]): read
+//! from the cache without asking the store, and checked by the append, which stores nothing
+//! when one of them changed since ([`CommandError::Moved`]; the caller decides again on the
+//! stored state).
+//!
 //! The commit is Ferry's own insert into the same table (the columns postgres-es and
 //! sqlite-es write), so that a [`LinkedWrite`] can commit in the same transaction as the
 //! events: a record that the effect happened (e.g. an inbound message marked handled)
@@ -13,7 +19,7 @@
 use crate::cache::{AggregateCache, Cached};
 use crate::database::{is_unavailable, Backend, Database};
 use crate::events::{events_after, ReadError, StoredAggregate};
-use crate::group::{AppendError, GroupAppender, NewEvent, NewEvents};
+use crate::group::{AppendError, Basis, GroupAppender, NewEvent, NewEvents};
 use crate::metadata::EventMetadata;
 use crate::stream::{Param, Position, Tx};
 use cqrs_es::event_sink::EventSink;
@@ -33,6 +39,11 @@ pub enum CommandError<E: std::error::Error> {
     /// Another command changed the aggregate first; retrying may succeed.
     #[error("the record was changed concurrently; retry")]
     Conflict,
+    /// An aggregate of the command's basis changed after the state the command was decided
+    /// on; nothing was stored. Deciding again on the stored state ([`Read::Stored`]) may
+    /// succeed.
+    #[error("a record the command was decided on changed meanwhile; retry")]
+    Moved,
     /// The store could not be reached (the cause is kept for the log).
     #[error("event store unavailable: {0}")]
     Unavailable(#[source] BoxError),
@@ -106,6 +117,7 @@ impl<E: std::error::Error> CommandError<E> {
             Self::Domain(e) => CommandError::Store(Box::new(e)),
             Self::NotFound => CommandError::NotFound,
             Self::Conflict => CommandError::Conflict,
+            Self::Moved => CommandError::Moved,
             Self::Unavailable(e) => CommandError::Unavailable(e),
             Self::Store(e) => CommandError::Store(e),
         }
@@ -124,6 +136,16 @@ pub struct LinkedWrite {
     pub params: Vec<Param>,
     /// How many rows it must affect.
     pub expect_rows: u64,
+}
+
+/// Where [`Repository::load_basis`] takes an aggregate from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// The cached state when there is one, without asking the store (it may be behind
+    /// another instance's writes; the append checks it).
+    Cached,
+    /// The stored state: the cached one with the events stored after it.
+    Stored,
 }
 
 /// The result of a command that took effect.
@@ -232,6 +254,31 @@ where
         })
     }
 
+    /// The aggregate for deciding a command of another aggregate on it, with the [`Basis`]
+    /// to name in that command's [`Repository::execute_on`]. `None` (and a basis at
+    /// sequence 0 when nothing is stored) as for [`Repository::load`].
+    pub async fn load_basis(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        read: Read,
+    ) -> Result<(Option<A>, Basis), CommandError<A::Error>> {
+        let cached = match read {
+            Read::Cached => self.cache.as_ref().and_then(|c| c.get(id)),
+            Read::Stored => None,
+        };
+        let current = match cached {
+            Some(cached) => Cached::clone(&cached),
+            None => self.current(id).await?,
+        };
+        let sequence = i64::try_from(current.sequence).map_err(CommandError::store)?;
+        let aggregate = match current.aggregate.tenant() {
+            Some(owner) if owner == tenant => Some(current.aggregate),
+            _ => None,
+        };
+        Ok((aggregate, Basis::new(A::TYPE, id, sequence)))
+    }
+
     /// Every event of the aggregate, oldest first, read from the store (not the cache), or
     /// `None` as for [`Repository::load`].
     pub async fn load_events(
@@ -268,7 +315,30 @@ where
         metadata: &EventMetadata,
         may_create: bool,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
-        self.execute_linked(tenant, id, command, metadata, may_create, None)
+        self.run(tenant, id, command, metadata, may_create, None, &[])
+            .await
+    }
+
+    /// As [`Repository::execute`], for a command decided on other aggregates as well: it
+    /// is stored only if none of `basis` changed after the state it names, else nothing is
+    /// and the answer is [`CommandError::Moved`].
+    pub async fn execute_on(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        command: A::Command,
+        metadata: &EventMetadata,
+        may_create: bool,
+        basis: &[Basis],
+    ) -> Result<Executed<A>, CommandError<A::Error>> {
+        if basis.len() > crate::group::BASIS_SLOTS {
+            return Err(CommandError::store(format!(
+                "a command names {} bases; at most {} are checked",
+                basis.len(),
+                crate::group::BASIS_SLOTS
+            )));
+        }
+        self.run(tenant, id, command, metadata, may_create, None, basis)
             .await
     }
 
@@ -289,6 +359,21 @@ where
         may_create: bool,
         linked: Option<&LinkedWrite>,
     ) -> Result<Executed<A>, CommandError<A::Error>> {
+        self.run(tenant, id, command, metadata, may_create, linked, &[])
+            .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        command: A::Command,
+        metadata: &EventMetadata,
+        may_create: bool,
+        linked: Option<&LinkedWrite>,
+        basis: &[Basis],
+    ) -> Result<Executed<A>, CommandError<A::Error>> {
         if let Some(cached) = self.cached_for_command(id, may_create) {
             let attempt = self
                 .attempt(
@@ -299,12 +384,14 @@ where
                     metadata,
                     may_create,
                     linked,
+                    basis,
                     true,
                 )
                 .await;
             match attempt {
                 Ok(Some(done)) => return Ok(done),
-                // Decided again on the stored state.
+                // Decided again on the stored state (a moved basis is the caller's to
+                // read again: it is returned).
                 Ok(None) | Err(CommandError::Domain(_) | CommandError::Conflict) => {}
                 Err(other) => return Err(other),
             }
@@ -312,7 +399,7 @@ where
         let current = self.current(id).await?;
         match self
             .attempt(
-                tenant, id, current, command, metadata, may_create, linked, false,
+                tenant, id, current, command, metadata, may_create, linked, basis, false,
             )
             .await?
         {
@@ -350,6 +437,7 @@ where
         metadata: &EventMetadata,
         may_create: bool,
         linked: Option<&LinkedWrite>,
+        basis: &[Basis],
         optimistic: bool,
     ) -> Result<Option<Executed<A>>, CommandError<A::Error>> {
         // The command runs on a copy: a refused command may have changed it half-way, and
@@ -377,7 +465,7 @@ where
         let mut position = None;
         if !events.is_empty() || linked.is_some() {
             position = self
-                .commit(id, current_sequence, &events, metadata, linked)
+                .commit(id, current_sequence, &events, metadata, linked, basis)
                 .await?;
         }
         if !events.is_empty() {
@@ -406,8 +494,9 @@ where
     /// write; the stream columns take their defaults) and runs `linked`, atomically. The
     /// events are one statement, the transaction's first write (the global stream relies on
     /// it); without a linked write that statement is the whole transaction, one round trip,
-    /// which on Postgres it shares with the events of concurrent commands ([`crate::group`]).
-    /// Returns the position of the last event inserted.
+    /// which on Postgres it shares with the events of concurrent commands ([`crate::group`])
+    /// and which checks `basis` there. Elsewhere `basis` is checked by a read in the same
+    /// transaction, before the events. Returns the position of the last event inserted.
     async fn commit(
         &self,
         id: &str,
@@ -415,13 +504,14 @@ where
         events: &[A::Event],
         metadata: &EventMetadata,
         linked: Option<&LinkedWrite>,
+        basis: &[Basis],
     ) -> Result<Option<Position>, CommandError<A::Error>> {
         let sql = CommandError::from_sql;
         let serialize = |e: serde_json::Error| CommandError::store(e);
         if let (None, false, Some(appender)) = (linked, events.is_empty(), self.db.group_appender())
         {
             return self
-                .commit_grouped(appender, id, current_sequence, events, metadata)
+                .commit_grouped(appender, id, current_sequence, events, metadata, basis)
                 .await
                 .map(Some);
         }
@@ -462,17 +552,33 @@ where
             Backend::Postgres => " RETURNING transaction_id::text::bigint, global_position",
             Backend::Sqlite => " RETURNING 0, global_position",
         });
-        let Some(write) = linked else {
-            if events.is_empty() {
-                return Ok(None);
-            }
+        if linked.is_none() && events.is_empty() {
+            return Ok(None);
+        }
+        if linked.is_none() && basis.is_empty() {
             return self
                 .db
                 .insert_returning_last(&insert, &params)
                 .await
                 .map_err(sql);
-        };
+        }
         let mut tx = Tx::begin(&self.db).await.map_err(sql)?;
+        for seen in basis {
+            let later = tx
+                .count(
+                    "SELECT COUNT(*) FROM events WHERE aggregate_type = $1 AND aggregate_id = $2 AND sequence > $3",
+                    &[
+                        Param::Text(Some(seen.aggregate_type().to_string())),
+                        Param::Text(Some(seen.aggregate_id().to_string())),
+                        Param::Int(Some(seen.sequence())),
+                    ],
+                )
+                .await
+                .map_err(sql)?;
+            if later > 0 {
+                return Err(CommandError::Moved);
+            }
+        }
         let mut position = None;
         if !events.is_empty() {
             position = tx
@@ -480,10 +586,12 @@ where
                 .await
                 .map_err(sql)?;
         }
-        let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
-        if affected != write.expect_rows {
-            // Dropping the transaction rolls the events back with it.
-            return Err(CommandError::Conflict);
+        if let Some(write) = linked {
+            let affected = tx.execute(&write.sql, &write.params).await.map_err(sql)?;
+            if affected != write.expect_rows {
+                // Dropping the transaction rolls the events back with it.
+                return Err(CommandError::Conflict);
+            }
         }
         tx.commit().await.map_err(sql)?;
         Ok(position)
@@ -498,6 +606,7 @@ where
         current_sequence: usize,
         events: &[A::Event],
         metadata: &EventMetadata,
+        basis: &[Basis],
     ) -> Result<Position, CommandError<A::Error>> {
         let serialize = |e: serde_json::Error| CommandError::store(e);
         let first_sequence = i64::try_from(current_sequence + 1).map_err(CommandError::store)?;
@@ -519,6 +628,7 @@ where
                 first_sequence,
                 events,
                 metadata,
+                basis: basis.to_vec(),
             })
             .await;
         appended.map_err(|error| match error {
@@ -528,6 +638,7 @@ where
             }
             // The outcome is unknown: a retry later finds the events stored or not.
             error @ AppendError::Lost => CommandError::Unavailable(Box::new(error)),
+            AppendError::Moved => CommandError::Moved,
             error @ AppendError::Group(_) => CommandError::store(error),
         })
     }

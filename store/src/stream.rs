@@ -375,6 +375,23 @@ impl Tx {
         Ok(last_position(rows))
     }
 
+    /// Runs a query whose one row is one integer (e.g. a `COUNT(*)`).
+    pub async fn count(&mut self, sql: &str, params: &[Param]) -> Result<i64, sqlx::Error> {
+        let sql = crate::database::sql_for(self.backend(), sql);
+        match self {
+            Tx::Postgres(t) => {
+                crate::bind_params!(sqlx::query_scalar(&sql), params)
+                    .fetch_one(&mut **t)
+                    .await
+            }
+            Tx::Sqlite(t) => {
+                crate::bind_params!(sqlx::query_scalar(&sql), params)
+                    .fetch_one(&mut **t)
+                    .await
+            }
+        }
+    }
+
     /// Reads one JSON column of the first row of a query (e.g. a stored document).
     pub async fn fetch_json(
         &mut self,

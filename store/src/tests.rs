@@ -4,7 +4,7 @@
 use crate::database::{Backend, Pool};
 use crate::idempotency::{self, KeyState};
 use crate::metadata::EventMetadata;
-use crate::repository::{CommandError, Repository};
+use crate::repository::{CommandError, Read, Repository};
 use crate::stream::{self, Handler, HandlerError, Position, StoredEvent, Tx};
 use crate::testing::{eventually, TestDatabase};
 use chrono::Utc;
@@ -282,6 +282,72 @@ crate::test_on_both_engines! {
         let (spec, sequence) = elsewhere.load(&a, &id).await.unwrap().unwrap();
         assert_eq!((spec.latest().unwrap().version, sequence), (2, 2));
         assert_eq!(runs.load(&a, &run_id.to_string()).await.unwrap().unwrap().1, 1);
+        t.cleanup().await;
+    }
+}
+
+crate::test_on_both_engines! {
+    async fn a_command_decided_on_a_basis_that_moved_stores_nothing(backend) {
+        let t = TestDatabase::new(backend).await;
+        // A second handle on the same pool has a cache of its own, as another process has.
+        let elsewhere = crate::Database::from_pool(t.db.pool().clone());
+        let specs: Repository<DeploymentSpecification> = Repository::new(t.db.clone(), ());
+        let there: Repository<DeploymentSpecification> = Repository::new(elsewhere, ());
+        let runs: Repository<ProvisioningRun> = Repository::with_history(t.db.clone(), ());
+        let id = declaration("a", "aaaaaaa").specification_id.to_string();
+        let declare = |commit: &'static str| specification::SpecificationCommand::Declare(declaration("a", commit));
+        let (a, m) = (tenant("a"), meta("a"));
+        specs.execute(&a, &id, declare("aaaaaaa"), &m, true).await.unwrap();
+        there.execute(&a, &id, declare("bbbbbbb"), &m, true).await.unwrap();
+        // The cached specification is version 1, without a read; the store holds version 2.
+        let (cached, basis) = specs.load_basis(&a, &id, Read::Cached).await.unwrap();
+        assert_eq!((cached.unwrap().latest().unwrap().version, basis.sequence()), (1, 1));
+        let run_id = ProvisioningRunId::new_random();
+        let key = run_id.to_string();
+        let err = runs
+            .execute_on(&a, &key, request("a", run_id), &m, true, std::slice::from_ref(&basis))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::Moved), "{backend:?}: {err:?}");
+        assert!(runs.load(&a, &key).await.unwrap().is_none(), "nothing of it stored");
+        // Decided again on the stored state, it goes through.
+        let (stored, basis) = specs.load_basis(&a, &id, Read::Stored).await.unwrap();
+        assert_eq!((stored.unwrap().latest().unwrap().version, basis.sequence()), (2, 2));
+        let done = runs
+            .execute_on(&a, &key, request("a", run_id), &m, true, std::slice::from_ref(&basis))
+            .await
+            .unwrap();
+        assert_eq!(done.sequence, 1);
+        // Another tenant's aggregate is no basis to decide on: none, at its sequence.
+        let (theirs, basis) = specs.load_basis(&tenant("b"), &id, Read::Cached).await.unwrap();
+        assert!(theirs.is_none());
+        assert_eq!(basis.sequence(), 2);
+        // A basis on an aggregate with nothing stored is at sequence 0, and moves with its
+        // first event.
+        let missing = declaration("c", "aaaaaaa").specification_id.to_string();
+        let (none, basis) = specs.load_basis(&tenant("c"), &missing, Read::Cached).await.unwrap();
+        assert!(none.is_none());
+        assert_eq!(basis.sequence(), 0);
+        there
+            .execute(&tenant("c"), &missing, specification::SpecificationCommand::Declare(declaration("c", "aaaaaaa")), &meta("c"), true)
+            .await
+            .unwrap();
+        let other_run = ProvisioningRunId::new_random();
+        let err = runs
+            .execute_on(&tenant("c"), &other_run.to_string(), request("c", other_run), &meta("c"), true, &[basis])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::Moved), "{backend:?}: {err:?}");
+        // More bases than an append checks is refused before anything is stored.
+        let many: Vec<_> = (0..=crate::group::BASIS_SLOTS as i64)
+            .map(|n| crate::Basis::new("DeploymentSpecification", format!("s-{n}"), 0))
+            .collect();
+        let err = runs
+            .execute_on(&tenant("c"), &other_run.to_string(), request("c", other_run), &meta("c"), true, &many)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CommandError::Store(_)), "{backend:?}: {err:?}");
+        assert!(runs.load(&tenant("c"), &other_run.to_string()).await.unwrap().is_none());
         t.cleanup().await;
     }
 }

@@ -101,7 +101,9 @@ impl Workers {
         match result {
             Ok(outcome) => outcome,
             // Someone changed the run first: look again shortly.
-            Err(CommandError::Conflict) => Outcome::Retry("concurrent change".to_string()),
+            Err(CommandError::Conflict | CommandError::Moved) => {
+                Outcome::Retry("concurrent change".to_string())
+            }
             Err(CommandError::Unavailable(e)) => Outcome::Retry(format!("store unavailable: {e}")),
             // The aggregate refused: the work is moot (cancelled, already recorded, …).
             Err(CommandError::Domain(e)) => {

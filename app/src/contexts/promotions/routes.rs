@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
 use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
+use ferry_api::basis::Decided;
 use ferry_api::extract::{
     created, enum_from_str, idempotency_key, IdempotentRequest, QueryParams, RequestIds, ValidJson,
 };
@@ -32,10 +33,11 @@ use ferry_domain::release::{
 };
 use ferry_domain::run::Decision;
 use ferry_domain::{
-    EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId, PromotionId, ReleaseId,
+    EnvironmentClass, EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId,
+    PromotionId, ReleaseId,
 };
-use ferry_store::idempotency;
 use ferry_store::stream::Position;
+use ferry_store::{idempotency, Basis, Read};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::HashMap;
@@ -315,66 +317,27 @@ pub async fn request_promotion(
             ));
         }
     }
-    // The release as recorded (the aggregate, not the read model, which may lag).
-    let (release, _) = state
-        .repository::<Release>()
-        .load(
-            &caller.tenant,
-            &Release::aggregate_id(&caller.tenant, body.release_id),
-        )
-        .await
-        .map_err(|e| ApiError::from_command(e, release_refusal))?
-        .ok_or_else(|| {
-            ApiError::invalid_field("releaseId", format!("no release {}", body.release_id))
-        })?;
-    let record = release.record().cloned().ok_or_else(|| {
-        ApiError::invalid_field("releaseId", format!("no release {}", body.release_id))
-    })?;
-    if release.is_withdrawn() {
-        return Err(ApiError::Unprocessable(vec![FieldError::new(
-            "releaseId",
-            format!(
-                "release {} was withdrawn: {}",
-                record.version,
-                release.withdrawal_reason().unwrap_or("no reason given")
-            ),
-        )]));
-    }
-    let environment = state
-        .repository::<Environment>()
-        .load(
-            &caller.tenant,
-            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
-        )
-        .await
-        .map_err(|e| ApiError::from_command(e, |d| ApiError::WrongState(d.to_string())))?
-        .and_then(|(e, _)| e.class())
-        .ok_or_else(|| {
-            ApiError::invalid_field(
-                "environmentId",
-                format!("no environment {} is recorded", body.environment_id),
-            )
-        })?;
+    // The release and the environment as recorded (the aggregates, not the read model,
+    // which may lag): the cached copies, which the append checks (see `ferry_api::basis`).
+    let mut decision =
+        Decided::decide(|read| promotion_basis(&state, &caller, &body, read)).await?;
     // A release rolled back in an environment is quarantined there.
-    if let Some(rolled_back) = views::rolled_back_in(
+    let (rolled_back, previous) = views::quarantine_and_current_release(
         state.db(),
         &caller.tenant,
         body.release_id,
         &body.environment_id,
     )
-    .await?
-    {
+    .await?;
+    if let Some(rolled_back) = rolled_back {
         return Err(ApiError::Unprocessable(vec![FieldError::new(
             "releaseId",
             format!(
                 "release {} was rolled back in {} (promotion {rolled_back}): it is quarantined there",
-                record.version, body.environment_id
+                decision.decided.record.version, body.environment_id
             ),
         )]));
     }
-    let previous = views::current_release(state.db(), &caller.tenant, &body.environment_id)
-        .await?
-        .map(|(release, _)| release);
     let tenant = caller.tenant.as_str();
     let owner = ids.request_id.to_string();
     let id = match &key {
@@ -394,32 +357,52 @@ pub async fn request_promotion(
             return Ok(first);
         }
     }
-    let request = PromotionRequest {
-        promotion_id: id,
-        tenant_id: caller.tenant.clone(),
-        project_id: record.project_id.clone(),
-        release_id: body.release_id,
-        environment_id: body.environment_id,
-        environment_class: environment,
-        strategy: body.strategy,
-        run_id: body.run_id,
-        hotfix: body.hotfix,
-        receipt_ref: body.receipt_ref,
-        previous_release_id: previous,
-        rollback_of: None,
-        requested_by: caller.actor.clone(),
-        requested_at: Utc::now(),
-    };
-    let result = state
-        .repository::<Promotion>()
+    let executed = decision
         .execute(
-            &caller.tenant,
-            &id.to_string(),
-            PromotionCommand::Request(Box::new(request)),
-            &caller.metadata(ids),
-            true,
+            |read| promotion_basis(&state, &caller, &body, read),
+            |decided: &PromotionBasis| {
+                let request = PromotionRequest {
+                    promotion_id: id,
+                    tenant_id: caller.tenant.clone(),
+                    project_id: decided.record.project_id.clone(),
+                    release_id: body.release_id,
+                    environment_id: body.environment_id.clone(),
+                    environment_class: decided.environment_class,
+                    strategy: body.strategy,
+                    run_id: body.run_id,
+                    hotfix: body.hotfix.clone(),
+                    receipt_ref: body.receipt_ref.clone(),
+                    previous_release_id: previous,
+                    rollback_of: None,
+                    requested_by: caller.actor.clone(),
+                    requested_at: Utc::now(),
+                };
+                let (state, caller, basis) = (&state, &caller, decided.basis.clone());
+                async move {
+                    state
+                        .repository::<Promotion>()
+                        .execute_on(
+                            &caller.tenant,
+                            &id.to_string(),
+                            PromotionCommand::Request(Box::new(request)),
+                            &caller.metadata(ids),
+                            true,
+                            &basis,
+                        )
+                        .await
+                }
+            },
         )
         .await;
+    let result = match executed {
+        Ok(result) => result,
+        Err(e) => {
+            if let Some(k) = &key {
+                idempotency::release(state.db(), tenant, k, &owner).await?;
+            }
+            return Err(e);
+        }
+    };
     // The request as this command recorded it, when it was this command that did.
     let (requested, after) = match result {
         Ok(requested) => {
@@ -462,6 +445,66 @@ pub async fn request_promotion(
         &format!("/factory/delivery/promotions/{id}"),
         &body,
     ))
+}
+
+/// What a promotion request is decided on besides the promotion: the release and the
+/// environment's class, with the bases the promotion's append checks.
+struct PromotionBasis {
+    record: ReleaseRecord,
+    environment_class: EnvironmentClass,
+    basis: [Basis; 2],
+}
+
+/// Reads and checks the release and the environment `body` names.
+async fn promotion_basis(
+    state: &AppState,
+    caller: &Caller,
+    body: &RequestPromotionRequest,
+    read: Read,
+) -> Result<PromotionBasis, ApiError> {
+    let no_release =
+        || ApiError::invalid_field("releaseId", format!("no release {}", body.release_id));
+    let (release, release_basis) = state
+        .repository::<Release>()
+        .load_basis(
+            &caller.tenant,
+            &Release::aggregate_id(&caller.tenant, body.release_id),
+            read,
+        )
+        .await
+        .map_err(|e| ApiError::from_command(e, release_refusal))?;
+    let release = release.ok_or_else(no_release)?;
+    let record = release.record().cloned().ok_or_else(no_release)?;
+    if release.is_withdrawn() {
+        return Err(ApiError::Unprocessable(vec![FieldError::new(
+            "releaseId",
+            format!(
+                "release {} was withdrawn: {}",
+                record.version,
+                release.withdrawal_reason().unwrap_or("no reason given")
+            ),
+        )]));
+    }
+    let (environment, environment_basis) = state
+        .repository::<Environment>()
+        .load_basis(
+            &caller.tenant,
+            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
+            read,
+        )
+        .await
+        .map_err(|e| ApiError::from_command(e, |d| ApiError::WrongState(d.to_string())))?;
+    let environment_class = environment.and_then(|e| e.class()).ok_or_else(|| {
+        ApiError::invalid_field(
+            "environmentId",
+            format!("no environment {} is recorded", body.environment_id),
+        )
+    })?;
+    Ok(PromotionBasis {
+        record,
+        environment_class,
+        basis: [release_basis, environment_basis],
+    })
 }
 
 /// Waits (at most the read-your-writes bound) until the read model holds the promotion at

@@ -1051,6 +1051,33 @@ pub async fn rolled_back_in(
     Ok(id.and_then(|id| PromotionId::parse(&id).ok()))
 }
 
+/// What a promotion request reads of the read model, in one statement: the rolled-back
+/// promotion that keeps `release` quarantined in `environment` (as [`rolled_back_in`]) and
+/// the release completed there last (as [`current_release`]).
+pub async fn quarantine_and_current_release(
+    db: &Database,
+    tenant: &TenantId,
+    release: ReleaseId,
+    environment: &EnvironmentId,
+) -> Result<(Option<PromotionId>, Option<ReleaseId>), QueryError> {
+    let sql = db.sql(
+        "SELECT (SELECT p.promotion_id FROM rm_promotions p WHERE p.tenant_id = $1 AND p.release_id = $2
+                    AND p.environment_id = $3 AND p.state = 'RolledBack'
+                    AND NOT EXISTS (SELECT 1 FROM rm_quarantine_lifts l
+                                     WHERE l.promotion_id = p.promotion_id AND l.tenant_id = p.tenant_id)
+                  ORDER BY p.position DESC LIMIT 1),
+                (SELECT c.release_id FROM rm_release_completions c
+                  WHERE c.tenant_id = $1 AND c.environment_id = $3 ORDER BY c.position DESC LIMIT 1)",
+    );
+    let (rolled_back, current): (Option<String>, Option<String>) = on_pool!(db, pool => sqlx::query_as(&sql)
+        .bind(tenant.as_str()).bind(release.to_string()).bind(environment.as_str())
+        .fetch_one(pool).await?);
+    Ok((
+        rolled_back.and_then(|id| PromotionId::parse(&id).ok()),
+        current.and_then(|id| ReleaseId::parse(&id).ok()),
+    ))
+}
+
 /// The tenant's promotions of `release` not yet deploying (for a withdrawal).
 pub async fn undeployed_promotions_of(
     db: &Database,
