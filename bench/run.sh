@@ -216,17 +216,21 @@ jq -n \
 
 table=$(jq -r '
   def goal(ok): if ok then "met" else "not met" end;
+  # A share shown against a lower bound is cut, not rounded, to a tenth of a percent, and
+  # the goals compare the measured figures, not the rounded ratios.
+  def pct: . * 1000 | floor / 10;
+  (.b_ferryPostgres.commands.perSecond) as $b |
   "| figure | measured | goal | |",
   "|---|---|---|---|",
   "| (a) pgbench one-row inserts, \(.clients) clients | \(.a_pgbench.transactionsPerSecond)/s | the limit | |",
-  "| (b) Ferry commands over HTTP, Postgres | \(.b_ferryPostgres.commands.perSecond)/s, p50 \(.b_ferryPostgres.commands.p50Ms) ms, p99 \(.b_ferryPostgres.commands.p99Ms) ms | ≥ 50% of (a), ≥ 2× (h), p99 ≤ 25 ms | \(.ratios.b_over_a * 100 | round)% of (a), \(.ratios.b_over_h32)× (h): \(goal(.ratios.b_over_a >= 0.5 and .ratios.b_over_h32 >= 2 and .b_ferryPostgres.commands.p99Ms <= 25)) |",
+  "| (b) Ferry commands over HTTP, Postgres | \(.b_ferryPostgres.commands.perSecond)/s, p50 \(.b_ferryPostgres.commands.p50Ms) ms, p99 \(.b_ferryPostgres.commands.p99Ms) ms | ≥ 50% of (a), ≥ 2× (h), p99 ≤ 25 ms | \($b / .a_pgbench.transactionsPerSecond | pct)% of (a), \(.ratios.b_over_h32)× (h): \(goal($b / .a_pgbench.transactionsPerSecond >= 0.5 and $b / .h_plainCqrsEs["32"].commands.perSecond >= 2 and .b_ferryPostgres.commands.p99Ms <= 25)) |",
   "| (b) the same, read-your-writes off | \(.b_ferryPostgresNoReadYourWrites.commands.perSecond)/s, p99 \(.b_ferryPostgresNoReadYourWrites.commands.p99Ms) ms | | \(.ratios.bNoReadYourWrites_over_a * 100 | round)% of (a) |",
   "| (b) Ferry on SQLite (embedded default) | \(.b_ferrySqlite.commands.perSecond)/s, p99 \(.b_ferrySqlite.commands.p99Ms) ms | | |",
   "| (c) projection lag, Postgres (answer → GET sees it) | p50 \(.c_projectionLag.postgres.p50Ms) ms, p99 \(.c_projectionLag.postgres.p99Ms) ms | p99 ≤ 100 ms | \(goal(.c_projectionLag.postgres.p99Ms <= 100)) |",
   "| (c) the same, read-your-writes off | p50 \(.c_projectionLag.postgresNoReadYourWrites.p50Ms) ms, p99 \(.c_projectionLag.postgresNoReadYourWrites.p99Ms) ms | p99 ≤ 100 ms | \(goal(.c_projectionLag.postgresNoReadYourWrites.p99Ms <= 100)) |",
   "| (c) projection lag, SQLite | p50 \(.c_projectionLag.sqlite.p50Ms) ms, p99 \(.c_projectionLag.sqlite.p99Ms) ms | | |",
-  "| (d) relay to JetStream with acks | \(.d_relay.relayPerSecond)/s (raw: \(.d_relay.rawSequentialPerSecond)/s one at a time, \(.d_relay.rawPipelinedPerSecond)/s pipelined, \(.d_relay.rawPipelinedMessages) messages) | ≥ 50% of raw | \(.ratios.d_over_rawPipelined * 100 | round)% of pipelined, \(.ratios.d_over_rawSequential * 100 | round)% of one at a time: \(goal(.ratios.d_over_rawPipelined >= 0.5)) |",
-  "| (e) projection rebuild, \(.e_rebuild.events) events | \(.e_rebuild.eventsPerSecond)/s (scan: \(.e_rebuild.scanEventsPerSecond)/s) | ≥ 50% of the scan | \(.ratios.e_over_scan * 100 | round)%: \(goal(.ratios.e_over_scan >= 0.5)) |",
+  "| (d) relay to JetStream with acks | \(.d_relay.relayPerSecond)/s (raw: \(.d_relay.rawSequentialPerSecond)/s one at a time, \(.d_relay.rawPipelinedPerSecond)/s pipelined, \(.d_relay.rawPipelinedMessages) messages) | ≥ 50% of raw | \(.d_relay.relayPerSecond / .d_relay.rawPipelinedPerSecond | pct)% of pipelined, \(.ratios.d_over_rawSequential * 100 | round)% of one at a time: \(goal(.d_relay.relayPerSecond / .d_relay.rawPipelinedPerSecond >= 0.5)) |",
+  "| (e) projection rebuild, \(.e_rebuild.events) events | \(.e_rebuild.eventsPerSecond)/s (scan: \(.e_rebuild.scanEventsPerSecond)/s) | ≥ 50% of the scan | \(.e_rebuild.eventsPerSecond / .e_rebuild.scanEventsPerSecond | pct)%: \(goal(.e_rebuild.eventsPerSecond / .e_rebuild.scanEventsPerSecond >= 0.5)) |",
   "| (f) end to end, simulated runner | \(.f_endToEnd.runsPerSecond) runs/s, \(.f_endToEnd.promotionsPerSecond) promotions/s (\(.f_endToEnd.runs) each) | | |",
   "| (g) peak resident memory | serve at 1M events \(.g_memory.servePeakRssMbAt1MEvents) MB, rebuild \(.g_memory.rebuildPeakRssMb) MB | ≤ 200 MB | \(goal(.g_memory.servePeakRssMbAt1MEvents <= 200 and .g_memory.rebuildPeakRssMb <= 200)) |",
   "| (h) plain cqrs-es + postgres-es, 1 / 8 / 32 tasks | \(.h_plainCqrsEs["1"].commands.perSecond) / \(.h_plainCqrsEs["8"].commands.perSecond) / \(.h_plainCqrsEs["32"].commands.perSecond) per s, p99 at 32: \(.h_plainCqrsEs["32"].commands.p99Ms) ms | | \(.ratios.h32_over_a * 100 | round)% of (a) |"

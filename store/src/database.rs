@@ -133,6 +133,16 @@ pub fn is_unavailable(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether Postgres rolled the statement's transaction back so that another could go on
+/// (a deadlock, 40P01, or a serialization failure, 40001): nothing of it was stored, and
+/// running it again may succeed.
+pub fn is_rolled_back_for_another(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "40P01" || code == "40001")
+}
+
 /// Removes the password from a URL before it is shown.
 pub fn redact_url(url: &str) -> String {
     match url.split_once("://") {

@@ -7,8 +7,9 @@
 //!
 //! A command's events are never split: the group is one statement, stored whole or not at
 //! all. When Postgres refuses a group because one of its commands lost a race (a unique
-//! violation on an aggregate's sequence), nothing of the group was stored, and each command
-//! is then appended on its own, so that only the one that lost sees the conflict. Any other
+//! violation on an aggregate's sequence), or rolls it back for a deadlock with another
+//! writer inserting the same keys, nothing of the group was stored, and each command is
+//! then appended on its own, so that only the one that lost sees the conflict. Any other
 //! failure is every member's: a statement whose connection broke may or may not have
 //! committed, and appending again could store a command twice.
 //!
@@ -22,6 +23,7 @@
 //! [`IN_FLIGHT`] groups are being written; otherwise they queue, and the next group takes
 //! everything queued (up to [`MAX_GROUP_ROWS`] events).
 
+use crate::database::is_rolled_back_for_another;
 use crate::stream::Position;
 use sqlx::postgres::PgPool;
 use std::collections::HashMap;
@@ -269,10 +271,17 @@ impl GroupAppender {
                     let _ = reply.send(position_of(&stored, &events));
                 }
             }
-            Err(error) if is_unique_violation(&error) && group.len() > 1 => {
+            // Nothing of the group was stored: a command lost a race (a unique violation),
+            // or two groups inserting the same keys in opposite orders deadlocked and
+            // Postgres rolled this one back.
+            Err(error)
+                if (is_unique_violation(&error) || is_rolled_back_for_another(&error))
+                    && group.len() > 1 =>
+            {
                 tracing::debug!(
                     commands = group.len(),
-                    "a group of appends lost a race; appending its commands one by one"
+                    %error,
+                    "a group of appends was refused; appending its commands one by one"
                 );
                 for (events, reply) in group {
                     let answer = insert(&self.pool, &[&events])

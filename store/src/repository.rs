@@ -87,13 +87,14 @@ impl<E: std::error::Error> From<AggregateError<E>> for CommandError<E> {
 }
 
 impl<E: std::error::Error> CommandError<E> {
-    /// Classifies a store error: a unique violation on the events table is a concurrent
-    /// command; a busy, locked or unreachable store is unavailable (retry later).
+    /// Classifies a store error: a unique violation on the events table, or a transaction
+    /// Postgres rolled back for a deadlock with another, is a concurrent command; a busy,
+    /// locked or unreachable store is unavailable (retry later).
     pub fn from_sql(error: sqlx::Error) -> Self {
         let unique = error
             .as_database_error()
             .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation);
-        if unique {
+        if unique || crate::database::is_rolled_back_for_another(&error) {
             Self::Conflict
         } else if is_unavailable(&error) {
             Self::Unavailable(Box::new(error))

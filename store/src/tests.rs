@@ -536,6 +536,58 @@ crate::test_on_both_engines! {
     }
 }
 
+/// Two writers inserting the same keys in opposite orders deadlock; Postgres rolls one
+/// back, and that one's error is a conflict to retry (nothing of it was stored), as the
+/// group commit treats it.
+#[tokio::test]
+async fn a_deadlock_between_writers_is_a_conflict_to_retry() {
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let Pool::Postgres(pool) = t.db.pool().clone() else {
+        unreachable!()
+    };
+    let insert = "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) \
+                  VALUES ('T', $1, 1, 'E', '1', '{}', '{}')";
+    let (mut first, mut second) = (pool.begin().await.unwrap(), pool.begin().await.unwrap());
+    // The second waits long before it looks for a deadlock: the first is the one rolled back.
+    sqlx::query("SET LOCAL deadlock_timeout = '20s'")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    sqlx::query(insert)
+        .bind("a")
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    sqlx::query(insert)
+        .bind("b")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    let waiting = tokio::spawn(async move {
+        let result = sqlx::query(insert).bind("a").execute(&mut *second).await;
+        (result.map(|_| ()), second)
+    });
+    let error = sqlx::query(insert)
+        .bind("b")
+        .execute(&mut *first)
+        .await
+        .unwrap_err();
+    assert!(
+        crate::database::is_rolled_back_for_another(&error),
+        "{error:?}"
+    );
+    let classified: CommandError<RunError> = CommandError::from_sql(error);
+    assert!(
+        matches!(classified, CommandError::Conflict),
+        "{classified:?}"
+    );
+    drop(first);
+    let (result, second) = waiting.await.unwrap();
+    result.unwrap();
+    second.commit().await.unwrap();
+    t.cleanup().await;
+}
+
 /// A connection handed back to the pool inside a transaction (what a future cancelled in
 /// sqlx's `begin_with` leaves behind) is closed, not reused: the write lock it held is
 /// released at once and the next transaction on the pool begins normally.
