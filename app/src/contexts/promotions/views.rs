@@ -1038,22 +1038,14 @@ pub async fn rolled_back_in(
     release: ReleaseId,
     environment: &EnvironmentId,
 ) -> Result<Option<PromotionId>, QueryError> {
-    let sql = db.sql(
-        "SELECT p.promotion_id FROM rm_promotions p WHERE p.tenant_id = $1 AND p.release_id = $2
-         AND p.environment_id = $3 AND p.state = 'RolledBack'
-         AND NOT EXISTS (SELECT 1 FROM rm_quarantine_lifts l
-                          WHERE l.promotion_id = p.promotion_id AND l.tenant_id = p.tenant_id)
-         ORDER BY p.position DESC LIMIT 1",
-    );
-    let id: Option<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
-        .bind(tenant.as_str()).bind(release.to_string()).bind(environment.as_str())
-        .fetch_optional(pool).await?);
-    Ok(id.and_then(|id| PromotionId::parse(&id).ok()))
+    // One text for the quarantine lookup: the promotion request's statement reads it too.
+    let (rolled_back, _) = quarantine_and_current_release(db, tenant, release, environment).await?;
+    Ok(rolled_back)
 }
 
 /// What a promotion request reads of the read model, in one statement: the rolled-back
-/// promotion that keeps `release` quarantined in `environment` (as [`rolled_back_in`]) and
-/// the release completed there last (as [`current_release`]).
+/// promotion that keeps `release` quarantined in `environment` (the promotion of
+/// [`rolled_back_in`]) and the release completed there last (as [`current_release`]).
 pub async fn quarantine_and_current_release(
     db: &Database,
     tenant: &TenantId,
