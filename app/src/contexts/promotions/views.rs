@@ -1069,21 +1069,3 @@ pub async fn quarantine_and_current_release(
         current.and_then(|id| ReleaseId::parse(&id).ok()),
     ))
 }
-
-/// The tenant's promotions of `release` not yet deploying (for a withdrawal).
-pub async fn undeployed_promotions_of(
-    db: &Database,
-    tenant: &TenantId,
-    release: ReleaseId,
-) -> Result<Vec<PromotionId>, QueryError> {
-    let sql = db.sql(
-        "SELECT promotion_id FROM rm_promotions WHERE tenant_id = $1 AND release_id = $2
-         AND state IN ('Requested', 'GatesEvaluating', 'AwaitingApproval', 'Approved')",
-    );
-    let ids: Vec<String> = on_pool!(db, pool => sqlx::query_scalar(&sql)
-        .bind(tenant.as_str()).bind(release.to_string()).fetch_all(pool).await?);
-    Ok(ids
-        .iter()
-        .filter_map(|id| PromotionId::parse(id).ok())
-        .collect())
-}
