@@ -229,9 +229,15 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                         "SUBSCRIPTION", "POSITION", "TRANSACTION", "LAG"
                     ))?;
                     for s in status {
+                        // Beyond the events counted, the lag is the positions' distance.
+                        let lag = if s.lag_estimated {
+                            format!("~{}", s.lag)
+                        } else {
+                            s.lag.to_string()
+                        };
                         out(&format!(
                             "{:<24} {:>14} {:>16} {:>10}",
-                            s.name, s.position.global_position, s.position.transaction_id, s.lag
+                            s.name, s.position.global_position, s.position.transaction_id, lag
                         ))?;
                     }
                     if let Some(holder) =

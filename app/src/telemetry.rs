@@ -212,6 +212,7 @@ mod tests {
                 global_position: 1,
             },
             lag,
+            lag_estimated: false,
             head: 1 + lag,
         }
     }

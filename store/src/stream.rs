@@ -781,14 +781,32 @@ pub struct SubscriptionStatus {
     pub name: String,
     /// Its checkpoint.
     pub position: Position,
-    /// Events stored after the checkpoint.
+    /// Events stored after the checkpoint: counted up to [`LAG_COUNTED`], estimated from
+    /// the positions beyond (see `lag_estimated`).
     pub lag: i64,
+    /// True when `lag` is the distance from the checkpoint to the head, not a count: more
+    /// than [`LAG_COUNTED`] events wait.
+    pub lag_estimated: bool,
     /// The newest position in the store.
     pub head: i64,
 }
 
+/// How many events after a checkpoint are counted one by one. `/readyz` and `/metrics`
+/// read every subscription's lag, and counting a backlog of millions (a relay that NATS
+/// refused for a day) takes seconds, past a probe's or a scrape's timeout just when the
+/// figure matters; beyond this the lag is the positions' distance.
+pub const LAG_COUNTED: i64 = 100_000;
+
 /// The checkpoint and lag of every subscription with a checkpoint row.
 pub async fn subscription_status(db: &Database) -> Result<Vec<SubscriptionStatus>, sqlx::Error> {
+    subscription_status_counting(db, LAG_COUNTED).await
+}
+
+/// [`subscription_status`] counting at most `counted` events per subscription.
+pub(crate) async fn subscription_status_counting(
+    db: &Database,
+    counted: i64,
+) -> Result<Vec<SubscriptionStatus>, sqlx::Error> {
     let rows: Vec<(String, i64, i64)> = crate::on_pool!(db, pool => sqlx::query_as(
         "SELECT name, transaction_id, global_position FROM subscription_checkpoints ORDER BY name"
     ).fetch_all(pool).await?);
@@ -797,22 +815,35 @@ pub async fn subscription_status(db: &Database) -> Result<Vec<SubscriptionStatus
     ).fetch_one(pool).await?);
     let mut out = Vec::with_capacity(rows.len());
     for (name, transaction_id, global_position) in rows {
-        let lag: i64 = match db.pool() {
+        let counted_lag: i64 = match db.pool() {
             Pool::Postgres(p) => {
                 sqlx::query_scalar(
-                    "SELECT count(*) FROM events WHERE (transaction_id, global_position) > ($1::text::xid8, $2)",
+                    "SELECT count(*) FROM (SELECT 1 FROM events
+                      WHERE (transaction_id, global_position) > ($1::text::xid8, $2) LIMIT $3) after",
                 )
                 .bind(transaction_id.to_string())
                 .bind(global_position)
+                .bind(counted)
                 .fetch_one(p)
                 .await?
             }
             Pool::Sqlite(p) => {
-                sqlx::query_scalar("SELECT count(*) FROM events WHERE global_position > ?1")
-                    .bind(global_position)
-                    .fetch_one(p)
-                    .await?
+                sqlx::query_scalar(
+                    "SELECT count(*) FROM (SELECT 1 FROM events WHERE global_position > ?1 LIMIT ?2)",
+                )
+                .bind(global_position)
+                .bind(counted)
+                .fetch_one(p)
+                .await?
             }
+        };
+        // At the cap, more wait: the positions' distance (positions a rolled-back append
+        // took are in it, so it errs high, never to zero).
+        let lag_estimated = counted_lag >= counted;
+        let lag = if lag_estimated {
+            (head - global_position).max(counted_lag)
+        } else {
+            counted_lag
         };
         out.push(SubscriptionStatus {
             name,
@@ -821,6 +852,7 @@ pub async fn subscription_status(db: &Database) -> Result<Vec<SubscriptionStatus
                 global_position,
             },
             lag,
+            lag_estimated,
             head,
         });
     }

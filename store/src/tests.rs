@@ -459,6 +459,44 @@ crate::test_on_both_engines! {
 }
 
 crate::test_on_both_engines! {
+    async fn a_lag_past_what_is_counted_is_estimated_from_the_positions(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        // The subscription's row exists at the beginning; five events come after it.
+        let lagging = Recorder {
+            name: "lagging".to_string(),
+            seen: Mutex::new(vec![]),
+        };
+        stream::catch_up(&t.db, &lagging).await.unwrap();
+        record_runs(&runs, 5).await;
+        let status = |counted| {
+            let db = t.db.clone();
+            async move {
+                let all = stream::subscription_status_counting(&db, counted).await.unwrap();
+                let s = all.into_iter().find(|s| s.name == "lagging").unwrap();
+                (s.lag, s.lag_estimated, s.head)
+            }
+        };
+        let (lag, estimated, head) = status(10).await;
+        assert_eq!((lag, estimated), (5, false), "{backend:?}");
+        // Counting stops at three: the rest is the distance to the head, never less than
+        // what was counted.
+        let (lag, estimated, _) = status(3).await;
+        assert!(estimated, "{backend:?}");
+        assert_eq!(lag, head.max(3), "{backend:?}");
+        assert!(lag >= 5, "{backend:?}: {lag}");
+        // Caught up, nothing is estimated.
+        eventually("the five events", || async {
+            stream::catch_up(&t.db, &lagging).await.unwrap();
+            (lagging.seen.lock().unwrap().len() == 5).then_some(())
+        })
+        .await;
+        assert_eq!(status(3).await, (0, false, head), "{backend:?}");
+        t.cleanup().await;
+    }
+}
+
+crate::test_on_both_engines! {
     async fn idempotency_keys_replay_or_refuse(backend) {
         let t = TestDatabase::new(backend).await;
         let db = &t.db;
