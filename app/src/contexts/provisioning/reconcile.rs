@@ -27,7 +27,7 @@ use ferry_domain::{
     Actor, EnvironmentId, ProvisioningKind, ProvisioningRunId, SpecificationId, SpecificationKind,
     TenantId,
 };
-use ferry_store::{on_pool, CommandError, Database, EventMetadata, Repository};
+use ferry_store::{on_pool, Backend, CommandError, Database, EventMetadata, Repository};
 use serde::Serialize;
 use sqlx::types::Json;
 use std::str::FromStr;
@@ -320,23 +320,36 @@ async fn applied_specifications(
 
 /// The run whose apply of this specification in this environment was the last one tried,
 /// if that apply failed: the environment is partly changed, and the reconciliation that
-/// follows proposes the fix instead of applying it (nothing is retried blindly).
+/// follows proposes the fix instead of applying it (nothing is retried blindly). The
+/// specification and the apply are chosen by the statement: among the environment's newest
+/// runs the other specifications' applies could crowd this one's out.
 async fn last_apply_failed(
     db: &Database,
     applied: &Applied,
 ) -> Result<Option<ProvisioningRunId>, ReconcileError> {
-    let sql = db.sql(
-        "SELECT document FROM rm_runs
-          WHERE tenant_id = $1 AND environment_id = $2 AND state IN ('Applied', 'Failed')
-          ORDER BY position DESC LIMIT 100",
-    );
-    let rows: Vec<Json<ferry_projections::RunView>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+    let sql = match db.backend() {
+        Backend::Postgres => {
+            "SELECT document FROM rm_runs
+              WHERE tenant_id = $1 AND environment_id = $2 AND state IN ('Applied', 'Failed')
+                AND document->>'specificationId' = $3
+                AND jsonb_typeof(document->'applyReceipt') = 'object'
+              ORDER BY position DESC LIMIT 1"
+        }
+        Backend::Sqlite => {
+            "SELECT document FROM rm_runs
+              WHERE tenant_id = $1 AND environment_id = $2 AND state IN ('Applied', 'Failed')
+                AND json_extract(document, '$.specificationId') = $3
+                AND json_type(document, '$.applyReceipt') = 'object'
+              ORDER BY position DESC LIMIT 1"
+        }
+    };
+    let sql = db.sql(sql);
+    let last: Option<Json<ferry_projections::RunView>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
         .bind(applied.tenant_id.as_str()).bind(applied.environment_id.as_str())
-        .fetch_all(pool).await?);
-    let last = rows.into_iter().map(|Json(run)| run).find(|run| {
-        run.specification_id == applied.specification_id && run.apply_receipt.is_some()
-    });
+        .bind(applied.specification_id.to_string())
+        .fetch_optional(pool).await?);
     Ok(last
+        .map(|Json(run)| run)
         .filter(|run| run.state == ferry_domain::ProvisioningState::Failed)
         .map(|run| run.provisioning_run_id))
 }
@@ -557,6 +570,87 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_domain::ProjectId;
+    use ferry_store::testing::TestDatabase;
+
+    /// A row of the runs read model as the projection writes it, with an apply receipt of
+    /// `apply` (none when the run did not reach its apply).
+    async fn run_row(
+        db: &Database,
+        position: i64,
+        specification: SpecificationId,
+        state: &str,
+        apply: Option<&str>,
+    ) -> ProvisioningRunId {
+        let id = ProvisioningRunId::new_random();
+        let mut document = serde_json::json!({
+            "provisioningRunId": id, "tenantId": "acme", "projectId": "payments",
+            "environmentId": "payments-test", "specificationId": specification,
+            "specificationVersion": 1, "kind": "Release", "state": state,
+            "requestedBy": "alice", "startedAt": Utc::now(), "updatedAt": Utc::now(),
+            "version": 4,
+        });
+        if let Some(result) = apply {
+            document["applyReceipt"] = serde_json::json!({
+                "outputs": {}, "durationSeconds": 1.0, "result": result, "runnerVersion": "test",
+            });
+        }
+        let sql = db.sql(
+            "INSERT INTO rm_runs (provisioning_run_id, tenant_id, environment_id, kind, state,
+               position, version, updated_at, document)
+             VALUES ($1, 'acme', 'payments-test', 'Release', $2, $3, 4, $4, $5)",
+        );
+        on_pool!(db, pool => sqlx::query(&sql)
+            .bind(id.to_string()).bind(state).bind(position).bind(Utc::now())
+            .bind(Json(document)).execute(pool).await.map(|_| ()))
+        .unwrap();
+        id
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn a_failed_apply_is_found_behind_any_number_of_other_specifications_applies(backend) {
+            let t = TestDatabase::new(backend).await;
+            let runs = ferry_projections::provisioning_projections()
+                .into_iter()
+                .find(|p| p.name() == "runs")
+                .unwrap();
+            ferry_projections::ProjectionRunner::live(runs)
+                .ensure_tables(&t.db)
+                .await
+                .unwrap();
+            let tenant = TenantId::parse("acme").unwrap();
+            let environment = EnvironmentId::parse("payments-test").unwrap();
+            let spec = |kind| SpecificationId::for_environment(&tenant, &environment, kind);
+            let (infra, workload) = (spec(SpecificationKind::Environment), spec(SpecificationKind::Workload));
+            let applied = |specification_id, kind| Applied {
+                tenant_id: tenant.clone(),
+                environment_id: environment.clone(),
+                project_id: ProjectId::parse("payments").unwrap(),
+                specification_id,
+                kind,
+                version: 1,
+            };
+            let infra_applied = applied(infra, SpecificationKind::Environment);
+            let workload_applied = applied(workload, SpecificationKind::Workload);
+            // The infrastructure's apply failed; then the workload was applied 150 times
+            // (each reconciliation window, say), and the infrastructure failed a plan.
+            let failed = run_row(&t.db, 1, infra, "Failed", Some("Failed")).await;
+            for position in 2..152 {
+                run_row(&t.db, position, workload, "Applied", Some("Succeeded")).await;
+            }
+            run_row(&t.db, 152, infra, "Failed", None).await;
+            assert_eq!(
+                last_apply_failed(&t.db, &infra_applied).await.unwrap(),
+                Some(failed),
+                "{backend:?}"
+            );
+            assert_eq!(last_apply_failed(&t.db, &workload_applied).await.unwrap(), None);
+            // Put right by a later apply: nothing to propose.
+            run_row(&t.db, 153, infra, "Applied", Some("Succeeded")).await;
+            assert_eq!(last_apply_failed(&t.db, &infra_applied).await.unwrap(), None);
+            t.cleanup().await;
+        }
+    }
 
     #[test]
     fn the_schedule_is_cron_syntax_and_names_its_windows() {
