@@ -165,10 +165,10 @@ stream="BENCH_RELAY_$(date +%s)"
 step "(d, g) the relay: the store's events to JetStream stream $stream"
 serve relay DATABASE_URL="$PG/ferry_bench" FERRY_DATA_DIR="$work/pg" FERRY_WORKERS=false \
   NATS_URL="$NATS" FERRY_NATS_STREAM="$stream"
-# Until the relay's checkpoint reaches the last stored event (a minute past a phase at most); the rate
-# is taken from the stream's own clock (first message stored to last) afterwards. Polling
-# /metrics instead would slow what it measures (its lag gauges count the events after each
-# checkpoint), and a fixed window that outlasts the work counts the idle time after it.
+# Runs until the relay's checkpoint reaches the last stored event (a minute past a phase at
+# most); the rate is taken from the stream's own clock (first message stored to last)
+# afterwards. A fixed window that outlasts the work would count the idle time after it,
+# and polling /metrics would slow what it measures.
 last=$(psql -tA -d ferry_bench -c "SELECT max(global_position) FROM events")
 relay_done() {
   [ "$(psql -tA -d ferry_bench -c "SELECT count(*) FROM subscription_checkpoints
