@@ -191,6 +191,9 @@ const RUN_TABLES: &[TableSpec] = &[TableSpec {
             position bigint NOT NULL, version bigint NOT NULL, updated_at {ts} NOT NULL,
             document {json} NOT NULL)",
         "CREATE INDEX IF NOT EXISTS {i}_page ON {t} (tenant_id, position)",
+        // An environment's runs: its page of the list, the reconciler's look for a run in
+        // flight there (without it, a scan of every run of the tenant).
+        "CREATE INDEX IF NOT EXISTS {i}_environment ON {t} (tenant_id, environment_id, position)",
     ],
 }];
 

@@ -354,6 +354,11 @@ async fn last_apply_failed(
         .map(|run| run.provisioning_run_id))
 }
 
+/// A run in flight in an environment (read through the runs' environment index).
+const RUN_IN_FLIGHT: &str = "SELECT provisioning_run_id, state FROM rm_runs
+  WHERE tenant_id = $1 AND environment_id = $2
+    AND state IN ('Requested', 'Planned', 'Applying') LIMIT 1";
+
 /// Why `environment` must not be reconciled now, if it must not: a run in flight there, or
 /// a promotion holding it.
 async fn busy(
@@ -361,11 +366,7 @@ async fn busy(
     tenant: &TenantId,
     environment: &EnvironmentId,
 ) -> Result<Option<String>, ReconcileError> {
-    let runs = db.sql(
-        "SELECT provisioning_run_id, state FROM rm_runs
-          WHERE tenant_id = $1 AND environment_id = $2
-            AND state IN ('Requested', 'Planned', 'Applying') LIMIT 1",
-    );
+    let runs = db.sql(RUN_IN_FLIGHT);
     let run: Option<(String, String)> = on_pool!(db, pool => sqlx::query_as(&runs)
         .bind(tenant.as_str()).bind(environment.as_str()).fetch_optional(pool).await?);
     if let Some((run, state)) = run {
@@ -607,17 +608,50 @@ mod tests {
         id
     }
 
+    #[tokio::test]
+    async fn the_look_for_a_run_in_flight_reads_the_environments_index() {
+        let t = TestDatabase::new(Backend::Postgres).await;
+        runs_table(&t.db).await;
+        let ferry_store::database::Pool::Postgres(pool) = t.db.pool().clone() else {
+            unreachable!()
+        };
+        let mut tx = pool.begin().await.unwrap();
+        // The table is small: forbid the scan a planner takes there, so that the plan is
+        // the one a large table gets.
+        for setting in ["enable_seqscan", "enable_bitmapscan"] {
+            sqlx::query(&format!("SET LOCAL {setting} = off"))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        let (plan,): (serde_json::Value,) =
+            sqlx::query_as(&format!("EXPLAIN (FORMAT JSON) {RUN_IN_FLIGHT}"))
+                .bind("acme")
+                .bind("payments-test")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+        let plan = plan.to_string();
+        assert!(plan.contains("_environment"), "{plan}");
+        drop(tx);
+        t.cleanup().await;
+    }
+
+    async fn runs_table(db: &Database) {
+        let runs = ferry_projections::provisioning_projections()
+            .into_iter()
+            .find(|p| p.name() == "runs")
+            .unwrap();
+        ferry_projections::ProjectionRunner::live(runs)
+            .ensure_tables(db)
+            .await
+            .unwrap();
+    }
+
     ferry_store::test_on_both_engines! {
         async fn a_failed_apply_is_found_behind_any_number_of_other_specifications_applies(backend) {
             let t = TestDatabase::new(backend).await;
-            let runs = ferry_projections::provisioning_projections()
-                .into_iter()
-                .find(|p| p.name() == "runs")
-                .unwrap();
-            ferry_projections::ProjectionRunner::live(runs)
-                .ensure_tables(&t.db)
-                .await
-                .unwrap();
+            runs_table(&t.db).await;
             let tenant = TenantId::parse("acme").unwrap();
             let environment = EnvironmentId::parse("payments-test").unwrap();
             let spec = |kind| SpecificationId::for_environment(&tenant, &environment, kind);
