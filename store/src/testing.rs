@@ -16,6 +16,18 @@ pub struct TestDatabase {
     _dir: Option<tempfile::TempDir>,
 }
 
+/// Makes the rest of `tx`'s transaction plan as for a large table: the sequential and
+/// bitmap scans a small test table invites are forbidden, so that a test can assert which
+/// index a statement reads (`EXPLAIN`).
+pub async fn plan_as_for_large_tables(tx: &mut sqlx::PgConnection) {
+    for setting in ["enable_seqscan", "enable_bitmapscan"] {
+        sqlx::query(&format!("SET LOCAL {setting} = off"))
+            .execute(&mut *tx)
+            .await
+            .expect("a planner setting");
+    }
+}
+
 /// The server URL tests use for Postgres.
 pub fn postgres_url() -> String {
     std::env::var("DATABASE_URL")

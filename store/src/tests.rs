@@ -675,14 +675,8 @@ async fn the_batch_read_walks_the_stream_order_index() {
         unreachable!()
     };
     let mut tx = pool.begin().await.unwrap();
-    // The table is small: forbid the scans that a sort would follow, so that the plan is
-    // the one a large table gets.
-    for setting in ["enable_seqscan", "enable_bitmapscan"] {
-        sqlx::query(&format!("SET LOCAL {setting} = off"))
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-    }
+    // The table is small: the plan is to be the one a large table gets (no sort).
+    crate::testing::plan_as_for_large_tables(&mut tx).await;
     let (plan,): (serde_json::Value,) = sqlx::query_as(&format!(
         "EXPLAIN (FORMAT JSON) {}",
         crate::stream::PG_BATCH

@@ -616,14 +616,7 @@ mod tests {
             unreachable!()
         };
         let mut tx = pool.begin().await.unwrap();
-        // The table is small: forbid the scan a planner takes there, so that the plan is
-        // the one a large table gets.
-        for setting in ["enable_seqscan", "enable_bitmapscan"] {
-            sqlx::query(&format!("SET LOCAL {setting} = off"))
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-        }
+        ferry_store::testing::plan_as_for_large_tables(&mut tx).await;
         let (plan,): (serde_json::Value,) =
             sqlx::query_as(&format!("EXPLAIN (FORMAT JSON) {RUN_IN_FLIGHT}"))
                 .bind("acme")
