@@ -133,6 +133,14 @@ pub fn is_unavailable(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether the statement broke a unique constraint (on the events table: another writer
+/// stored the aggregate's sequence first).
+pub fn is_unique_violation(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}
+
 /// Whether Postgres rolled the statement's transaction back so that another could go on
 /// (a deadlock, 40P01, or a serialization failure, 40001): nothing of it was stored, and
 /// running it again may succeed.

@@ -23,7 +23,7 @@
 //! [`IN_FLIGHT`] groups are being written; otherwise they queue, and the next group takes
 //! everything queued (up to [`MAX_GROUP_ROWS`] events).
 
-use crate::database::is_rolled_back_for_another;
+use crate::database::{is_rolled_back_for_another, is_unique_violation};
 use crate::stream::Position;
 use sqlx::postgres::PgPool;
 use std::collections::HashMap;
@@ -358,12 +358,6 @@ fn take_group(waiting: &mut Vec<(NewEvents, Reply)>) -> Vec<(NewEvents, Reply)> 
         })
         .count();
     waiting.drain(..count.max(1).min(waiting.len())).collect()
-}
-
-fn is_unique_violation(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation)
 }
 
 /// Whether `member`'s basis names an aggregate that one of the `earlier` members writes

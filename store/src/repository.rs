@@ -91,10 +91,8 @@ impl<E: std::error::Error> CommandError<E> {
     /// Postgres rolled back for a deadlock with another, is a concurrent command; a busy,
     /// locked or unreachable store is unavailable (retry later).
     pub fn from_sql(error: sqlx::Error) -> Self {
-        let unique = error
-            .as_database_error()
-            .is_some_and(|e| e.kind() == sqlx::error::ErrorKind::UniqueViolation);
-        if unique || crate::database::is_rolled_back_for_another(&error) {
+        use crate::database::{is_rolled_back_for_another, is_unique_violation};
+        if is_unique_violation(&error) || is_rolled_back_for_another(&error) {
             Self::Conflict
         } else if is_unavailable(&error) {
             Self::Unavailable(Box::new(error))
