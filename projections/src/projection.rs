@@ -763,44 +763,143 @@ impl ProjectionRunner {
     /// The DDL that creates this runner's tables. Index names carry `token` so that a
     /// rebuilt table's indexes never collide with the live ones after a swap.
     pub fn create_statements(&self, backend: Backend, token: &str) -> Vec<String> {
+        self.projection
+            .tables()
+            .iter()
+            .flat_map(|spec| self.table_statements(spec, backend, token))
+            .collect()
+    }
+
+    /// The DDL of one of this runner's tables (see [`Self::create_statements`]).
+    fn table_statements(&self, spec: &TableSpec, backend: Backend, token: &str) -> Vec<String> {
         let (json, ts) = match backend {
             Backend::Postgres => ("jsonb", "timestamptz"),
             Backend::Sqlite => ("text", "text"),
         };
-        self.projection
-            .tables()
+        let name = self.tables.get(spec.base);
+        spec.ddl
             .iter()
-            .flat_map(|spec| {
-                let name = self.tables.get(spec.base).to_string();
-                spec.ddl.iter().map(move |ddl| {
-                    ddl.replace("{t}", &name)
-                        .replace("{i}", &format!("{name}_{token}"))
-                        .replace("{json}", json)
-                        .replace("{ts}", ts)
-                })
+            .map(|ddl| {
+                ddl.replace("{t}", name)
+                    .replace("{i}", &format!("{name}_{token}"))
+                    .replace("{json}", json)
+                    .replace("{ts}", ts)
             })
             .collect()
     }
 
-    /// Creates the tables unless the first one exists (a rebuilt table keeps the indexes it
-    /// was built with).
+    /// Creates the tables that do not exist and adds to those that do the indexes of this
+    /// version they lack. A table keeps the indexes it was made with (index names carry
+    /// the token of the build or rebuild that made them), so an index is recognised by what
+    /// it indexes ([`IndexShape`]), not by its name: a new version's index reaches an
+    /// existing deployment at its next start, without a rebuild. Columns a new version
+    /// adds to a table still need `ferry projections rebuild`.
     pub async fn ensure_tables(&self, db: &Database) -> Result<(), sqlx::Error> {
         let mut tx = Tx::begin(db).await?;
-        let first = self
-            .projection
-            .tables()
-            .first()
-            .map(|t| self.tables.get(t.base));
-        if let Some(first) = first {
-            if crate::rebuild::table_exists(&mut tx, first).await? {
-                return tx.commit().await;
-            }
+        if db.backend() == Backend::Postgres {
+            // Instances starting together would otherwise race to create the same table or
+            // index (a unique violation in the catalog) or add one index twice.
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('ferry:read-model-ddl', 0))",
+                &[],
+            )
+            .await?;
         }
-        for sql in self.create_statements(db.backend(), "v1") {
-            tx.execute(&sql, &[]).await?;
+        for spec in self.projection.tables() {
+            let table = self.tables.get(spec.base);
+            if !crate::rebuild::table_exists(&mut tx, table).await? {
+                for sql in self.table_statements(spec, db.backend(), "v1") {
+                    tx.execute(&sql, &[]).await?;
+                }
+                continue;
+            }
+            let present = index_shapes(&mut tx, table).await?;
+            // A name no earlier index of the table can hold (they carry "v1" or a rebuild's
+            // token), so that IF NOT EXISTS never skips the index being added.
+            let token = format!("m{}", &uuid::Uuid::new_v4().simple().to_string()[..7]);
+            for sql in self.table_statements(spec, db.backend(), &token) {
+                let Some(shape) = IndexShape::of(&sql) else {
+                    continue;
+                };
+                if !present.contains(&shape) {
+                    tracing::info!(table, index = %sql, "adding an index the table lacks");
+                    tx.execute(&sql, &[]).await?;
+                }
+            }
         }
         tx.commit().await
     }
+}
+
+/// What an index indexes, read from its `CREATE [UNIQUE] INDEX` statement: whether it is
+/// unique and its column list (quotes, spaces and case dropped). Two indexes of one table
+/// with the same shape serve the same reads, whatever their names; an index whose columns
+/// change in a later version is a new index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexShape {
+    unique: bool,
+    columns: String,
+}
+
+impl IndexShape {
+    /// The shape of a `CREATE [UNIQUE] INDEX ... ON table [USING method] (columns) ...`
+    /// statement (as written in a [`TableSpec`], as Postgres' `pg_get_indexdef` or SQLite's
+    /// `sqlite_master` give it back); `None` for any other statement.
+    pub fn of(statement: &str) -> Option<Self> {
+        let upper = statement.trim_start().to_ascii_uppercase();
+        let unique = upper.starts_with("CREATE UNIQUE INDEX");
+        if !unique && !upper.starts_with("CREATE INDEX") {
+            return None;
+        }
+        let on = upper.find(" ON ")?;
+        let open = on + statement[on..].find('(')?;
+        let mut depth = 0;
+        let mut close = None;
+        for (i, c) in statement[open..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = Some(open + i);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let columns = statement[open + 1..close?]
+            .chars()
+            .filter(|c| !c.is_whitespace() && *c != '"')
+            .collect::<String>()
+            .to_ascii_lowercase();
+        Some(Self { unique, columns })
+    }
+}
+
+/// The shapes of the indexes `table` has.
+pub(crate) async fn index_shapes(tx: &mut Tx, table: &str) -> Result<Vec<IndexShape>, sqlx::Error> {
+    let sql = match tx.backend() {
+        Backend::Postgres => {
+            "SELECT COALESCE(jsonb_agg(pg_get_indexdef(indexrelid)), '[]')
+             FROM pg_index WHERE indrelid = to_regclass($1)"
+        }
+        // Indexes SQLite makes itself (a primary key's) have no statement.
+        Backend::Sqlite => {
+            "SELECT json_group_array(sql) FROM sqlite_master
+             WHERE type = 'index' AND tbl_name = $1 AND sql IS NOT NULL"
+        }
+    };
+    let found = tx
+        .fetch_json(sql, &[Param::Text(Some(table.to_string()))])
+        .await?;
+    Ok(found
+        .as_ref()
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().and_then(IndexShape::of))
+        .collect())
 }
 
 #[async_trait::async_trait]

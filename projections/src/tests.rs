@@ -610,6 +610,107 @@ ferry_store::test_on_both_engines! {
     }
 }
 
+/// The shapes of the runs table's indexes, sorted (the primary key's is there on Postgres).
+async fn runs_index_shapes(db: &Database) -> Vec<String> {
+    let mut tx = ferry_store::stream::Tx::begin(db).await.unwrap();
+    let mut shapes: Vec<String> = crate::projection::index_shapes(&mut tx, "rm_runs")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|shape| format!("{shape:?}"))
+        .collect();
+    tx.commit().await.unwrap();
+    shapes.sort();
+    shapes
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_table_made_by_an_earlier_version_gets_the_index_it_lacks_once(backend) {
+        let tdb = TestDatabase::new(backend).await;
+        let db = &tdb.db;
+        let runs = ProjectionRunner::live(
+            all_projections().into_iter().find(|p| p.name() == "runs").unwrap(),
+        );
+        runs.ensure_tables(db).await.unwrap();
+        let current = runs_index_shapes(db).await;
+        assert!(
+            current.iter().any(|s| s.contains("tenant_id,environment_id,position")),
+            "{backend:?}: {current:?}"
+        );
+        // The table as a version before the environment index made it, with a run in it.
+        let w = World::new(db);
+        let spec = w.declare("a", "dev", "aaaaaaa").await;
+        w.request("a", "dev", spec).await;
+        project_until(db, "the run", || async {
+            on_pool!(db, pool => sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rm_runs")
+                .fetch_one(pool).await.unwrap()) == 1
+        })
+        .await;
+        on_pool!(db, pool => { sqlx::query("DROP INDEX rm_runs_v1_environment").execute(pool).await.unwrap(); });
+        assert_eq!(runs_index_shapes(db).await.len(), current.len() - 1, "{backend:?}");
+
+        // The next start adds it (under a name of its own), keeps the rows, and a start
+        // after that adds nothing.
+        runs.ensure_tables(db).await.unwrap();
+        assert_eq!(runs_index_shapes(db).await, current, "{backend:?}");
+        runs.ensure_tables(db).await.unwrap();
+        assert_eq!(runs_index_shapes(db).await, current, "{backend:?}");
+        let rows: i64 = on_pool!(db, pool => sqlx::query_scalar("SELECT count(*) FROM rm_runs")
+            .fetch_one(pool).await.unwrap());
+        assert_eq!(rows, 1, "{backend:?}");
+
+        // A rebuilt table's indexes carry the rebuild's token in their names: recognised by
+        // their shape, none is added again.
+        rebuild_named(db, &all_projections(), Some("runs")).await.unwrap();
+        runs.ensure_tables(db).await.unwrap();
+        assert_eq!(runs_index_shapes(db).await, current, "{backend:?}");
+        tdb.cleanup().await;
+    }
+}
+
+/// Instances starting together on one Postgres make the read-model tables once and none
+/// fails (they take turns; without the lock two CREATEs of one table can collide).
+#[tokio::test]
+async fn instances_starting_together_make_the_tables_once() {
+    let tdb = TestDatabase::new(ferry_store::database::Backend::Postgres).await;
+    let db = &tdb.db;
+    let starts = (0..4).map(|_| async {
+        for p in all_projections() {
+            ProjectionRunner::live(p).ensure_tables(db).await?;
+        }
+        Ok::<(), sqlx::Error>(())
+    });
+    for started in futures::future::join_all(starts).await {
+        started.unwrap();
+    }
+    assert_eq!(runs_index_shapes(db).await.len(), 3);
+    tdb.cleanup().await;
+}
+
+#[test]
+fn an_index_is_known_by_what_it_indexes() {
+    use crate::projection::IndexShape;
+    let spec = IndexShape::of(
+        "CREATE INDEX IF NOT EXISTS rm_runs_v1_page ON rm_runs (tenant_id, position)",
+    );
+    let postgres = IndexShape::of(
+        "CREATE INDEX rm_runs_rebuild_1a2b3c4d_page ON public.rm_runs USING btree (tenant_id, \"position\")",
+    );
+    assert!(spec.is_some());
+    assert_eq!(spec, postgres);
+    let unique = IndexShape::of(
+        "CREATE UNIQUE INDEX rm_runs_pkey ON public.rm_runs USING btree (tenant_id, position)",
+    );
+    assert_ne!(spec, unique);
+    let other = IndexShape::of("create index x on rm_runs (tenant_id,environment_id,position)");
+    assert_ne!(spec, other);
+    assert_eq!(
+        IndexShape::of("CREATE TABLE IF NOT EXISTS rm_runs (id text PRIMARY KEY)"),
+        None
+    );
+    assert_eq!(IndexShape::of("CREATE INDEX broken ON rm_runs"), None);
+}
+
 /// A read-your-writes wait reads the model once the projections it names have passed its
 /// command's events, not before and not when another projection moves; again at each of
 /// their commits while the check fails; on a poll when they do not move; at once when the
@@ -807,8 +908,21 @@ async fn a_live_projection_analyzes_a_table_that_grew() {
             }
         }
     };
+    // One catch-up can stop short while another test's transaction holds the stream back.
+    let project = |runs: i64| {
+        let runner = &runner;
+        eventually("every run projected", move || async move {
+            catch_up(db, runner).await.unwrap();
+            let rows: i64 = on_pool!(db, pool => sqlx::query_scalar("SELECT count(*) FROM rm_runs")
+                .fetch_one(pool).await.unwrap());
+            (rows == runs).then_some(())
+        })
+    };
+    // `requests` sends whole rounds of 16.
+    let first = (GROWTH_CHECK_EVERY + 100).div_ceil(16) as i64 * 16;
+    let second = GROWTH_CHECK_EVERY.div_ceil(16) as i64 * 16;
     requests(GROWTH_CHECK_EVERY + 100).await;
-    catch_up(db, &runner).await.unwrap();
+    project(first).await;
     // Postgres counts a connection's changes when it goes idle, at most once a second and
     // otherwise up to ten seconds later: a busy test suite can see them that late.
     eventually_within("the changes counted", 30, || async {
@@ -820,7 +934,7 @@ async fn a_live_projection_analyzes_a_table_that_grew() {
     .await;
     // Past the next check, the table is analyzed.
     requests(GROWTH_CHECK_EVERY).await;
-    catch_up(db, &runner).await.unwrap();
+    project(first + second).await;
     eventually_within("rm_runs analyzed", 30, || async {
         (reltuples().await >= GROWTH_CHECK_EVERY as f32).then_some(())
     })
