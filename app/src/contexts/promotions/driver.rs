@@ -426,15 +426,7 @@ impl Driver {
 
     /// Rejects promotions of withdrawn releases that are not deploying yet.
     async fn reject_withdrawn(&self) -> Result<(), DriverError> {
-        let sql = self.db.sql(
-            "SELECT p.tenant_id, p.promotion_id FROM rm_promotions p
-               JOIN rm_releases r ON r.tenant_id = p.tenant_id AND r.release_id = p.release_id
-              WHERE r.state = 'Withdrawn'
-                AND p.state IN ('Requested', 'GatesEvaluating', 'AwaitingApproval', 'Approved')",
-        );
-        let rows: Vec<(String, String)> =
-            on_pool!(self.db, pool => sqlx::query_as(&sql).fetch_all(pool).await?);
-        for (tenant, promotion) in rows {
+        for (tenant, promotion) in views::withdrawn_open_promotions(&self.db).await? {
             let (Ok(tenant), Ok(promotion)) =
                 (TenantId::parse(&tenant), PromotionId::parse(&promotion))
             else {
