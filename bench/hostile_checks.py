@@ -148,6 +148,21 @@ class Ferry:
             h.setdefault("Content-Type", "application/json")
         return self.http.request(method, self.base + path, data=data, headers=h, timeout=timeout)
 
+    def call_uploading(self, method: str, path: str, token: str, data: Any, ctype: str):
+        """A body past the limit. Ferry answers 413 from the announced length and closes the
+        connection without reading the rest; a client still uploading can meet the close
+        before it reads the answer (its race, not a refusal missed: seen on a slow moment of
+        the machine). The request is sent again, up to five times; None if every one met
+        the close. `data` may be a function making the body (an iterator is used up)."""
+        import requests
+        for _ in range(5):
+            body = data() if callable(data) else data
+            try:
+                return self.call(method, path, token, data=body, headers={"Content-Type": ctype})
+            except requests.ConnectionError:
+                continue
+        return None
+
 
 def j(r) -> Any:
     try:
@@ -363,12 +378,20 @@ def explicit(args) -> None:
     ]:
         for size, data in [("300 KiB", json.dumps(huge).encode()), ("8 MiB", b'{"a":"' + b"x" * (8 << 20) + b'"}')]:
             method = "PUT" if path.startswith("/factory/environments/") else "POST"
-            r = f.call(method, path, token, data=data, headers={"Content-Type": ctype})
-            problem_row(res, f"{size} body → {method} {short(path)}", r, range(400, 500))
+            r = f.call_uploading(method, path, token, data, ctype)
+            name = f"{size} body → {method} {short(path)}"
+            if r is None:
+                res.row(name, False, "the connection closed before an answer, five times")
+            else:
+                problem_row(res, name, r, range(400, 500))
     # A body past the limit whose length is not announced (chunked).
-    r = f.call("POST", "/factory/provisioning/specifications", alice,
-               data=iter([b'{"a":"'] + [b"x" * 65536] * 8 + [b'"}']), headers={"Content-Type": "application/json"})
-    problem_row(res, "512 KiB chunked body → POST specifications", r, range(400, 500))
+    name = "512 KiB chunked body → POST specifications"
+    r = f.call_uploading("POST", "/factory/provisioning/specifications", alice,
+                         lambda: iter([b'{"a":"'] + [b"x" * 65536] * 8 + [b'"}']), "application/json")
+    if r is None:
+        res.row(name, False, "the connection closed before an answer, five times")
+    else:
+        problem_row(res, name, r, range(400, 500))
     for path, token, ctype, method in [
         ("/factory/provisioning/specifications", alice, "application/json", "POST"),
         ("/factory/provisioning/runs", alice, "application/json", "POST"),
