@@ -834,7 +834,8 @@ impl ProjectionRunner {
 /// What an index indexes, read from its `CREATE [UNIQUE] INDEX` statement: whether it is
 /// unique and its column list (quotes, spaces and case dropped). Two indexes of one table
 /// with the same shape serve the same reads, whatever their names; an index whose columns
-/// change in a later version is a new index.
+/// change in a later version is a new index. The method and a partial index's predicate are
+/// not compared: the read models' indexes are plain B-trees over whole tables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexShape {
     unique: bool,
@@ -846,7 +847,10 @@ impl IndexShape {
     /// statement (as written in a [`TableSpec`], as Postgres' `pg_get_indexdef` or SQLite's
     /// `sqlite_master` give it back); `None` for any other statement.
     pub fn of(statement: &str) -> Option<Self> {
-        let upper = statement.trim_start().to_ascii_uppercase();
+        // One space between words, so that a statement over several lines reads the same
+        // (and the upper-cased copy keeps the byte offsets).
+        let statement = statement.split_whitespace().collect::<Vec<_>>().join(" ");
+        let upper = statement.to_ascii_uppercase();
         let unique = upper.starts_with("CREATE UNIQUE INDEX");
         if !unique && !upper.starts_with("CREATE INDEX") {
             return None;

@@ -704,6 +704,10 @@ fn an_index_is_known_by_what_it_indexes() {
     assert_ne!(spec, unique);
     let other = IndexShape::of("create index x on rm_runs (tenant_id,environment_id,position)");
     assert_ne!(spec, other);
+    let written_over_lines = IndexShape::of(
+        "\n  CREATE INDEX IF NOT EXISTS rm_runs_v1_page\n    ON rm_runs\n    (tenant_id,\n     position)",
+    );
+    assert_eq!(written_over_lines, spec);
     assert_eq!(
         IndexShape::of("CREATE TABLE IF NOT EXISTS rm_runs (id text PRIMARY KEY)"),
         None
