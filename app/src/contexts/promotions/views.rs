@@ -1147,9 +1147,8 @@ mod tests {
             (ENDED_ROLLBACKS, "_rollback"),
             (WITHDRAWN_OPEN_PROMOTIONS, "_open"),
         ] {
-            let mut tx = pool.begin().await.unwrap();
             let (plan,): (Value,) = sqlx::query_as(&format!("EXPLAIN (FORMAT JSON) {statement}"))
-                .fetch_one(&mut *tx)
+                .fetch_one(&pool)
                 .await
                 .unwrap();
             let mut scans = Vec::new();
