@@ -24,6 +24,7 @@ use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
 use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
 use ferry_store::events::{decode_event, first_event, ReadError};
 use ferry_store::{Database, Position, StoredEvent, Typed};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -67,13 +68,18 @@ pub fn inner_payload(payload: &Value) -> Value {
     }
 }
 
-/// [`inner_payload`] of a stored event's payload (for an event that was not decoded). The
-/// store only holds JSON, so the text is the data only if that JSON is too deep to parse.
-pub fn stored_inner_payload(stored: &StoredEvent) -> Value {
-    stored.payload.to_value().map_or_else(
-        |_| Value::String(stored.payload.get().to_string()),
-        into_inner_payload,
-    )
+/// [`inner_payload`] of a stored event's payload (for an event that was not decoded), as
+/// compact JSON text (the store may hold it spaced). The store only holds JSON, so the text
+/// is the data only if that JSON is too deep to parse.
+pub fn stored_inner_payload(stored: &StoredEvent) -> Box<RawValue> {
+    let text = |json: &str| {
+        serde_json::value::to_raw_value(json).unwrap_or_else(|_| RawValue::NULL.to_owned())
+    };
+    match stored.payload.to_value() {
+        Ok(value) => serde_json::value::to_raw_value(&into_inner_payload(value))
+            .unwrap_or_else(|_| text(stored.payload.get())),
+        Err(_) => text(stored.payload.get()),
+    }
 }
 
 /// [`inner_payload`] of a value the caller owns: nothing is copied.
@@ -86,13 +92,24 @@ fn into_inner_payload(payload: Value) -> Value {
     }
 }
 
+/// [`inner_payload`] of the compact JSON an event serialized to, read without building a
+/// tree: the object of a map with one key (an externally tagged variant), else the whole
+/// text (a unit variant is a string).
+fn inner_raw(json: String) -> Result<Box<RawValue>, serde_json::Error> {
+    let inner = match serde_json::from_str::<std::collections::HashMap<&str, &RawValue>>(&json) {
+        Ok(map) if map.len() == 1 => map.values().next().map(|inner| inner.get().to_string()),
+        _ => None,
+    };
+    RawValue::from_string(inner.unwrap_or(json))
+}
+
 /// The domain event on `ferry.events.<aggregate>.<event>`, its inner object as data.
 pub fn domain_message<E: DomainEvent>(stored: &StoredEvent, event: &E) -> Message {
     let subject = subjects::domain_subject(&stored.aggregate_type, &event.event_type());
-    match serde_json::to_value(event) {
-        Ok(value) => Message {
+    match serde_json::to_string(event).and_then(inner_raw) {
+        Ok(data) => Message {
             subject,
-            data: into_inner_payload(value),
+            data,
             degraded: None,
         },
         // Ferry's events always serialize; should one not, the stored object still tells.
@@ -133,7 +150,7 @@ pub fn integration<E: DomainEvent>(
     stored: &StoredEvent,
     event: &E,
     subject: &str,
-    data: Result<Value, serde_json::Error>,
+    data: Result<Box<RawValue>, serde_json::Error>,
 ) -> Message {
     match data {
         Ok(data) => Message {
@@ -259,7 +276,7 @@ impl Publisher for RunPublisher {
 
 fn specification_message(stored: &StoredEvent, event: &SpecificationEvent) -> Message {
     let SpecificationEvent::SpecificationDeclared(v) = event;
-    let data = serde_json::to_value(SpecificationDeclaredPayload {
+    let data = serde_json::value::to_raw_value(&SpecificationDeclaredPayload {
         specification_id: v.specification_id,
         tenant_id: v.tenant_id.clone(),
         environment_id: v.environment_id.clone(),
@@ -297,7 +314,7 @@ async fn run_message(
     let (subject, data) = match which {
         RunIntegration::Planned(receipt) => (
             subjects::PROVISIONING_PLANNED,
-            serde_json::to_value(ProvisioningPlannedPayload {
+            serde_json::value::to_raw_value(&ProvisioningPlannedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
                 environment_id: request.environment_id,
@@ -314,7 +331,7 @@ async fn run_message(
         ),
         RunIntegration::Applied(receipt) => (
             subjects::PROVISIONING_APPLIED,
-            serde_json::to_value(ProvisioningAppliedPayload {
+            serde_json::value::to_raw_value(&ProvisioningAppliedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
                 project_id: request.project_id,
@@ -327,7 +344,7 @@ async fn run_message(
         ),
         RunIntegration::Failed(reason) => (
             subjects::PROVISIONING_FAILED,
-            serde_json::to_value(ProvisioningFailedPayload {
+            serde_json::value::to_raw_value(&ProvisioningFailedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
                 environment_id: request.environment_id,
@@ -399,5 +416,11 @@ mod tests {
         assert_eq!(inner_payload(&flat), flat);
         assert_eq!(into_inner_payload(v.clone()), inner_payload(&v));
         assert_eq!(into_inner_payload(flat.clone()), flat);
+        // The text route gives the same JSON as the tree route.
+        for event in [&v, &flat, &serde_json::json!("ProvisioningCancelled")] {
+            let raw = inner_raw(event.to_string()).unwrap();
+            let read: Value = serde_json::from_str(raw.get()).unwrap();
+            assert_eq!(read, inner_payload(event), "{event}");
+        }
     }
 }

@@ -13,20 +13,31 @@ use crate::schemas::{domain_event_docs, Documents};
 use crate::subjects;
 use ferry_store::events::{decode_event, ReadError, StoredAggregate};
 use ferry_store::{Database, StoredEvent};
+use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// A message's subject and data, and why it is degraded if it is.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Message {
     /// The NATS subject (also the CloudEvent `type`).
     pub subject: String,
-    /// The CloudEvent's data.
-    pub data: Value,
+    /// The CloudEvent's data as JSON text: written into the envelope as it is, without a
+    /// `Value` tree between the event and its bytes (the relay encodes every event).
+    pub data: Box<RawValue>,
     /// Set when an integration payload could not be built and the domain event went instead.
     pub degraded: Option<String>,
+}
+
+/// Equal when subject, data text and degradation are.
+impl PartialEq for Message {
+    fn eq(&self, other: &Self) -> bool {
+        self.subject == other.subject
+            && self.data.get() == other.data.get()
+            && self.degraded == other.degraded
+    }
 }
 
 /// A message as the relay and the SSE stream send it.
@@ -71,7 +82,7 @@ struct Envelope<'a> {
     correlationid: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     causationid: Option<&'a str>,
-    data: &'a Value,
+    data: &'a RawValue,
 }
 
 /// One aggregate's events as Ferry publishes them, with the subjects they go on.
@@ -170,13 +181,7 @@ impl Publishers {
         event: &StoredEvent,
     ) -> Result<Outbound, ReadError> {
         let message = self.message(db, event).await?;
-        let meta = |key: &str| {
-            event
-                .metadata
-                .get(key)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        };
+        let metadata = &event.metadata;
         Ok(Outbound {
             event: CloudEvent {
                 specversion: SPEC_VERSION.to_string(),
@@ -186,22 +191,25 @@ impl Publishers {
                 subject: Some(event.aggregate_id.clone()),
                 time: Some(event.recorded_at),
                 datacontenttype: Some(JSON.to_string()),
-                tenantid: meta("tenantId"),
+                tenantid: metadata.tenant_id().map(str::to_string),
                 ferryaggregatetype: Some(event.aggregate_type.clone()),
                 ferrysequence: Some(event.sequence),
                 ferryposition: Some(position_token(event.position)),
-                correlationid: meta("correlationId"),
-                causationid: meta("causationId"),
-                data: message.data,
+                correlationid: metadata.correlation_id().map(str::to_string),
+                causationid: metadata.causation_id().map(str::to_string),
+                // Ferry wrote this text; should it not read back, the text still tells.
+                data: serde_json::from_str(message.data.get())
+                    .unwrap_or_else(|_| Value::String(message.data.get().to_string())),
             },
             subject: message.subject,
             degraded: message.degraded,
         })
     }
 
-    /// The CloudEvent for `event` as JSON bytes, with its subject: the bytes of
-    /// [`to_outbound`](Self::to_outbound)'s event, written from borrowed parts (the relay
-    /// and the SSE stream send only bytes, so the envelope's strings are not copied).
+    /// The CloudEvent for `event` as JSON bytes, with its subject: the JSON of
+    /// [`to_outbound`](Self::to_outbound)'s event, written from borrowed parts and the
+    /// data's text (the relay and the SSE stream send only bytes, so neither the envelope's
+    /// strings nor a tree of the data are built). The data's keys keep its type's order.
     pub async fn encode(
         &self,
         db: &Database,
@@ -210,7 +218,6 @@ impl Publishers {
         position: &str,
     ) -> Result<Encoded, EncodeError> {
         let message = self.message(db, event).await?;
-        let meta = |key: &str| event.metadata.get(key).and_then(Value::as_str);
         let envelope = Envelope {
             specversion: SPEC_VERSION,
             id: event.event_id,
@@ -219,12 +226,12 @@ impl Publishers {
             subject: &event.aggregate_id,
             time: &event.recorded_at,
             datacontenttype: JSON,
-            tenantid: meta("tenantId"),
+            tenantid: event.metadata.tenant_id(),
             ferryaggregatetype: &event.aggregate_type,
             ferrysequence: event.sequence,
             ferryposition: position,
-            correlationid: meta("correlationId"),
-            causationid: meta("causationId"),
+            correlationid: event.metadata.correlation_id(),
+            causationid: event.metadata.causation_id(),
             data: &message.data,
         };
         Ok(Encoded {

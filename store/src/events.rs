@@ -14,12 +14,12 @@
 //! * [`Tx::first_event`] and [`first_event`] read an aggregate's first event, typed.
 
 use crate::database::{Database, Pool};
+use crate::metadata::StoredMetadata;
 use crate::stream::{pg_event, sqlite_event, Handler, HandlerError, Position, StoredEvent, Tx};
 use chrono::{DateTime, Utc};
 use cqrs_es::persist::{EventUpcaster, SemanticVersion, SerializedEvent};
 use cqrs_es::{Aggregate, DomainEvent};
 use serde::Deserialize;
-use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
 
@@ -68,8 +68,9 @@ pub struct Typed<E> {
     pub aggregate_id: String,
     /// The aggregate's sequence number of this event.
     pub sequence: i64,
-    /// The metadata map (tenantId, actor, correlationId, causationId, requestId).
-    pub metadata: Value,
+    /// The metadata (tenantId, actor, correlationId, causationId, requestId), shared with
+    /// the stored event it was decoded from.
+    pub metadata: StoredMetadata,
     /// When the store recorded it.
     pub recorded_at: DateTime<Utc>,
     /// The event, in its current version.
@@ -79,12 +80,7 @@ pub struct Typed<E> {
 impl<E> Typed<E> {
     /// The tenant from the metadata.
     pub fn tenant_id(&self) -> Option<&str> {
-        self.meta("tenantId")
-    }
-
-    /// A text field of the metadata, e.g. `correlationId`.
-    pub fn meta(&self, key: &str) -> Option<&str> {
-        self.metadata.get(key).and_then(Value::as_str)
+        self.metadata.tenant_id()
     }
 }
 
@@ -241,7 +237,7 @@ fn decode_payload<A: StoredAggregate>(
             event.event_type.clone(),
             event.event_version.clone(),
             event.payload.to_value().map_err(payload_error)?,
-            event.metadata.clone(),
+            event.metadata.to_value(),
         );
         Some(upcasters.iter().fold(stored, |e, u| {
             if u.can_upcast(&e.event_type, &e.event_version) {

@@ -557,7 +557,7 @@ mod tests {
             let last = stored
                 .iter()
                 .filter(|e| e.aggregate_id == format!("q-{n}"))
-                .inspect(|e| assert_eq!(e.metadata["command"], format!("q-{n}")))
+                .inspect(|e| assert_eq!(e.metadata.to_value()["command"], format!("q-{n}")))
                 .max_by_key(|e| e.sequence)
                 .unwrap();
             assert_eq!(last.sequence, (n % 3 + 1) as i64);
@@ -616,7 +616,7 @@ mod tests {
             .filter(|e| e.aggregate_id == "taken")
             .collect();
         assert_eq!(taken.len(), 1, "nothing of the refused command is stored");
-        assert_eq!(taken[0].metadata["command"], "taken");
+        assert_eq!(taken[0].metadata.to_value()["command"], "taken");
         assert_eq!(
             stored.iter().filter(|e| e.aggregate_id == "first").count(),
             2

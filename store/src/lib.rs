@@ -27,7 +27,7 @@ pub mod testing;
 pub use database::{is_unavailable, Backend, Database, DatabaseError, StoreOptions};
 pub use events::{DecodeError, StoredAggregate, Subscriber, Subscription, Typed};
 pub use group::Basis;
-pub use metadata::EventMetadata;
+pub use metadata::{EventMetadata, StoredMetadata};
 pub use repository::{
     error_chain, BoxError, CommandError, Executed, LinkedWrite, Read, Repository,
 };

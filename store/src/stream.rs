@@ -12,6 +12,7 @@
 
 use crate::database::{Backend, Database, DatabaseError, Pool};
 use crate::events::DecodeError;
+use crate::metadata::StoredMetadata;
 use crate::repository::BoxError;
 use chrono::{DateTime, Utc};
 use serde_json::value::RawValue;
@@ -54,8 +55,8 @@ pub struct StoredEvent {
     pub event_version: String,
     /// The serialized domain event, as the store holds it.
     pub payload: Payload,
-    /// The metadata map (tenantId, actor, correlationId, causationId, requestId).
-    pub metadata: Value,
+    /// The metadata (tenantId, actor, correlationId, causationId, requestId).
+    pub metadata: StoredMetadata,
     /// When the store recorded it.
     pub recorded_at: DateTime<Utc>,
 }
@@ -106,7 +107,7 @@ impl std::fmt::Debug for Payload {
 impl StoredEvent {
     /// The tenant from the metadata.
     pub fn tenant_id(&self) -> Option<&str> {
-        self.metadata.get("tenantId").and_then(Value::as_str)
+        self.metadata.tenant_id()
     }
 }
 
@@ -280,7 +281,10 @@ pub(crate) fn pg_event(row: &PgRow) -> Result<StoredEvent, sqlx::Error> {
             row.try_get::<sqlx::types::Json<Box<RawValue>>, _>("payload")?
                 .0,
         ),
-        metadata: row.try_get("metadata")?,
+        metadata: StoredMetadata::parse(
+            row.try_get::<sqlx::types::Json<Box<RawValue>>, _>("metadata")?
+                .0,
+        ),
         recorded_at: row.try_get("recorded_at")?,
     })
 }
@@ -303,7 +307,7 @@ pub(crate) fn sqlite_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> 
         event_type: row.try_get("event_type")?,
         event_version: row.try_get("event_version")?,
         payload: Payload::parse(payload).map_err(decode)?,
-        metadata: serde_json::from_str(&metadata).map_err(decode)?,
+        metadata: StoredMetadata::parse(RawValue::from_string(metadata).map_err(decode)?),
         recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))?
             .with_timezone(&Utc),

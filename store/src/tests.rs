@@ -104,7 +104,7 @@ crate::test_on_both_engines! {
         })
         .await;
         assert_eq!(events[0].tenant_id(), Some("a"));
-        assert_eq!(events[0].metadata["actor"], "alice");
+        assert_eq!(events[0].metadata.actor(), Some("alice"));
         assert_ne!(events[0].event_id, events[1].event_id);
         assert_eq!(events[1].event_type, "ProvisioningCancelled");
         t.cleanup().await;

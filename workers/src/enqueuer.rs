@@ -39,7 +39,7 @@ impl Enqueuer {
 /// The event's correlation (kept from its metadata) and causation (the event itself).
 fn correlation<E>(event: &Typed<E>) -> (Option<String>, Option<String>) {
     (
-        event.meta("correlationId").map(str::to_string),
+        event.metadata.correlation_id().map(str::to_string),
         Some(event.event_id.to_string()),
     )
 }

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::database::Backend;
+use crate::metadata::StoredMetadata;
 use crate::repository::Repository;
 use crate::stream::{self, Handler};
 use crate::testing::{eventually, TestDatabase};
@@ -13,6 +14,7 @@ use ferry_domain::run::{ProvisioningRun, RunEvent};
 use ferry_domain::{TenantId, TenantOwned};
 use serde::Serialize;
 use serde_json::json;
+use serde_json::Value;
 use std::sync::Mutex;
 
 /// A test aggregate whose only event is at version 2.0: version 1.0 called the amount `n`.
@@ -140,7 +142,7 @@ fn stored(
         event_type: event_type.to_string(),
         event_version: event_version.to_string(),
         payload: (&payload).into(),
-        metadata: json!({"tenantId": "a"}),
+        metadata: StoredMetadata::from_value(&json!({"tenantId": "a"})),
         recorded_at: Utc::now(),
     }
 }
@@ -176,7 +178,7 @@ crate::test_on_both_engines! {
         assert_eq!((events[0].sequence, events[1].sequence), (1, 2));
         assert_eq!(events[0].aggregate_id, "t-1");
         assert_eq!(events[0].tenant_id(), Some("a"));
-        assert_eq!(events[0].meta("correlationId"), Some("c-1"));
+        assert_eq!(events[0].metadata.correlation_id(), Some("c-1"));
         assert!(events[0].position < events[1].position);
         t.cleanup().await;
     }

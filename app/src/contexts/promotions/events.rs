@@ -226,7 +226,7 @@ fn integration_message(
     let (subject, data) = match event {
         PromotionEvent::PromotionRequested(_) => (
             PROMOTION_REQUESTED,
-            serde_json::to_value(PromotionRequestedPayload {
+            serde_json::value::to_raw_value(&PromotionRequestedPayload {
                 promotion_id: r.promotion_id,
                 tenant_id: r.tenant_id.clone(),
                 project_id: r.project_id.clone(),
@@ -243,7 +243,7 @@ fn integration_message(
             ..
         } => (
             PROMOTION_APPROVED,
-            serde_json::to_value(PromotionApprovedPayload {
+            serde_json::value::to_raw_value(&PromotionApprovedPayload {
                 promotion_id: r.promotion_id,
                 tenant_id: r.tenant_id.clone(),
                 release_id: r.release_id,
@@ -255,7 +255,7 @@ fn integration_message(
         ),
         PromotionEvent::PromotionCompleted { .. } => (
             PROMOTION_COMPLETED,
-            serde_json::to_value(PromotionCompletedPayload {
+            serde_json::value::to_raw_value(&PromotionCompletedPayload {
                 promotion_id: r.promotion_id,
                 tenant_id: r.tenant_id.clone(),
                 project_id: r.project_id.clone(),
@@ -271,7 +271,7 @@ fn integration_message(
             ..
         } => (
             PROMOTION_FAILED,
-            serde_json::to_value(PromotionFailedPayload {
+            serde_json::value::to_raw_value(&PromotionFailedPayload {
                 promotion_id: r.promotion_id,
                 tenant_id: r.tenant_id.clone(),
                 release_id: r.release_id,
@@ -285,7 +285,7 @@ fn integration_message(
             ..
         } => (
             ROLLBACK_COMPLETED,
-            serde_json::to_value(RollbackCompletedPayload {
+            serde_json::value::to_raw_value(&RollbackCompletedPayload {
                 promotion_id: r.promotion_id,
                 tenant_id: r.tenant_id.clone(),
                 environment_id: r.environment_id.clone(),
