@@ -595,8 +595,20 @@ ferry_store::test_on_both_engines! {
         let total: i64 = on_pool!(db, pool => sqlx::query_scalar("SELECT count(*) FROM events")
             .fetch_one(pool).await.unwrap());
         assert_eq!(total, 1 + 70 * 16);
-        let head: i64 = on_pool!(db, pool => sqlx::query_scalar("SELECT max(global_position) FROM events")
-            .fetch_one(pool).await.unwrap());
+        // The stream's last event in stream order, `(transaction_id, global_position)`:
+        // under concurrent appends a later transaction may hold a lower global position,
+        // so the highest global position is not necessarily where the replay ends.
+        let head: i64 = match db.pool() {
+            ferry_store::database::Pool::Postgres(pool) => sqlx::query_scalar(
+                "SELECT global_position FROM events ORDER BY transaction_id DESC, global_position DESC LIMIT 1",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap(),
+            ferry_store::database::Pool::Sqlite(pool) => {
+                sqlx::query_scalar("SELECT max(global_position) FROM events").fetch_one(pool).await.unwrap()
+            }
+        };
         project_until(db, "every run", || async { true }).await;
         let before = snapshot(db).await;
         assert!(before.contains(&"rm_runs: 1120".to_string()), "{backend:?}");
