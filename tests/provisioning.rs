@@ -277,6 +277,33 @@ async fn non_production_run_applies_with_both_receipts(backend: Backend) {
         }
     })
     .await;
+    // The group commit's counters: on Postgres the commands' events went through it (a
+    // group may hold one command); SQLite appends one command at a time and shows none.
+    let metrics = f.s.metrics().await;
+    let counter = |name: &str| {
+        metrics.lines().find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    match backend {
+        Backend::Postgres => {
+            let groups = counter("ferry_append_groups_total").expect("groups counted");
+            let commands = counter("ferry_append_group_commands_total").expect("commands counted");
+            let events = counter("ferry_append_group_events_total").expect("events counted");
+            assert!(
+                groups >= 1 && commands >= groups && events >= commands,
+                "{groups} {commands} {events}"
+            );
+            assert!(
+                counter("ferry_append_groups_split_total").is_some(),
+                "{metrics}"
+            );
+        }
+        Backend::Sqlite => assert!(!metrics.contains("ferry_append_group"), "{metrics}"),
+    }
     // Each read model follows the stream on its own; wait for this one to catch up.
     let (alice, id) = (&operator("acme", "alice"), &id);
     eventually_showing("the applied specification shown", 10, || async {

@@ -3,17 +3,19 @@
 //! `/metrics` is the process's one Prometheus registry, made by the wiring
 //! ([`crate::server::Server`]): the workers' run counters, the inbound counters, and the NATS
 //! relay's and inbound consumers' state register their families in it; this module adds
-//! the subscriptions' lag and stuck state, set from the store just before each scrape. Each
+//! the subscriptions' lag and stuck state and the group commit's counters, read from the
+//! store just before each scrape. Each
 //! server has its own registry (not the library's global one), so servers sharing one
 //! process (as in the end-to-end tests) each count only their own work.
 
 use ferry_api::ports::{Readiness, Telemetry};
 use ferry_messaging::health::ConsumerStatuses;
 use ferry_messaging::RelayMetrics;
+use ferry_store::group::GroupStats;
 use ferry_store::stream::{SubscriptionProblem, SubscriptionStatus};
 use ferry_store::Database;
 use ferry_workers::metrics::Metrics;
-use prometheus::{IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{IntCounter, IntGaugeVec, Opts, Registry, TextEncoder};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// What the NATS relay and the inbound consumers report about themselves.
@@ -37,6 +39,7 @@ pub struct ProcessTelemetry {
     // Held from setting these gauges until the registry is gathered, so that two scrapes
     // at once cannot mix their values.
     subscriptions: Mutex<SubscriptionGauges>,
+    groups: GroupCounters,
     nats: Option<NatsHealth>,
 }
 
@@ -52,13 +55,79 @@ impl ProcessTelemetry {
     ) -> prometheus::Result<Self> {
         let subscriptions = SubscriptionGauges::new()?;
         subscriptions.register(&registry)?;
+        let groups = GroupCounters::new()?;
+        groups.register(&registry, db.group_stats().is_some())?;
         Ok(Self {
             db,
             runs,
             registry,
             subscriptions: Mutex::new(subscriptions),
+            groups,
             nats,
         })
+    }
+}
+
+/// The group commit's counters (Postgres only: SQLite has no groups, and shows none).
+/// The store counts; each scrape moves these by what it counted since the last one.
+struct GroupCounters {
+    /// `ferry_append_groups_total`.
+    groups: IntCounter,
+    /// `ferry_append_group_commands_total`: with the groups, the commands per group.
+    commands: IntCounter,
+    /// `ferry_append_group_events_total`.
+    events: IntCounter,
+    /// `ferry_append_groups_split_total`.
+    split: IntCounter,
+    /// What the counters show now.
+    shown: Mutex<GroupStats>,
+}
+
+impl GroupCounters {
+    fn new() -> prometheus::Result<Self> {
+        Ok(Self {
+            groups: IntCounter::new(
+                "ferry_append_groups_total",
+                "Group commits written: one statement and one transaction for the events of concurrent commands.",
+            )?,
+            commands: IntCounter::new(
+                "ferry_append_group_commands_total",
+                "Commands appended in group commits.",
+            )?,
+            events: IntCounter::new(
+                "ferry_append_group_events_total",
+                "Events appended in group commits.",
+            )?,
+            split: IntCounter::new(
+                "ferry_append_groups_split_total",
+                "Group commits refused as a whole (a command lost a race, or a deadlock), whose commands were appended one at a time.",
+            )?,
+            shown: Mutex::default(),
+        })
+    }
+
+    fn register(&self, registry: &Registry, postgres: bool) -> prometheus::Result<()> {
+        if !postgres {
+            return Ok(());
+        }
+        for counter in [&self.groups, &self.commands, &self.events, &self.split] {
+            registry.register(Box::new(counter.clone()))?;
+        }
+        Ok(())
+    }
+
+    /// Moves each counter up to what the store counted.
+    fn advance(&self, now: GroupStats) {
+        let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
+        for (counter, now, was) in [
+            (&self.groups, now.groups, shown.groups),
+            (&self.commands, now.commands, shown.commands),
+            (&self.events, now.events, shown.events),
+            (&self.split, now.split, shown.split),
+        ] {
+            counter.inc_by(now.saturating_sub(was));
+        }
+        *shown = now;
     }
 }
 
@@ -170,6 +239,9 @@ impl Telemetry for ProcessTelemetry {
             &self.db.subscription_health().problems(),
             self.nats.as_ref(),
         );
+        if let Some(stats) = self.db.group_stats() {
+            self.groups.advance(stats);
+        }
         let families = self.registry.gather();
         drop(gauges);
         TextEncoder::new()
@@ -276,5 +348,53 @@ mod tests {
         // No checkpoint row for the relay yet: no made-up relay lag.
         let text = scrape(&gauges, &registry, Some(&rows[..1]), &[], Some(&nats));
         assert!(!text.contains("ferry_nats_relay_lag_events"), "{text}");
+    }
+
+    #[test]
+    fn the_group_counters_show_what_the_store_counted_however_often_scraped() {
+        let registry = Registry::new();
+        let counters = GroupCounters::new().unwrap();
+        counters.register(&registry, true).unwrap();
+        let shown = |stats: GroupStats| {
+            counters.advance(stats);
+            TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap()
+        };
+        let first = GroupStats {
+            groups: 3,
+            commands: 7,
+            events: 9,
+            split: 1,
+        };
+        for text in [shown(first), shown(first)] {
+            for line in [
+                "ferry_append_groups_total 3\n",
+                "ferry_append_group_commands_total 7\n",
+                "ferry_append_group_events_total 9\n",
+                "ferry_append_groups_split_total 1\n",
+            ] {
+                assert!(text.contains(line), "no {line:?} in\n{text}");
+            }
+        }
+        let later = GroupStats {
+            groups: 5,
+            commands: 12,
+            events: 20,
+            split: 1,
+        };
+        let text = shown(later);
+        assert!(text.contains("ferry_append_groups_total 5\n"), "{text}");
+        assert!(
+            text.contains("ferry_append_group_commands_total 12\n"),
+            "{text}"
+        );
+        // SQLite: nothing registered, nothing shown.
+        let registry = Registry::new();
+        GroupCounters::new()
+            .unwrap()
+            .register(&registry, false)
+            .unwrap();
+        assert!(registry.gather().is_empty());
     }
 }

@@ -294,6 +294,12 @@ impl Database {
         self.appender.as_ref()
     }
 
+    /// What the group commit of this process has written (Postgres; `None` on SQLite,
+    /// which appends one command at a time).
+    pub fn group_stats(&self) -> Option<crate::group::GroupStats> {
+        self.appender.as_ref().map(|a| a.stats())
+    }
+
     /// What the subscriptions of this process report about themselves (e.g. stuck on an
     /// event they cannot handle), for readiness and metrics.
     pub fn subscription_health(&self) -> &crate::stream::SubscriptionHealth {

@@ -27,6 +27,7 @@ use crate::database::{is_rolled_back_for_another, is_unique_violation};
 use crate::stream::Position;
 use sqlx::postgres::PgPool;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -143,6 +144,30 @@ struct Queue {
 pub struct GroupAppender {
     pool: PgPool,
     queue: Mutex<Queue>,
+    counters: Counters,
+}
+
+/// What the appender has written since the process started, for `/metrics`: how well
+/// commands are grouped (commands per group) and how often a group had to be split.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Group statements written (a group may hold one command).
+    pub groups: u64,
+    /// Commands those groups held.
+    pub commands: u64,
+    /// Events those groups held.
+    pub events: u64,
+    /// Groups Postgres refused as a whole for a lost race or a deadlock, whose commands
+    /// were then appended one at a time.
+    pub split: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    groups: AtomicU64,
+    commands: AtomicU64,
+    events: AtomicU64,
+    split: AtomicU64,
 }
 
 impl std::fmt::Debug for GroupAppender {
@@ -204,6 +229,18 @@ impl GroupAppender {
         Self {
             pool,
             queue: Mutex::default(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// What this appender has written so far.
+    pub fn stats(&self) -> GroupStats {
+        let c = &self.counters;
+        GroupStats {
+            groups: c.groups.load(Ordering::Relaxed),
+            commands: c.commands.load(Ordering::Relaxed),
+            events: c.events.load(Ordering::Relaxed),
+            split: c.split.load(Ordering::Relaxed),
         }
     }
 
@@ -265,6 +302,12 @@ impl GroupAppender {
 
     async fn write(&self, group: Vec<(NewEvents, Reply)>) {
         let members: Vec<&NewEvents> = group.iter().map(|(events, _)| events).collect();
+        let c = &self.counters;
+        c.groups.fetch_add(1, Ordering::Relaxed);
+        c.commands
+            .fetch_add(members.len() as u64, Ordering::Relaxed);
+        let events: usize = members.iter().map(|m| m.events.len()).sum();
+        c.events.fetch_add(events as u64, Ordering::Relaxed);
         match insert(&self.pool, &members).await {
             Ok(stored) => {
                 for (events, reply) in group {
@@ -278,6 +321,7 @@ impl GroupAppender {
                 if (is_unique_violation(&error) || is_rolled_back_for_another(&error))
                     && group.len() > 1 =>
             {
+                self.counters.split.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(
                     commands = group.len(),
                     %error,
@@ -572,6 +616,16 @@ mod tests {
         transactions.sort_unstable();
         transactions.dedup();
         assert_eq!(transactions.len(), IN_FLIGHT + 1);
+        // The counters show it: one group per busy writer and one of six commands.
+        assert_eq!(
+            t.db.group_stats(),
+            Some(GroupStats {
+                groups: IN_FLIGHT as u64 + 1,
+                commands: IN_FLIGHT as u64 + 6,
+                events: IN_FLIGHT as u64 + 12,
+                split: 0,
+            })
+        );
         // Every aggregate's events in order in the stream.
         for n in 0..6 {
             let sequences: Vec<i64> = stored
@@ -617,6 +671,16 @@ mod tests {
             .collect();
         assert_eq!(taken.len(), 1, "nothing of the refused command is stored");
         assert_eq!(taken[0].metadata.to_value()["command"], "taken");
+        // The refused group counts as split; its appends one by one are not groups.
+        assert_eq!(
+            t.db.group_stats(),
+            Some(GroupStats {
+                groups: 1 + IN_FLIGHT as u64 + 1,
+                commands: 1 + IN_FLIGHT as u64 + 3,
+                events: 1 + IN_FLIGHT as u64 + 2 + 2 + 1,
+                split: 1,
+            })
+        );
         assert_eq!(
             stored.iter().filter(|e| e.aggregate_id == "first").count(),
             2
