@@ -155,6 +155,18 @@ TAIL_PID=$!
 start_writer "$SOAK_MAX_SECONDS" "$SOAK_EVENTS"
 
 KILLS=0 NATS_RESTARTS=0 NATS_TAIL_LOSSES=0
+# Group commit's counters, summed over Ferry's lives (each start counts from zero), read
+# just before each kill and at the end: how the racing writers' commands were grouped and
+# how often Postgres refused a group as a whole.
+GC_GROUPS=0 GC_COMMANDS=0 GC_SPLIT=0
+count_groups() {
+  local metrics
+  metrics=$(curl -sf --max-time 5 "$FERRY_URL/metrics" || true)
+  counter() { awk -v n="$1" '$1 == n {v = $2} END {print v + 0}' <<<"$metrics"; }
+  GC_GROUPS=$((GC_GROUPS + $(counter ferry_append_groups_total)))
+  GC_COMMANDS=$((GC_COMMANDS + $(counter ferry_append_group_commands_total)))
+  GC_SPLIT=$((GC_SPLIT + $(counter ferry_append_groups_split_total)))
+}
 # The fault plan: Ferry kills, with NATS's restart and its lost tail in between.
 PLAN=(ferry nats-restart ferry nats-lose-tail ferry)
 step=0
@@ -181,6 +193,7 @@ while :; do
     ferry)
       KILLS=$((KILLS + 1))
       log "fault: kill -9 ferry (pid $FERRY_PID), kill $KILLS"
+      count_groups
       kill -9 "$FERRY_PID"; wait "$FERRY_PID" 2>/dev/null || true
       start_ferry
       log "ferry restarted (pid $FERRY_PID)"
@@ -215,6 +228,7 @@ CHECKED=$(( $(date +%s) - STARTED - WROTE ))
 EVENTS=$(psql "$DATABASE_URL" -Atc "SELECT count(*) FROM events")
 REPUBLISHED=$(curl -sf "$FERRY_URL/metrics" | grep -E '^ferry_nats_relay_(republished|refused|stream_resets)_total' | tr '\n' ' ' || true)
 FIVEXX=$( [ -f "$WORK/errors.jsonl" ] && wc -l <"$WORK/errors.jsonl" || echo 0)
+count_groups
 
 echo
 echo "== soak summary =="
@@ -222,6 +236,7 @@ echo "events stored:        $EVENTS (target $SOAK_EVENTS)"
 echo "writing:              ${WROTE} s with $SOAK_WRITERS writers, $((EVENTS / (WROTE > 0 ? WROTE : 1))) events/s"
 echo "faults:               $KILLS ferry kill -9 (restarts: $((FERRY_STARTS - 1))), $NATS_RESTARTS NATS restart, $NATS_TAIL_LOSSES NATS kill -9 with lost tail"
 echo "relay (since last start): $REPUBLISHED"
+echo "group commit:         $GC_COMMANDS commands in $GC_GROUPS groups ($(awk -v c="$GC_COMMANDS" -v g="$GC_GROUPS" 'BEGIN {printf "%.2f", g ? c / g : 0}') per group), $GC_SPLIT split (counted to each kill)"
 echo "5xx answers (not 503): $FIVEXX"
 echo "catch-up and check:   ${CHECKED} s"
 echo "last writer line:     $(grep 'write: done' "$WORK/write.out" | tail -1)"
