@@ -4,9 +4,9 @@
 //! ([`crate::server::Server`]): the workers' run counters, the inbound counters, and the NATS
 //! relay's and inbound consumers' state register their families in it; this module adds
 //! the subscriptions' lag and stuck state and the group commit's counters, read from the
-//! store just before each scrape. Each
-//! server has its own registry (not the library's global one), so servers sharing one
-//! process (as in the end-to-end tests) each count only their own work.
+//! store just before each scrape. Each server has its own registry (not the library's
+//! global one), so servers sharing one process (as in the end-to-end tests) each count
+//! only their own work.
 
 use ferry_api::ports::{Readiness, Telemetry};
 use ferry_messaging::health::ConsumerStatuses;
@@ -69,7 +69,8 @@ impl ProcessTelemetry {
 }
 
 /// The group commit's counters (Postgres only: SQLite has no groups, and shows none).
-/// The store counts; each scrape moves these by what it counted since the last one.
+/// The store counts; each scrape moves these up to what it counted (scrapes take turns
+/// under the subscription gauges' lock).
 struct GroupCounters {
     /// `ferry_append_groups_total`.
     groups: IntCounter,
@@ -79,8 +80,6 @@ struct GroupCounters {
     events: IntCounter,
     /// `ferry_append_groups_split_total`.
     split: IntCounter,
-    /// What the counters show now.
-    shown: Mutex<GroupStats>,
 }
 
 impl GroupCounters {
@@ -102,7 +101,6 @@ impl GroupCounters {
                 "ferry_append_groups_split_total",
                 "Group commits refused as a whole (a command lost a race, or a deadlock), whose commands were appended one at a time.",
             )?,
-            shown: Mutex::default(),
         })
     }
 
@@ -118,16 +116,14 @@ impl GroupCounters {
 
     /// Moves each counter up to what the store counted.
     fn advance(&self, now: GroupStats) {
-        let mut shown = self.shown.lock().unwrap_or_else(PoisonError::into_inner);
-        for (counter, now, was) in [
-            (&self.groups, now.groups, shown.groups),
-            (&self.commands, now.commands, shown.commands),
-            (&self.events, now.events, shown.events),
-            (&self.split, now.split, shown.split),
+        for (counter, now) in [
+            (&self.groups, now.groups),
+            (&self.commands, now.commands),
+            (&self.events, now.events),
+            (&self.split, now.split),
         ] {
-            counter.inc_by(now.saturating_sub(was));
+            counter.inc_by(now.saturating_sub(counter.get()));
         }
-        *shown = now;
     }
 }
 
