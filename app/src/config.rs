@@ -320,7 +320,9 @@ settings! {
     grpc_addr: String = "127.0.0.1:50051";
     /// Embedded store (`ferry.db`) and generated signing key.
     data_dir: String = ".ferry", shown "`./.ferry`";
-    /// Postgres URL; events and read models live there.
+    /// Postgres URL; events and read models live there. Its `sslmode` decides TLS: the
+    /// default, `prefer`, encrypts whenever the server offers it, which on one machine costs
+    /// both sides CPU for nothing (`?sslmode=disable`; `verify-full` across a network).
     database_url: String, env "DATABASE_URL", shown "unset: SQLite";
     /// HS256 key for bearer tokens, at least 32 bytes.
     jwt_hs256_key: String, shown "generated";

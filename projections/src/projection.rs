@@ -911,6 +911,11 @@ impl Handler for ProjectionRunner {
     fn name(&self) -> &str {
         self.subscription.name()
     }
+    /// A read model: its rows and its checkpoint move in one transaction, and nothing
+    /// outside its tables follows from them.
+    fn replayable(&self) -> bool {
+        true
+    }
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError> {
         self.subscription.handle(tx, event).await?;
         self.count(1);

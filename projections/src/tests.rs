@@ -957,3 +957,22 @@ async fn a_live_projection_analyzes_a_table_that_grew() {
     .await;
     tdb.cleanup().await;
 }
+
+/// Every projection, live or being rebuilt, is a read model whose batches may commit
+/// without waiting for the WAL flush (`Handler::replayable`); the delivery projection
+/// (in the app) says the same through its runner.
+#[test]
+fn every_projection_runner_is_replayable() {
+    use ferry_store::stream::Handler;
+    for projection in all_projections() {
+        let name = projection.name();
+        assert!(
+            ProjectionRunner::live(projection.clone()).replayable(),
+            "{name}"
+        );
+        assert!(
+            ProjectionRunner::with_suffix(projection, "_rebuild").replayable(),
+            "{name}"
+        );
+    }
+}

@@ -325,6 +325,22 @@ impl Tx {
         })
     }
 
+    /// Begins a transaction for a batch of [`Handler`]s; when every one of them is
+    /// [`Handler::replayable`], its commit on Postgres does not wait for the WAL flush
+    /// (`synchronous_commit = off` for this transaction only, set in the `BEGIN`'s own
+    /// round trip). A crash of Postgres can then lose the batch's last commits, and with
+    /// them the checkpoint's move: the handlers read those events again, which is what
+    /// replayable means. The events themselves were flushed when they were appended.
+    pub async fn begin_for(db: &Database, handlers: &[&dyn Handler]) -> Result<Self, sqlx::Error> {
+        match db.pool() {
+            Pool::Postgres(p) if handlers.iter().all(|h| h.replayable()) => Ok(Tx::Postgres(
+                p.begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+                    .await?,
+            )),
+            _ => Self::begin(db).await,
+        }
+    }
+
     /// The engine.
     pub fn backend(&self) -> Backend {
         match self {
@@ -956,6 +972,15 @@ pub trait Handler: Send + Sync {
     /// Applies one event. An error rolls the whole batch back; it is retried later.
     async fn handle(&self, tx: &mut Tx, event: &StoredEvent) -> Result<(), HandlerError>;
 
+    /// Whether what the handler writes follows from the stream alone and lives only in the
+    /// batch's transaction (a read model), so that losing a committed batch costs nothing but
+    /// reading it again. Such batches commit without waiting for the WAL flush (see
+    /// [`Tx::begin_for`]). A handler that causes an effect outside its tables must say
+    /// `false`, the default: a lost commit would repeat the effect.
+    fn replayable(&self) -> bool {
+        false
+    }
+
     /// Applies a batch of events in stream order. The default hands them to
     /// [`Handler::handle`] one by one; a handler that can write a batch with fewer statements
     /// overrides it. Its result must equal handling the events one by one.
@@ -1159,7 +1184,7 @@ async fn run_one_batch(
     limit: i64,
     batched: bool,
 ) -> Result<Taken, HandlerError> {
-    let mut tx = Tx::begin(db).await?;
+    let mut tx = Tx::begin_for(db, &[handler]).await?;
     let from = tx.claim_checkpoint(handler.name()).await?;
     let events = tx.read_batch(from, limit).await?;
     let Some(last) = events.last().map(|e| e.position) else {
@@ -1200,7 +1225,7 @@ pub async fn apply_read_batch(
     let Some(last) = events.last().map(|e| e.position) else {
         return Ok(());
     };
-    let mut tx = Tx::begin(db).await?;
+    let mut tx = Tx::begin_for(db, &[handler]).await?;
     let found = tx.claim_checkpoint(handler.name()).await?;
     if found != from {
         return Err(HandlerError::Moved {
@@ -1242,7 +1267,7 @@ pub async fn run_batch_together(
 ) -> Result<(Vec<Taken>, usize), HandlerError> {
     let mut taken = vec![Taken::default(); handlers.len()];
     let names: Vec<&str> = handlers.iter().map(|h| h.name()).collect();
-    let mut tx = Tx::begin(db).await?;
+    let mut tx = Tx::begin_for(db, handlers).await?;
     let froms = tx.claim_checkpoints(&names).await?;
     let Some(earliest) = froms.iter().min().copied() else {
         return Ok((taken, 0));

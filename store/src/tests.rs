@@ -1182,3 +1182,110 @@ crate::test_on_both_engines! {
         t.cleanup().await;
     }
 }
+
+/// Reads, inside each batch's transaction, whether its commit waits for the WAL flush.
+struct FlushSetting {
+    name: &'static str,
+    replayable: bool,
+    seen: Mutex<Vec<String>>,
+}
+
+impl FlushSetting {
+    fn new(name: &'static str, replayable: bool) -> Self {
+        Self {
+            name,
+            replayable,
+            seen: Mutex::new(vec![]),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Handler for FlushSetting {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn replayable(&self) -> bool {
+        self.replayable
+    }
+    async fn handle(&self, _tx: &mut Tx, _event: &StoredEvent) -> Result<(), HandlerError> {
+        unreachable!("batches only")
+    }
+    async fn handle_batch(&self, tx: &mut Tx, _events: &[StoredEvent]) -> Result<(), HandlerError> {
+        let setting = tx
+            .fetch_json(
+                "SELECT to_jsonb(current_setting('synchronous_commit'))",
+                &[],
+            )
+            .await?;
+        let setting = setting
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        self.seen.lock().unwrap().push(setting);
+        Ok(())
+    }
+}
+
+/// A read model's batch commits without waiting for the WAL flush (a crash can lose only
+/// what it would read again); any other handler's batch, or a batch shared with one, waits.
+/// Only that transaction: the connection goes back to the pool as it was.
+#[tokio::test]
+async fn only_replayable_batches_commit_without_waiting_for_the_flush() {
+    let t = TestDatabase::new(Backend::Postgres).await;
+    let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+    let replayable = FlushSetting::new("replayable", true);
+    let effectful = FlushSetting::new("effectful", false);
+    let shared_replayable = FlushSetting::new("shared-replayable", true);
+    let shared_effectful = FlushSetting::new("shared-effectful", false);
+    let shared_a = FlushSetting::new("shared-a", true);
+    let shared_b = FlushSetting::new("shared-b", true);
+    record_runs(&runs, 1).await;
+    eventually("a batch for each", || async {
+        stream::run_batch(&t.db, &replayable).await.unwrap();
+        stream::run_batch(&t.db, &effectful).await.unwrap();
+        stream::run_batch_together(&t.db, &[&shared_replayable, &shared_effectful], 10)
+            .await
+            .unwrap();
+        stream::run_batch_together(&t.db, &[&shared_a, &shared_b], 10)
+            .await
+            .unwrap();
+        let all = [
+            &replayable,
+            &effectful,
+            &shared_replayable,
+            &shared_effectful,
+            &shared_a,
+            &shared_b,
+        ];
+        all.iter()
+            .all(|h| !h.seen.lock().unwrap().is_empty())
+            .then_some(())
+    })
+    .await;
+    let seen = |h: &FlushSetting| h.seen.lock().unwrap().clone();
+    assert_eq!(seen(&replayable), ["off"]);
+    assert_eq!(seen(&effectful), ["on"]);
+    assert_eq!(
+        seen(&shared_replayable),
+        ["on"],
+        "shared with a handler that is not replayable"
+    );
+    assert_eq!(seen(&shared_effectful), ["on"]);
+    assert_eq!(seen(&shared_a), ["off"]);
+    assert_eq!(seen(&shared_b), ["off"]);
+    let Pool::Postgres(pool) = t.db.pool().clone() else {
+        unreachable!()
+    };
+    let mut connections = Vec::new();
+    for _ in 0..pool.size() {
+        let mut connection = pool.acquire().await.unwrap();
+        let setting: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
+            .fetch_one(&mut *connection)
+            .await
+            .unwrap();
+        assert_eq!(setting, "on", "the setting outlived its transaction");
+        connections.push(connection);
+    }
+    drop(connections);
+    t.cleanup().await;
+}
