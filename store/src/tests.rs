@@ -754,11 +754,16 @@ crate::test_on_both_engines! {
         let t = TestDatabase::new(backend).await;
         let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
         let ids = record_runs(&runs, 3).await;
-        let failing = FailingBatch { fails_on: Some(ids[1].clone()), seen: Mutex::new(vec![]) };
-        let error = eventually("the failure", || async {
-            stream::catch_up(&t.db, &failing).await.err()
+        // All three readable first: the stream holds events back while a writing
+        // transaction runs (in any database of the server), and a first batch of the first
+        // event alone would move the checkpoint past it before the failing one is read.
+        eventually("three events readable", || async {
+            let stored = stream::read_after(&t.db, Position::default(), 10).await.unwrap();
+            (stored.len() == 3).then_some(())
         })
         .await;
+        let failing = FailingBatch { fails_on: Some(ids[1].clone()), seen: Mutex::new(vec![]) };
+        let error = stream::catch_up(&t.db, &failing).await.unwrap_err();
         let HandlerError::AtEvent { position, source, .. } = &error else {
             panic!("{backend:?}: {error:?}")
         };
