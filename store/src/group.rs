@@ -6,10 +6,12 @@
 //! rows costs little more than one of one (the figures are in `bench/README.md`).
 //!
 //! A command's events are never split: the group is one statement, stored whole or not at
-//! all. When Postgres refuses a group because one of its commands lost a race (a unique
-//! violation on an aggregate's sequence), or rolls it back for a deadlock with another
-//! writer inserting the same keys, nothing of the group was stored, and each command is
-//! then appended on its own, so that only the one that lost sees the conflict. Any other
+//! all. A group lists its rows in the order of their keys (aggregate type, id, sequence), so
+//! two groups inserting the same keys wait for each other in one order and never deadlock.
+//! When Postgres refuses a group because one of its commands lost a race (a unique
+//! violation on an aggregate's sequence), or rolls it back for a deadlock with some other
+//! writer, nothing of the group was stored, and each command is then appended on its own,
+//! so that only the one that lost sees the conflict. Any other
 //! failure is every member's: a statement whose connection broke may or may not have
 //! committed, and appending again could store a command twice.
 //!
@@ -423,6 +425,18 @@ async fn insert(
     pool: &PgPool,
     members: &[&NewEvents],
 ) -> Result<HashMap<(String, String, i64), Position>, sqlx::Error> {
+    // Every group lists its rows in one order, the key's: two groups that insert the same
+    // keys then wait for each other's first in the same order instead of each holding a
+    // key the other waits for (a deadlock Postgres breaks only after `deadlock_timeout`).
+    // Rows take their positions in this order, and the basis check below follows it.
+    let mut members = members.to_vec();
+    members.sort_by(|a, b| {
+        (a.aggregate_type, &a.aggregate_id, a.first_sequence).cmp(&(
+            b.aggregate_type,
+            &b.aggregate_id,
+            b.first_sequence,
+        ))
+    });
     let rows: usize = members.iter().map(|m| m.events.len()).sum();
     let mut basis_types = Vec::new();
     let mut basis_ids = Vec::new();
@@ -726,15 +740,16 @@ mod tests {
             c.basis = vec![Basis::new("T", "dep", seen)];
             c
         };
+        // Queued in an order other than the key's, which the group stores them in.
         let queued = vec![
+            command("plain", 1, 1),
+            // Decided on dep as stored, but its key comes after the command changing dep.
+            decided_on("z-after", 1),
+            command("dep", 2, 1),
+            // Decided on dep as stored: kept, its key comes before the change to dep.
+            decided_on("a-current", 1),
             // Decided before dep's first event: moved.
             decided_on("stale", 0),
-            // Decided on dep as stored: kept, though the group changes dep after it.
-            decided_on("current", 1),
-            command("dep", 2, 1),
-            // Decided on dep as stored, but listed after the command that changes it.
-            decided_on("after", 1),
-            command("plain", 1, 1),
         ];
         let (busy, waiting) = queued_behind_busy_writers(&t, &appender, queued).await;
         for answer in busy {
@@ -751,7 +766,7 @@ mod tests {
             .collect();
         assert_eq!(
             outcome,
-            ["moved", "stored", "stored", "moved", "stored"],
+            ["stored", "moved", "stored", "stored", "moved"],
             "{answers:?}"
         );
         let stored = eventually("every event readable", || async {
@@ -761,17 +776,17 @@ mod tests {
         .await;
         let ids: Vec<&str> = stored.iter().map(|e| e.aggregate_id.as_str()).collect();
         assert!(
-            !ids.contains(&"stale") && !ids.contains(&"after"),
+            !ids.contains(&"stale") && !ids.contains(&"z-after"),
             "{ids:?}"
         );
-        // The three stored went together, in the order they were listed.
+        // The three stored went together, in the order of their keys.
         let group: Vec<&StoredEvent> = stored
             .iter()
-            .filter(|e| ["current", "dep", "plain"].contains(&e.aggregate_id.as_str()))
+            .filter(|e| ["a-current", "dep", "plain"].contains(&e.aggregate_id.as_str()))
             .filter(|e| !(e.aggregate_id == "dep" && e.sequence == 1))
             .collect();
         let order: Vec<&str> = group.iter().map(|e| e.aggregate_id.as_str()).collect();
-        assert_eq!(order, ["current", "dep", "plain"]);
+        assert_eq!(order, ["a-current", "dep", "plain"]);
         assert!(group
             .iter()
             .all(|e| e.position.transaction_id == group[0].position.transaction_id));
@@ -783,6 +798,79 @@ mod tests {
         ));
         assert_eq!(appender.counts(), (0, 0));
         t.cleanup().await;
+    }
+
+    #[tokio::test]
+    async fn groups_inserting_the_same_keys_in_opposite_orders_do_not_deadlock() {
+        let t = TestDatabase::new(Backend::Postgres).await;
+        let Pool::Postgres(pool) = t.db.pool().clone() else {
+            unreachable!()
+        };
+        let lock_waits = || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting
+        };
+        let start = |members: Vec<NewEvents>| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let members: Vec<&NewEvents> = members.iter().collect();
+                insert(&pool, &members).await
+            })
+        };
+        // Another writer holds k3, so that the first group stops there.
+        let mut hold = pool.begin().await.unwrap();
+        insert_on(&mut hold, &[&command("k3", 1, 1)]).await;
+        // Listed k2, k3, k1: taken in that order, it would hold k2 while it waits at k3.
+        let first = start(vec![
+            command("k2", 1, 1),
+            command("k3", 1, 1),
+            command("k1", 1, 1),
+        ]);
+        eventually("the first group waiting", || async {
+            (lock_waits().await == 1).then_some(())
+        })
+        .await;
+        // Listed k1, k2: taken in that order, it would hold k1 while it waits for k2, and
+        // once the holder let k3 go the first would wait for k1: each for the other.
+        let second = start(vec![command("k1", 1, 1), command("k2", 1, 1)]);
+        eventually("both groups waiting", || async {
+            (lock_waits().await == 2).then_some(())
+        })
+        .await;
+        hold.rollback().await.unwrap();
+        let answers = [first.await.unwrap(), second.await.unwrap()];
+        // Both take their keys in the key's order: the first stores all three, the second
+        // waits for it at k1 and then lost the race, which tells it to append its commands
+        // one by one; not a deadlock, which Postgres breaks only after `deadlock_timeout`.
+        assert!(answers[0].is_ok(), "{answers:?}");
+        assert!(
+            matches!(&answers[1], Err(error) if is_unique_violation(error)),
+            "{answers:?}"
+        );
+        drop(pool);
+        t.cleanup().await;
+    }
+
+    /// Inserts `members` in `tx` as a group's statement would, without committing.
+    async fn insert_on(tx: &mut sqlx::PgConnection, members: &[&NewEvents]) {
+        for member in members {
+            sqlx::query(
+                "INSERT INTO events (aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata) \
+                 VALUES ($1, $2, $3, 'E', '1', '{}', '{}')",
+            )
+            .bind(member.aggregate_type)
+            .bind(&member.aggregate_id)
+            .bind(member.first_sequence)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        }
     }
 
     #[test]
