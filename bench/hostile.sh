@@ -66,12 +66,14 @@ for tool in cargo git curl python3; do
 done
 
 # --- 1. build and tools -----------------------------------------------------------------
+# The build run.sh and .ci/run share, unless CARGO_TARGET_DIR names another.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/ferry-target}"
 if [ -n "${HOSTILE_FERRY_BIN:-}" ]; then
   FERRY_BIN=$HOSTILE_FERRY_BIN # a binary built already (skips the build)
 else
   say "building ferry (cargo build --release --locked)"
   cargo build --release --locked --bin ferry
-  FERRY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/ferry"
+  FERRY_BIN="$CARGO_TARGET_DIR/release/ferry"
 fi
 [ -x "$FERRY_BIN" ] || { echo "no binary at $FERRY_BIN" >&2; exit 2; }
 

@@ -34,7 +34,9 @@ STREAM=FERRY_EVENTS
 
 log() { printf '%s instances: %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
-TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+# The build run.sh and .ci/run share, unless CARGO_TARGET_DIR names another.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/ferry-target}"
+TARGET=$CARGO_TARGET_DIR
 if [ "${INST_BUILD:-1}" = 1 ]; then
   log "building (cargo build --release --locked --bin ferry --example soak)"
   cargo build --release --locked --bin ferry --example soak

@@ -47,7 +47,9 @@ STREAM=FERRY_EVENTS
 log() { printf '%s soak: %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
 # ---- build -----------------------------------------------------------------------------
-TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+# The build run.sh and .ci/run share, unless CARGO_TARGET_DIR names another.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/ferry-target}"
+TARGET=$CARGO_TARGET_DIR
 if [ "${SOAK_BUILD:-1}" = 1 ]; then
   log "building (cargo build --release --locked --bin ferry --example soak)"
   cargo build --release --locked --bin ferry --example soak
