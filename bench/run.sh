@@ -60,6 +60,22 @@ serve() {
 }
 load() { "$BIN/examples/load" --base "$BASE" --token "$TOKEN" "$@"; }
 rss_peak_mb() { awk '/VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+# CPU time, in clock ticks: the whole machine's busy and idle time (every process, Postgres
+# and the kernel included), and one process's own. Their differences over a phase divided
+# by its operations are what each operation costs the machine, wherever it is spent.
+TICK_MS=$((1000 / $(getconf CLK_TCK)))
+machine_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6}' /proc/stat; }
+process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# cpu_json <busy0 idle0> <busy1 idle1> <operations> [process ticks]: the phase's CPU as JSON.
+cpu_json() {
+  local b0 i0 b1 i1
+  read -r b0 i0 <<<"$1"; read -r b1 i1 <<<"$2"
+  jq -n --argjson busy $(((b1 - b0) * TICK_MS)) --argjson idle $(((i1 - i0) * TICK_MS)) \
+    --argjson ops "$3" --argjson own "$((${4:-0} * TICK_MS))" '
+    {operations: $ops, busyCpuMs: $busy, idlePercent: (100 * $idle / ($busy + $idle) | round),
+     busyCpuMsPerOperation: ($busy / $ops * 1000 | round / 1000),
+     ferryCpuMsPerOperation: ($own / $ops * 1000 | round / 1000)}'
+}
 
 # (a) The physical limit: one-row inserts into a table shaped like Ferry's events table.
 step "(a) pgbench: one-row inserts of an events-shaped row, $CLIENTS clients"
@@ -80,10 +96,14 @@ VALUES ('ProvisioningRun', gen_random_uuid()::text, 1, 'PlanRequested', '1',
  '{"PlanRequested":{"tenantId":"benchtenant","provisioningRunId":"0b7c6d1e-7a53-4f43-9a55-0c8f3e1c2b11","specificationId":"5d0e2c1a-3b4f-4e6d-8a9b-1c2d3e4f5a6b","specificationVersion":7,"environmentId":"load-12-7","projectId":"load","kind":"Release","programRef":"/srv/infra#web","programVersion":"3f2a9c1","requestedBy":"load","requestedAt":"2026-12-03T21:00:00.000000Z","inputsHash":"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08","configuration":{"region":"eu-west-1","replicas":2}}}'::jsonb,
  '{"tenantId":"benchtenant","actor":"load","correlationId":"6f1c2b3a-4d5e-4f60-8a1b-2c3d4e5f6a7b","requestId":"7a8b9c0d-1e2f-4a3b-8c4d-5e6f7a8b9c0d"}'::jsonb);
 SQL
+m0=$(machine_ticks)
 pgbench -n -c "$CLIENTS" -j 2 -T "$DURATION" -f "$work/insert.sql" ferry_bench_pgbench >"$work/pgbench.out" 2>&1
+m1=$(machine_ticks)
 cat "$work/pgbench.out" >&2
 tps=$(awk '/^tps = / {print int($3)}' "$work/pgbench.out" | head -1)
-jq -n --argjson tps "$tps" --argjson clients "$CLIENTS" '{transactionsPerSecond: $tps, clients: $clients}' >"$work/a.json"
+done_a=$(awk '/number of transactions actually processed/ {split($NF, n, "/"); print n[1]}' "$work/pgbench.out")
+jq -n --argjson tps "$tps" --argjson clients "$CLIENTS" --argjson cpu "$(cpu_json "$m0" "$m1" "$done_a")" \
+  '{transactionsPerSecond: $tps, clients: $clients, cpu: $cpu}' >"$work/a.json"
 dropdb --force ferry_bench_pgbench
 
 # (b), (c) Ferry over HTTP on Postgres: the command mix, its latency, the projection lag.
@@ -91,7 +111,11 @@ step "(b, c) Ferry on Postgres, API only, $CLIENTS clients, ${DURATION}s"
 fresh_db ferry_bench
 PGFERRY=(DATABASE_URL="$PG/ferry_bench" FERRY_DATA_DIR="$work/pg" FERRY_WORKERS=false FERRY_TENANT_PROGRAM_ROOTS=/srv/infra)
 serve pg "${PGFERRY[@]}"
-load --clients "$CLIENTS" --seconds "$DURATION" --prefix load >"$work/b-postgres.json"
+m0=$(machine_ticks); f0=$(process_ticks "$server")
+load --clients "$CLIENTS" --seconds "$DURATION" --prefix load >"$work/b-load.json"
+m1=$(machine_ticks); f1=$(process_ticks "$server")
+jq --argjson cpu "$(cpu_json "$m0" "$m1" "$(jq .commands.count "$work/b-load.json")" $((f1 - f0)))" \
+  '. + {cpu: $cpu}' "$work/b-load.json" >"$work/b-postgres.json"
 rss_b=$(rss_peak_mb "$server")
 stop_server
 step "(b, c) the same without read-your-writes (FERRY_READ_YOUR_WRITES_MS=0)"
@@ -108,7 +132,11 @@ stop_server
 for tasks in 1 8 32; do
   step "(h) plain cqrs-es 0.5 + postgres-es, $tasks tasks"
   fresh_db ferry_bench_peer
-  "$BIN/examples/peer" "$PG/ferry_bench_peer" "$tasks" "$DURATION" >"$work/h-$tasks.json"
+  m0=$(machine_ticks)
+  "$BIN/examples/peer" "$PG/ferry_bench_peer" "$tasks" "$DURATION" >"$work/h-run.json"
+  m1=$(machine_ticks)
+  jq --argjson cpu "$(cpu_json "$m0" "$m1" "$(jq .commands.count "$work/h-run.json")")" \
+    '. + {cpu: $cpu}' "$work/h-run.json" >"$work/h-$tasks.json"
   cat "$work/h-$tasks.json" >&2
 done
 dropdb --force ferry_bench_peer
@@ -145,15 +173,23 @@ psql -q -d ferry_bench -c "VACUUM ANALYZE events" >&2
 cat "$work/scan.json" >&2
 step "(e) ferry projections rebuild"
 start=$(date +%s.%N)
-DATABASE_URL="$PG/ferry_bench" FERRY_DATA_DIR="$work/pg" /usr/bin/time -f "%M" -o "$work/rebuild.rss" \
+m0=$(machine_ticks)
+DATABASE_URL="$PG/ferry_bench" FERRY_DATA_DIR="$work/pg" /usr/bin/time -f "%M %U %S" -o "$work/rebuild.rss" \
   "$FERRY" projections rebuild >"$work/rebuild.out"
+m1=$(machine_ticks)
 rebuild_seconds=$(echo "$(date +%s.%N) - $start" | bc)
 cat "$work/rebuild.out" >&2
 total=$(psql -tA -d ferry_bench -c "SELECT count(*) FROM events")
-jq -n --argjson events "$total" --argjson s "$rebuild_seconds" --argjson rss "$(cat "$work/rebuild.rss")" \
-  --slurpfile scan "$work/scan.json" \
+read -r rebuild_kb rebuild_user rebuild_system <"$work/rebuild.rss"
+rebuild_ticks=$(echo "($rebuild_user + $rebuild_system) * 1000 / $TICK_MS" | bc)
+jq -n --argjson events "$total" --argjson s "$rebuild_seconds" --argjson rss "$rebuild_kb" \
+  --slurpfile scan "$work/scan.json" --argjson cpu "$(cpu_json "$m0" "$m1" "$total" "$rebuild_ticks")" \
+  --argjson cores "$(nproc)" \
   '{events: $events, seconds: ($s * 100 | round / 100), eventsPerSecond: ($events / $s | round),
-    scanEventsPerSecond: $scan[0].eventsPerSecond, peakRssMb: ($rss / 1024 | round)}' >"$work/e.json"
+    scanEventsPerSecond: $scan[0].eventsPerSecond, peakRssMb: ($rss / 1024 | round),
+    cpu: ($cpu + {ferryCpuMs: ($cpu.ferryCpuMsPerOperation * $events | round),
+      othersCpuMs: ($cpu.busyCpuMs - $cpu.ferryCpuMsPerOperation * $events | round),
+      goalCpuMsOnAllCores: ($events / ($scan[0].eventsPerSecond / 2) * 1000 * $cores | round)})}' >"$work/e.json"
 
 # (d), (g) The relay publishing the million events to a new stream, with acks; Ferry's
 # peak resident memory meanwhile. The other subscriptions are moved to the head first, so
@@ -203,14 +239,17 @@ jq -n \
   --slurpfile f "$work/f.json" --slurpfile g "$work/g.json" \
   --slurpfile h1 "$work/h-1.json" --slurpfile h8 "$work/h-8.json" --slurpfile h32 "$work/h-32.json" \
   --arg when "$(date -u +%Y-%m-%dT%H:%M:%SZ)" --arg commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-  --arg machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)" '
+  --arg machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)" \
+  --argjson cores "$(nproc)" '
   def r2: . * 100 | round / 100;
-  {measuredAt: $when, commit: $commit, machine: $machine, clients: $bp[0].clients, seconds: $bp[0].seconds,
+  def ceiling: $cores * 1000 / .cpu.busyCpuMsPerOperation | round;
+  {measuredAt: $when, commit: $commit, machine: $machine, cores: $cores, clients: $bp[0].clients, seconds: $bp[0].seconds,
    a_pgbench: $a[0],
    b_ferryPostgres: $bp[0], b_ferryPostgresNoReadYourWrites: $bp0[0], b_ferrySqlite: $bs[0],
    c_projectionLag: {postgres: $bp[0].lag, postgresNoReadYourWrites: $bp0[0].lag, sqlite: $bs[0].lag},
    d_relay: $d[0], e_rebuild: $e[0], f_endToEnd: $f[0], g_memory: $g[0],
    h_plainCqrsEs: {"1": $h1[0], "8": $h8[0], "32": $h32[0]},
+   cpuCeilings: {a_perSecond: ($a[0] | ceiling), b_perSecond: ($bp[0] | ceiling), h32_perSecond: ($h32[0] | ceiling)},
    ratios: {
      b_over_a: ($bp[0].commands.perSecond / $a[0].transactionsPerSecond | r2),
      b_over_h32: ($bp[0].commands.perSecond / $h32[0].commands.perSecond | r2),
@@ -225,6 +264,7 @@ table=$(jq -r '
   # A share shown against a lower bound is cut, not rounded, to a tenth of a percent, and
   # the goals compare the measured figures, not the rounded ratios.
   def pct: . * 1000 | floor / 10;
+  def s1: . / 100 | round / 10;
   (.b_ferryPostgres.commands.perSecond) as $b |
   "| figure | measured | goal | |",
   "|---|---|---|---|",
@@ -239,7 +279,9 @@ table=$(jq -r '
   "| (e) projection rebuild, \(.e_rebuild.events) events | \(.e_rebuild.eventsPerSecond)/s (scan: \(.e_rebuild.scanEventsPerSecond)/s) | ≥ 50% of the scan | \(.e_rebuild.eventsPerSecond / .e_rebuild.scanEventsPerSecond | pct)%: \(goal(.e_rebuild.eventsPerSecond / .e_rebuild.scanEventsPerSecond >= 0.5)) |",
   "| (f) end to end, simulated runner | \(.f_endToEnd.runsPerSecond) runs/s, \(.f_endToEnd.promotionsPerSecond) promotions/s (\(.f_endToEnd.runs) each) | | |",
   "| (g) peak resident memory | serve at 1M events \(.g_memory.servePeakRssMbAt1MEvents) MB, rebuild \(.g_memory.rebuildPeakRssMb) MB | ≤ 200 MB | \(goal(.g_memory.servePeakRssMbAt1MEvents <= 200 and .g_memory.rebuildPeakRssMb <= 200)) |",
-  "| (h) plain cqrs-es + postgres-es, 1 / 8 / 32 tasks | \(.h_plainCqrsEs["1"].commands.perSecond) / \(.h_plainCqrsEs["8"].commands.perSecond) / \(.h_plainCqrsEs["32"].commands.perSecond) per s, p99 at 32: \(.h_plainCqrsEs["32"].commands.p99Ms) ms | | \(.ratios.h32_over_a * 100 | round)% of (a) |"
+  "| (h) plain cqrs-es + postgres-es, 1 / 8 / 32 tasks | \(.h_plainCqrsEs["1"].commands.perSecond) / \(.h_plainCqrsEs["8"].commands.perSecond) / \(.h_plainCqrsEs["32"].commands.perSecond) per s, p99 at 32: \(.h_plainCqrsEs["32"].commands.p99Ms) ms | | \(.ratios.h32_over_a * 100 | round)% of (a) |",
+  "| CPU per operation, whole machine (`/proc/stat`) | (a) \(.a_pgbench.cpu.busyCpuMsPerOperation) ms, (b) \(.b_ferryPostgres.cpu.busyCpuMsPerOperation) ms (Ferry itself \(.b_ferryPostgres.cpu.ferryCpuMsPerOperation) ms), (h) at 32 tasks \(.h_plainCqrsEs["32"].cpu.busyCpuMsPerOperation) ms; idle \(.a_pgbench.cpu.idlePercent)%, \(.b_ferryPostgres.cpu.idlePercent)%, \(.h_plainCqrsEs["32"].cpu.idlePercent)% | | at these costs \(.cores) cores give at most (b) \(.cpuCeilings.b_perSecond)/s (\(.cpuCeilings.b_perSecond / .a_pgbench.transactionsPerSecond | pct)% of (a)) |",
+  "| CPU of the rebuild (e) | \(.e_rebuild.cpu.busyCpuMs | s1) core-s: Ferry \(.e_rebuild.cpu.ferryCpuMs | s1), the rest (Postgres) \(.e_rebuild.cpu.othersCpuMs | s1) | | the goal leaves \(.e_rebuild.cpu.goalCpuMsOnAllCores | s1) core-s on \(.cores) cores |"
 ' bench/results.json)
 echo "$table"
 # The README shows the last run's table, between its bench-table markers.
