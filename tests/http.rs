@@ -412,6 +412,41 @@ async fn an_idempotency_key_replays_the_first_response_and_refuses_another_body(
 }
 
 #[tokio::test]
+async fn a_key_whose_request_was_refused_serves_a_corrected_retry() {
+    let s = TestServer::start(Backend::Postgres).await;
+    let alice = operator("acme", "alice");
+    let spec = declare(&s, &alice, "payments-dev", "3f2a9c1").await;
+    let post = |body: Value| {
+        let (s, alice) = (&s, alice.clone());
+        async move {
+            let r = s
+                .client
+                .post(s.url("/factory/provisioning/runs"))
+                .bearer_auth(alice)
+                .header("Idempotency-Key", "deploy-7")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            response(r).await
+        }
+    };
+    // A version that was never declared: refused (decided before the key is reserved; a
+    // command refused after it gives the key back), and the key is not kept for that body.
+    let mut wrong = plan_body(&spec, "Release");
+    wrong["specificationVersion"] = json!(99);
+    let (status, problem) = post(wrong).await;
+    assert!((400..500).contains(&status), "{status} {problem}");
+    // The corrected body under the same key runs, instead of being refused as another
+    // body reusing the key (422).
+    let (status, run) = post(plan_body(&spec, "Release")).await;
+    assert_eq!(status, 201, "{run}");
+    let (status, replay) = post(plan_body(&spec, "Release")).await;
+    assert_eq!((status, &replay), (201, &run));
+    s.stop().await;
+}
+
+#[tokio::test]
 async fn a_tenant_never_sees_or_changes_another_tenants_records() {
     let s = TestServer::start(Backend::Postgres).await;
     let alice = operator("acme", "alice");

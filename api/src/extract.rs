@@ -337,6 +337,20 @@ pub struct IdempotentRequest<'a> {
     pub owner: &'a str,
 }
 
+/// Gives `key` back after the request that reserved it (`owner`) failed, so that a retry
+/// runs again; a request without a key has nothing to give back.
+pub async fn give_back_key(
+    db: &ferry_store::Database,
+    tenant: &str,
+    key: Option<&str>,
+    owner: &str,
+) -> Result<(), ApiError> {
+    if let Some(key) = key {
+        ferry_store::idempotency::release(db, tenant, key, owner).await?;
+    }
+    Ok(())
+}
+
 impl IdempotentRequest<'_> {
     /// Reserves the key. `Some(response)` is the first request's stored answer, to replay
     /// (marked `Idempotent-Replayed: true`, with `Location: location`); `None` means go on:

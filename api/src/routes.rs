@@ -4,7 +4,8 @@
 use crate::auth::Caller;
 use crate::basis::Decided;
 use crate::extract::{
-    created, enum_from_str, idempotency_key, OptionalJson, QueryParams, RequestIds, ValidJson,
+    created, enum_from_str, give_back_key, idempotency_key, OptionalJson, QueryParams, RequestIds,
+    ValidJson,
 };
 use crate::problem::{ApiError, FieldError};
 use crate::state::AppState;
@@ -373,9 +374,7 @@ pub async fn plan_provisioning(
     let result = match executed {
         Ok(result) => result,
         Err(e) => {
-            if let Some(k) = &key {
-                idempotency::release(state.db(), tenant, k, &owner).await?;
-            }
+            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
             return Err(e);
         }
     };
@@ -398,9 +397,7 @@ pub async fn plan_provisioning(
             }
         }
         Err(e) => {
-            if let Some(k) = &key {
-                idempotency::release(state.db(), tenant, k, &owner).await?;
-            }
+            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
             return Err(e.into());
         }
     };

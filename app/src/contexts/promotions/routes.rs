@@ -16,7 +16,8 @@ use chrono::Utc;
 use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
 use ferry_api::basis::Decided;
 use ferry_api::extract::{
-    created, enum_from_str, idempotency_key, IdempotentRequest, QueryParams, RequestIds, ValidJson,
+    created, enum_from_str, give_back_key, idempotency_key, IdempotentRequest, QueryParams,
+    RequestIds, ValidJson,
 };
 use ferry_api::openapi::{schema_of, Doc};
 use ferry_api::problem::{refused_references, ApiError, FieldError};
@@ -397,9 +398,7 @@ pub async fn request_promotion(
     let result = match executed {
         Ok(result) => result,
         Err(e) => {
-            if let Some(k) = &key {
-                idempotency::release(state.db(), tenant, k, &owner).await?;
-            }
+            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
             return Err(e);
         }
     };
@@ -417,9 +416,7 @@ pub async fn request_promotion(
             | ferry_store::CommandError::Conflict,
         ) if key.is_some() => (None, None),
         Err(e) => {
-            if let Some(k) = &key {
-                idempotency::release(state.db(), tenant, k, &owner).await?;
-            }
+            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
             return Err(ApiError::from_command(e, promotion_refusal));
         }
     };
