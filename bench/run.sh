@@ -66,15 +66,17 @@ rss_peak_mb() { awk '/VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 TICK_MS=$((1000 / $(getconf CLK_TCK)))
 machine_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6}' /proc/stat; }
 process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-# cpu_json <busy0 idle0> <busy1 idle1> <operations> [process ticks]: the phase's CPU as JSON.
+# cpu_json <busy0 idle0> <busy1 idle1> <operations> [Ferry's ticks]: the phase's CPU as JSON.
 cpu_json() {
-  local b0 i0 b1 i1
+  local b0 i0 b1 i1 ferry=null
   read -r b0 i0 <<<"$1"; read -r b1 i1 <<<"$2"
+  [ $# -ge 4 ] && ferry=$(($4 * TICK_MS))
   jq -n --argjson busy $(((b1 - b0) * TICK_MS)) --argjson idle $(((i1 - i0) * TICK_MS)) \
-    --argjson ops "$3" --argjson own "$((${4:-0} * TICK_MS))" '
+    --argjson ops "$3" --argjson ferry "$ferry" '
     {operations: $ops, busyCpuMs: $busy, idlePercent: (100 * $idle / ($busy + $idle) | round),
-     busyCpuMsPerOperation: ($busy / $ops * 1000 | round / 1000),
-     ferryCpuMsPerOperation: ($own / $ops * 1000 | round / 1000)}'
+     busyCpuMsPerOperation: ($busy / $ops * 1000 | round / 1000)}
+    + if $ferry == null then {} else
+        {ferryCpuMs: $ferry, ferryCpuMsPerOperation: ($ferry / $ops * 1000 | round / 1000)} end'
 }
 
 # (a) The physical limit: one-row inserts into a table shaped like Ferry's events table.
@@ -187,8 +189,7 @@ jq -n --argjson events "$total" --argjson s "$rebuild_seconds" --argjson rss "$r
   --argjson cores "$(nproc)" \
   '{events: $events, seconds: ($s * 100 | round / 100), eventsPerSecond: ($events / $s | round),
     scanEventsPerSecond: $scan[0].eventsPerSecond, peakRssMb: ($rss / 1024 | round),
-    cpu: ($cpu + {ferryCpuMs: ($cpu.ferryCpuMsPerOperation * $events | round),
-      othersCpuMs: ($cpu.busyCpuMs - $cpu.ferryCpuMsPerOperation * $events | round),
+    cpu: ($cpu + {othersCpuMs: ($cpu.busyCpuMs - $cpu.ferryCpuMs),
       goalCpuMsOnAllCores: ($events / ($scan[0].eventsPerSecond / 2) * 1000 * $cores | round)})}' >"$work/e.json"
 
 # (d), (g) The relay publishing the million events to a new stream, with acks; Ferry's
