@@ -362,29 +362,29 @@ async fn errors_are_problems_with_the_right_status() {
     s.stop().await;
 }
 
+/// Requests a plan under an idempotency key: the status, the body, and whether the answer
+/// was a replay of the first one.
+async fn plan_with_key(s: &TestServer, token: &str, key: &str, body: Value) -> (u16, Value, bool) {
+    let r = s
+        .client
+        .post(s.url("/factory/provisioning/runs"))
+        .bearer_auth(token)
+        .header("Idempotency-Key", key)
+        .json(&body)
+        .send()
+        .await
+        .expect("the server answers");
+    let replayed = r.headers().contains_key("idempotent-replayed");
+    let (status, body) = response(r).await;
+    (status, body, replayed)
+}
+
 #[tokio::test]
 async fn an_idempotency_key_replays_the_first_response_and_refuses_another_body() {
     let s = TestServer::start(Backend::Postgres).await;
     let alice = operator("acme", "alice");
     let spec = declare(&s, &alice, "payments-dev", "3f2a9c1").await;
-    let post = |body: Value, key: &'static str| {
-        let s = &s;
-        let alice = alice.clone();
-        async move {
-            let r = s
-                .client
-                .post(s.url("/factory/provisioning/runs"))
-                .bearer_auth(alice)
-                .header("Idempotency-Key", key)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            let replayed = r.headers().contains_key("idempotent-replayed");
-            let (status, body) = response(r).await;
-            (status, body, replayed)
-        }
-    };
+    let post = |body: Value, key: &'static str| plan_with_key(&s, &alice, key, body);
     let (s1, first, replay1) = post(plan_body(&spec, "Release"), "deploy-42").await;
     let (s2, second, replay2) = post(plan_body(&spec, "Release"), "deploy-42").await;
     assert_eq!((s1, s2, replay1, replay2), (201, 201, false, true));
@@ -416,20 +416,9 @@ async fn a_key_whose_request_was_refused_serves_a_corrected_retry() {
     let s = TestServer::start(Backend::Postgres).await;
     let alice = operator("acme", "alice");
     let spec = declare(&s, &alice, "payments-dev", "3f2a9c1").await;
-    let post = |body: Value| {
-        let (s, alice) = (&s, alice.clone());
-        async move {
-            let r = s
-                .client
-                .post(s.url("/factory/provisioning/runs"))
-                .bearer_auth(alice)
-                .header("Idempotency-Key", "deploy-7")
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            response(r).await
-        }
+    let post = |body: Value| async {
+        let (status, body, _) = plan_with_key(&s, &alice, "deploy-7", body).await;
+        (status, body)
     };
     // A version that was never declared: refused (decided before the key is reserved; a
     // command refused after it gives the key back), and the key is not kept for that body.
