@@ -1670,3 +1670,118 @@ async fn two_ferry_processes_reconcile_a_window_once() {
     assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
     f.stop().await;
 }
+
+/// Runs git in `dir` with `input` on its standard input.
+fn git_stdin(dir: &Path, args: &[&str], input: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_AUTHOR_NAME", "t")
+        .env("GIT_AUTHOR_EMAIL", "t@example.com")
+        .env("GIT_COMMITTER_NAME", "t")
+        .env("GIT_COMMITTER_EMAIL", "t@example.com")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "git {args:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A tree holding exactly `entries` (mode, name, object id) in this order, duplicates
+/// included (which `git mktree` would refuse).
+fn raw_tree(repo: &Path, entries: &[(&str, &str, String)]) -> String {
+    let mut bytes = Vec::new();
+    for (mode, name, id) in entries {
+        bytes.extend_from_slice(format!("{mode} {name}\0").as_bytes());
+        for pair in id.as_bytes().chunks(2) {
+            let pair = std::str::from_utf8(pair).unwrap();
+            bytes.push(u8::from_str_radix(pair, 16).unwrap());
+        }
+    }
+    git_stdin(
+        repo,
+        &["hash-object", "-t", "tree", "-w", "--literally", "--stdin"],
+        &bytes,
+    )
+}
+
+/// A commit of acme's repository whose `stacks/web` holds `a/b/c/d/l -> ../../../..` (the
+/// work folder a step checks out into, `<data>/work/<tenant>/<run>/<step>`) and `extra`.
+fn hostile_commit(repo: &Path, extra: &[(&str, &str, &str)]) -> String {
+    let blob = |data: &str| git_stdin(repo, &["hash-object", "-w", "--stdin"], data.as_bytes());
+    let mut ladder = raw_tree(repo, &[("120000", "l", blob("../../../.."))]);
+    for name in ["d", "c", "b"] {
+        ladder = raw_tree(repo, &[("40000", name, ladder)]);
+    }
+    let mut web = vec![("40000", "a", ladder)];
+    web.extend(
+        extra
+            .iter()
+            .map(|(mode, name, data)| (*mode, *name, blob(data))),
+    );
+    let web = raw_tree(repo, &web);
+    let stacks = raw_tree(repo, &[("40000", "web", web)]);
+    let root = raw_tree(repo, &[("40000", "stacks", stacks)]);
+    git(repo, &["commit-tree", &root, "-m", "hostile"])
+}
+
+/// The reproductions end to end: a program whose links, each inside alone, lead
+/// together four levels above the checkout (the data dir). A name twice (the link, then a
+/// blob) must not overwrite Ferry's own key, and a `Pulumi.yaml` led outside must not be
+/// planned: each run fails at its plan naming the entry, and nothing outside changes.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_program_whose_links_leave_the_checkout_fails_naming_the_entry() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = start(Backend::Sqlite).await;
+    f.environment("payments-dev", "development").await;
+    let repo = Path::new(&f.repo);
+    let data = f.s.data_dir.path().to_path_buf();
+    let key = data.join("secret-fingerprint.key");
+    let before = std::fs::read(&key).unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&key), 0o600);
+
+    let through_link = hostile_commit(
+        repo,
+        &[
+            ("100644", "Pulumi.yaml", PROGRAM),
+            (
+                "120000",
+                "x",
+                "a/b/c/d/l/../../../../secret-fingerprint.key",
+            ),
+            ("100644", "x", "PWNED-BY-ACM"),
+        ],
+    );
+    let id = f.run("payments-dev", &through_link).await;
+    let run = f.wait(&id, "Failed").await;
+    assert_eq!(run["failure"]["stage"], "plan", "{run:#}");
+    let reason = run["failure"]["reason"].as_str().unwrap();
+    assert!(reason.contains("entry stacks/web/x"), "{reason}");
+    assert_eq!(std::fs::read(&key).unwrap(), before, "the key is untouched");
+    assert_eq!(mode(&key), 0o600);
+
+    // Another program lying outside the checkout (as another tenant's would).
+    let outside = data.join("other-program.yaml");
+    std::fs::write(&outside, PROGRAM.replace("name: web", "name: elsewhere")).unwrap();
+    let read_outside = hostile_commit(
+        repo,
+        &[(
+            "120000",
+            "Pulumi.yaml",
+            "a/b/c/d/l/../../../../other-program.yaml",
+        )],
+    );
+    let id = f.run("payments-dev", &read_outside).await;
+    let run = f.wait(&id, "Failed").await;
+    assert_eq!(run["failure"]["stage"], "plan", "{run:#}");
+    let reason = run["failure"]["reason"].as_str().unwrap();
+    assert!(reason.contains("entry stacks/web/Pulumi.yaml"), "{reason}");
+    assert!(reason.contains("leads outside the checkout"), "{reason}");
+    f.stop().await;
+}

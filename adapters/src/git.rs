@@ -16,9 +16,13 @@
 //! commit is trusted as it is.
 //!
 //! The folder (optional; the repository root when absent) is read at the requested commit
-//! (`programVersion`, a full or abbreviated id) and written into the caller's folder: files
-//! keep their executable bit, relative symbolic links that stay inside the program are
-//! kept, submodules are skipped with a warning (their content is not in this repository).
+//! (`programVersion`, a full or abbreviated id) and written into the caller's folder by
+//! [`crate::checkout`], which can never leave it: files keep their executable bit, relative
+//! symbolic links that stay inside the program are kept, submodules are skipped with a
+//! warning (their content is not in this repository), and a tree holding anything that
+//! would need to leave the folder (a link that leads out, alone or through other links, a
+//! name twice, `..` or `.git` entries, odd modes, too many entries or bytes) is refused
+//! whole, naming the entry ([`SourceError::Entry`]).
 //!
 //! Remotes go through gix's blocking network client with its pure-Rust HTTP transport
 //! (reqwest with rustls: no system library needed), so
@@ -27,6 +31,7 @@
 //!
 //! gix is blocking, so every checkout runs in `tokio::task::spawn_blocking`.
 
+use crate::checkout;
 use crate::confined::{self, ReadError};
 use ferry_domain::confinement::{Confinement, Refusal, RootKind};
 use ferry_domain::ports::sources::{Checkout, ProgramSource, SourceError};
@@ -169,11 +174,14 @@ impl GitProgramSource {
         };
 
         prepare_target(into).map_err(repo_err)?;
-        write_tree(&repo, &tree, into, Path::new("")).map_err(|e| {
-            repo_err(format!(
-                "cannot write the checkout into {}: {e}",
-                into.display()
-            ))
+        checkout::materialise(&repo, &tree, &folder, into).map_err(|e| {
+            tracing::warn!(repository, commit = %commit_hex, entry = %e.entry, reason = %e.reason, "checkout refused");
+            SourceError::Entry {
+                repository: repository.to_string(),
+                commit: commit_hex.clone(),
+                entry: e.entry,
+                reason: e.reason,
+            }
         })?;
         tracing::info!(
             repository,
@@ -376,109 +384,6 @@ fn prepare_target(into: &Path) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Writes `tree` under `dir`; `rel` is the path inside the program, for messages and links.
-fn write_tree(
-    repo: &gix::Repository,
-    tree: &gix::Tree<'_>,
-    dir: &Path,
-    rel: &Path,
-) -> Result<(), String> {
-    use gix::object::tree::EntryKind;
-    for entry in tree.iter() {
-        let entry = entry.map_err(|e| format!("cannot decode a tree: {e}"))?;
-        let name = entry.filename().to_string();
-        // Git trees from a hostile repository may carry names that would escape the folder.
-        if name.is_empty()
-            || name == "."
-            || name == ".."
-            || name == ".git"
-            || name.contains(['/', '\\', '\0'])
-        {
-            tracing::warn!(entry = %rel.join(&name).display(), "skipping an entry with an unsafe name");
-            continue;
-        }
-        let target = dir.join(&name);
-        let rel_path = rel.join(&name);
-        match entry.mode().kind() {
-            EntryKind::Tree => {
-                std::fs::create_dir(&target).map_err(|e| format!("{}: {e}", rel_path.display()))?;
-                let sub = repo
-                    .find_tree(entry.object_id())
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-                write_tree(repo, &sub, &target, &rel_path)?;
-            }
-            kind @ (EntryKind::Blob | EntryKind::BlobExecutable) => {
-                let blob = repo
-                    .find_blob(entry.object_id())
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-                std::fs::write(&target, &blob.data)
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-                set_executable(&target, kind == EntryKind::BlobExecutable)
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-            }
-            EntryKind::Link => {
-                let blob = repo
-                    .find_blob(entry.object_id())
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-                let link = String::from_utf8_lossy(&blob.data).into_owned();
-                write_link(&target, rel, &link)
-                    .map_err(|e| format!("{}: {e}", rel_path.display()))?;
-            }
-            EntryKind::Commit => {
-                tracing::warn!(
-                    submodule = %rel_path.display(),
-                    commit = %entry.object_id(),
-                    "skipping a submodule: its content is not in this repository"
-                );
-            }
-        }
-    }
-    Ok(())
-}
-
-#[cfg(unix)]
-fn set_executable(path: &Path, executable: bool) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let mode = if executable { 0o755 } else { 0o644 };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-}
-
-#[cfg(not(unix))]
-fn set_executable(_path: &Path, _executable: bool) -> std::io::Result<()> {
-    Ok(())
-}
-
-/// Keeps a symbolic link only when it is relative and stays inside the program: a link to
-/// `/etc/...` or `../../..` would let a program read the runner's machine.
-fn write_link(target: &Path, rel_dir: &Path, link: &str) -> Result<(), String> {
-    let mut depth: i64 = rel_dir.components().count() as i64;
-    let mut escapes = Path::new(link).is_absolute();
-    for component in Path::new(link).components() {
-        match component {
-            Component::ParentDir => depth -= 1,
-            Component::Normal(_) => depth += 1,
-            Component::CurDir => {}
-            _ => escapes = true,
-        }
-        if depth < 0 {
-            escapes = true;
-        }
-    }
-    if escapes {
-        tracing::warn!(link = %target.display(), "skipping a symbolic link that points outside the program");
-        return Ok(());
-    }
-    #[cfg(unix)]
-    {
-        std::os::unix::fs::symlink(link, target).map_err(|e| e.to_string())
-    }
-    #[cfg(not(unix))]
-    {
-        tracing::warn!(link = %target.display(), "skipping a symbolic link: not supported here");
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -802,8 +707,10 @@ mod tests {
         let (repo, _, _) = repo();
         let d = repo.path();
         std::os::unix::fs::symlink("Pulumi.yaml", d.join("stacks/web/link.yaml")).unwrap();
-        std::os::unix::fs::symlink("/etc/passwd", d.join("stacks/web/passwd")).unwrap();
-        std::os::unix::fs::symlink("../../../outside", d.join("stacks/web/up")).unwrap();
+        // A link through a link that stays inside: `a/b/l` leads to the program folder.
+        std::fs::create_dir_all(d.join("stacks/web/a/b")).unwrap();
+        std::os::unix::fs::symlink("../..", d.join("stacks/web/a/b/l")).unwrap();
+        std::os::unix::fs::symlink("a/b/l/Pulumi.yaml", d.join("stacks/web/through.yaml")).unwrap();
         git(d, &["add", "."]);
         let some_commit = git(d, &["rev-parse", "HEAD"]);
         git(
@@ -834,20 +741,322 @@ mod tests {
             std::fs::read_link(into.join("link.yaml")).unwrap(),
             Path::new("Pulumi.yaml")
         );
-        assert_eq!(
-            std::fs::read_to_string(into.join("link.yaml")).unwrap(),
-            "name: web-v2\n"
-        );
-        assert!(
-            std::fs::symlink_metadata(into.join("passwd")).is_err(),
-            "absolute link skipped"
-        );
-        assert!(
-            std::fs::symlink_metadata(into.join("up")).is_err(),
-            "escaping link skipped"
-        );
+        for link in ["link.yaml", "through.yaml"] {
+            assert_eq!(
+                std::fs::read_to_string(into.join(link)).unwrap(),
+                "name: web-v2\n"
+            );
+        }
         assert!(!into.join("vendored").exists(), "submodule skipped");
         assert!(into.join("run.sh").is_file());
+    }
+
+    /// Runs git with `input` on its standard input.
+    fn git_stdin(dir: &Path, args: &[&str], input: &[u8]) -> String {
+        use std::io::Write;
+        let mut child = Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@example.com")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@example.com")
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", dir)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("git runs");
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// A hostile repository, written object by object: trees hold exactly the entries given,
+    /// in that order (duplicates, `..`, odd modes included, which `git mktree` refuses).
+    struct Crafted {
+        dir: tempfile::TempDir,
+    }
+
+    impl Crafted {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            git(dir.path(), &["init", "-q", "-b", "main"]);
+            Self { dir }
+        }
+        fn blob(&self, data: &str) -> String {
+            git_stdin(
+                self.dir.path(),
+                &["hash-object", "-w", "--stdin"],
+                data.as_bytes(),
+            )
+        }
+        /// A link entry's blob holds its target.
+        fn link(&self, name: &str, target: &str) -> (String, String, String) {
+            ("120000".into(), name.into(), self.blob(target))
+        }
+        fn file(&self, name: &str, data: &str) -> (String, String, String) {
+            ("100644".into(), name.into(), self.blob(data))
+        }
+        fn folder(
+            &self,
+            name: &str,
+            entries: &[(String, String, String)],
+        ) -> (String, String, String) {
+            ("40000".into(), name.into(), self.tree(entries))
+        }
+        fn tree(&self, entries: &[(String, String, String)]) -> String {
+            let mut bytes = Vec::new();
+            for (mode, name, id) in entries {
+                bytes.extend_from_slice(format!("{mode} {name}\0").as_bytes());
+                bytes.extend_from_slice(&hex::decode(id).unwrap());
+            }
+            git_stdin(
+                self.dir.path(),
+                &["hash-object", "-t", "tree", "-w", "--literally", "--stdin"],
+                &bytes,
+            )
+        }
+        /// A commit whose root holds `infra` with these entries.
+        fn commit(&self, infra: &[(String, String, String)]) -> String {
+            let root = self.tree(&[self.folder("infra", infra)]);
+            git(self.dir.path(), &["commit-tree", &root, "-m", "crafted"])
+        }
+        /// `a/b/c/d/l -> ../../../..`: inside alone, it leads to the program folder.
+        fn ladder(&self) -> (String, String, String) {
+            let d = self.folder("d", &[self.link("l", "../../../..")]);
+            let c = self.folder("c", &[d]);
+            let b = self.folder("b", &[c]);
+            self.folder("a", &[b])
+        }
+        async fn checkout(&self, commit: &str, into: &Path) -> Result<Checkout, SourceError> {
+            let source = GitProgramSource::new(self.dir.path().join("cache"), in_temp(&[]));
+            let program = pr(&format!("{}#infra", self.dir.path().display()));
+            source.checkout(&acme(), &program, &pv(commit), into).await
+        }
+    }
+
+    /// What a refused checkout must say: the entry, and why.
+    fn refused(result: Result<Checkout, SourceError>, entry: &str, why: &str) {
+        match result {
+            Err(SourceError::Entry {
+                entry: named,
+                reason,
+                ..
+            }) => {
+                assert_eq!(named, entry, "{reason}");
+                assert!(reason.contains(why), "{entry}: {reason}");
+            }
+            other => panic!("{entry}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    fn is_empty(dir: &Path) -> bool {
+        std::fs::read_dir(dir).unwrap().next().is_none()
+    }
+
+    /// The reproduction: `infra/a/b/c/d/l -> ../../../..` leads to the checkout
+    /// folder and `infra/Pulumi.yaml -> a/b/c/d/l/../../../../tenants/acme/infra/web/Pulumi.yaml`
+    /// climbs four levels above it (the data dir) into another tenant's program. Each link
+    /// is inside lexically; together they leave, so the checkout is refused naming the
+    /// entry, and nothing is written.
+    #[tokio::test]
+    async fn a_chain_of_links_that_leaves_the_checkout_is_refused() {
+        let crafted = Crafted::new();
+        let commit = crafted.commit(&[
+            crafted.ladder(),
+            crafted.link(
+                "Pulumi.yaml",
+                "a/b/c/d/l/../../../../tenants/acme/infra/web/Pulumi.yaml",
+            ),
+        ]);
+        let data = tempfile::tempdir().unwrap();
+        let acme_program = data.path().join("tenants/acme/infra/web/Pulumi.yaml");
+        std::fs::create_dir_all(acme_program.parent().unwrap()).unwrap();
+        std::fs::write(&acme_program, "name: acme-web\n").unwrap();
+        let into = data.path().join("work/runs/acm/checkout");
+        std::fs::create_dir_all(&into).unwrap();
+
+        refused(
+            crafted.checkout(&commit, &into).await,
+            "infra/Pulumi.yaml",
+            "leads outside the checkout",
+        );
+        assert!(is_empty(&into), "nothing is written of a refused tree");
+        assert_eq!(
+            std::fs::read_to_string(&acme_program).unwrap(),
+            "name: acme-web\n"
+        );
+    }
+
+    /// The same name twice in one tree: first `x` as a link through the chain to a file
+    /// outside (the data dir's key), then `x` as a blob. The blob must never be written
+    /// through the link: the tree is refused naming `x`, and the file outside keeps its
+    /// bytes and its mode.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_name_twice_never_writes_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let crafted = Crafted::new();
+        let data = tempfile::tempdir().unwrap();
+        let key = data.path().join("jwt-hs256.key");
+        std::fs::write(&key, "the real key\n").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let into = data.path().join("work/runs/acm/checkout");
+        std::fs::create_dir_all(&into).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+
+        let through = "a/b/c/d/l/../../../../jwt-hs256.key";
+        for (entries, entry, why) in [
+            (
+                vec![
+                    crafted.ladder(),
+                    crafted.link("x", through),
+                    crafted.file("x", "PWNED-BY-ACM"),
+                ],
+                "infra/x",
+                "twice",
+            ),
+            // The file first, the link second: refused alike.
+            (
+                vec![
+                    crafted.ladder(),
+                    crafted.file("x", "PWNED-BY-ACM"),
+                    crafted.link("x", through),
+                ],
+                "infra/x",
+                "twice",
+            ),
+            // A folder written through a link of the same name.
+            (
+                vec![
+                    crafted.ladder(),
+                    crafted.link("y", "a/b/c/d/l/../../../.."),
+                    crafted.folder("y", &[crafted.file("jwt-hs256.key", "PWNED-BY-ACM")]),
+                ],
+                "infra/y",
+                "twice",
+            ),
+            // Names that differ only in case are one file on a case-insensitive disk.
+            (
+                vec![
+                    crafted.ladder(),
+                    crafted.link("X", through),
+                    crafted.file("x", "PWNED-BY-ACM"),
+                ],
+                "infra/x",
+                "infra/X, which differs only in case",
+            ),
+        ] {
+            let commit = crafted.commit(&entries);
+            refused(crafted.checkout(&commit, &into).await, entry, why);
+            assert!(is_empty(&into), "{entry}: nothing is written");
+            assert_eq!(std::fs::read_to_string(&key).unwrap(), "the real key\n");
+            assert_eq!(mode(&key), 0o600, "{entry}: the key keeps its mode");
+        }
+    }
+
+    /// Every other way out, and entries that are not part of a program: refused naming the
+    /// entry, with nothing written.
+    #[tokio::test]
+    async fn entries_that_would_leave_or_are_unsafe_are_refused() {
+        let crafted = Crafted::new();
+        let out = tempfile::tempdir().unwrap();
+        let sub = || crafted.folder("sub", &[crafted.link("l", "..")]);
+        let mut deep = crafted.file("Pulumi.yaml", "name: deep\n");
+        for level in 0..140 {
+            deep = crafted.folder(&format!("n{level}"), &[deep]);
+        }
+        let too_deep = (11..140)
+            .rev()
+            .map(|level| format!("n{level}"))
+            .collect::<Vec<_>>()
+            .join("/");
+        let too_deep = format!("infra/{too_deep}");
+        let cases = vec![
+            (
+                vec![crafted.link("passwd", "/etc/passwd")],
+                "infra/passwd",
+                "absolute",
+            ),
+            (
+                vec![crafted.link("up", "../outside")],
+                "infra/up",
+                "leads outside",
+            ),
+            (
+                vec![crafted.link("here", ".."), crafted.link("x", "here/x")],
+                "infra/here",
+                "leads outside",
+            ),
+            // Each harmless alone: `sub/l` is the program folder, one more `..` leaves it.
+            (
+                vec![sub(), crafted.link("y", "sub/l/..")],
+                "infra/y",
+                "leads outside",
+            ),
+            (
+                vec![sub(), crafted.link("y", "sub/l/../infra")],
+                "infra/y",
+                "leads outside",
+            ),
+            // Through a link found in another case.
+            (
+                vec![sub(), crafted.link("y", "SUB/L/..")],
+                "infra/y",
+                "leads outside",
+            ),
+            // Past a name that is not there yet, the path must still stay inside.
+            (
+                vec![crafted.link("z", "missing/../..")],
+                "infra/z",
+                "leads outside",
+            ),
+            (
+                vec![crafted.file("f", "x"), crafted.link("z", "f/../../etc")],
+                "infra/z",
+                "leads outside",
+            ),
+            (
+                vec![crafted.link("p", "q"), crafted.link("q", "p")],
+                "infra/p",
+                "more than 40 links",
+            ),
+            (vec![crafted.link("e", "")], "infra/e", "empty"),
+            (vec![crafted.file("..", "x")], "infra/..", "not a name"),
+            (vec![crafted.file(".", "x")], "infra/.", "not a name"),
+            (
+                vec![crafted.folder(".git", &[crafted.file("config", "x")])],
+                "infra/.git",
+                ".git",
+            ),
+            (vec![crafted.file(".GIT", "x")], "infra/.GIT", ".git"),
+            (vec![crafted.file("a\\b", "x")], "infra/a\\b", "separator"),
+            (
+                vec![("20000".into(), "dev".into(), crafted.blob("x"))],
+                "infra/dev",
+                "mode 20000",
+            ),
+            (
+                vec![("40000".into(), "t".into(), crafted.blob("x"))],
+                "infra/t",
+                "cannot read the folder",
+            ),
+            (vec![deep], too_deep.as_str(), "deeper than"),
+        ];
+        for (index, (entries, entry, why)) in cases.into_iter().enumerate() {
+            let into = out.path().join(index.to_string());
+            std::fs::create_dir_all(&into).unwrap();
+            let commit = crafted.commit(&entries);
+            refused(crafted.checkout(&commit, &into).await, entry, why);
+            assert!(is_empty(&into), "{entry}: nothing is written");
+        }
     }
 
     /// Runs `git http-backend` (smart HTTP) as a CGI program for one request.

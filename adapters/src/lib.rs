@@ -3,6 +3,7 @@
 //!
 //! * [`git`]: [`GitProgramSource`], the program source (`gix`: local path, `file://`,
 //!   remote URLs cloned into a cache).
+//! * [`checkout`]: writing a Git tree into a checkout folder it can never leave (`cap-std`).
 //! * [`secrets`]: [`SecretResolvers`], `env://`, `file://` and Vault KV v2 references.
 //! * [`config`]: [`ConfigSources`], file and HTTP configuration with the *degrade* failure
 //!   mode (last known good values).
@@ -16,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod artifacts;
+pub mod checkout;
 pub mod config;
 mod confined;
 pub mod git;

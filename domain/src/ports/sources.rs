@@ -49,6 +49,21 @@ pub enum SourceError {
         /// The folder.
         folder: String,
     },
+    /// The tree holds an entry that cannot be checked out without leaving the program's
+    /// folder (or that is unsafe or too big to write): the whole checkout is refused.
+    #[error(
+        "repository {repository} at commit {commit}: entry {entry} cannot be checked out: {reason}"
+    )]
+    Entry {
+        /// The repository.
+        repository: String,
+        /// The commit.
+        commit: String,
+        /// The entry's path in the repository.
+        entry: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A program checked out at a commit.
