@@ -9,8 +9,10 @@
 //! * [`pulumi`]: [`PulumiRunner`], the real `pulumi` CLI as a child process.
 //! * [`http`]: [`HttpRunner`], a client for a remote runner speaking the protocol in
 //!   `schemas/runner-protocol.openapi.json`.
+//! * [`checkout`]: reading the program's own files through its checkout folder only.
 #![forbid(unsafe_code)]
 
+pub mod checkout;
 pub mod http;
 pub mod preview;
 pub mod pulumi;

@@ -242,17 +242,10 @@ fn config_document(input: &RunnerInput) -> Result<Option<Vec<u8>>, RunnerError> 
         .map_err(|e| RunnerError::InvalidProgram(format!("cannot write stack config: {e}")))
 }
 
-/// The project name from `Pulumi.yaml` (needed to namespace config keys).
+/// The project name from `Pulumi.yaml` (needed to namespace config keys), read inside the
+/// program folder only.
 fn project_name(dir: &Path) -> Result<String, RunnerError> {
-    let path = ["Pulumi.yaml", "Pulumi.yml"]
-        .iter()
-        .map(|f| dir.join(f))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            RunnerError::InvalidProgram(format!("no Pulumi.yaml in {}", dir.display()))
-        })?;
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| RunnerError::InvalidProgram(format!("cannot read {}: {e}", path.display())))?;
+    let text = crate::checkout::read_project_file(dir)?;
     let doc: serde_yaml::Value = serde_yaml::from_str(&text)
         .map_err(|e| RunnerError::InvalidProgram(format!("Pulumi.yaml does not parse: {e}")))?;
     doc.get("name")

@@ -57,16 +57,9 @@ fn invalid(reason: impl Into<String>) -> RunnerError {
 }
 
 impl Program {
-    /// Reads `Pulumi.yaml` (or `Pulumi.yml`) from `dir`.
+    /// Reads `Pulumi.yaml` (or `Pulumi.yml`) from `dir`, never following a link out of it.
     pub fn load(dir: &Path) -> Result<Self, RunnerError> {
-        let path = ["Pulumi.yaml", "Pulumi.yml"]
-            .iter()
-            .map(|f| dir.join(f))
-            .find(|p| p.is_file())
-            .ok_or_else(|| invalid(format!("no Pulumi.yaml in {}", dir.display())))?;
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
-        Self::parse(&text)
+        Self::parse(&crate::checkout::read_project_file(dir)?)
     }
 
     /// Parses the text of a `Pulumi.yaml`.
