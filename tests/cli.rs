@@ -94,6 +94,58 @@ fn token_signs_with_the_embedded_key_it_keeps() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("Boss"));
 }
 
+/// A key file the group or others may read or write stops start-up (and `ferry token`)
+/// naming the file; made owner-only again, it is used.
+#[cfg(unix)]
+#[test]
+fn a_key_file_others_can_reach_stops_start_up_naming_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join(ferry_api::auth::KEY_FILE);
+    ferry_api::auth::load_or_create_key(dir.path()).unwrap();
+    let mode = |m: u32| std::fs::set_permissions(&key, std::fs::Permissions::from_mode(m)).unwrap();
+    let token = || {
+        ferry(dir.path())
+            .args(["token", "--tenant", "acme", "--sub", "alice"])
+            .output()
+            .unwrap()
+    };
+    mode(0o644);
+    let out = token();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&key.display().to_string()), "{stderr}");
+    assert!(stderr.contains("mode 644"), "{stderr}");
+
+    let mut serve = ferry(dir.path())
+        .env("FERRY_HTTP_ADDR", "127.0.0.1:0")
+        .env("FERRY_GRPC_ADDR", "127.0.0.1:0")
+        .arg("serve")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            serve.kill().unwrap();
+            panic!("ferry serve started with a key others can read");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut serve.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains(&key.display().to_string()), "{stderr}");
+
+    mode(0o660);
+    assert!(!token().status.success());
+    mode(0o600);
+    assert!(token().status.success());
+}
+
 #[test]
 fn token_mints_a_service_identity_for_posting_events() {
     let dir = tempfile::tempdir().unwrap();

@@ -328,7 +328,7 @@ impl Verifier {
 
 /// Why a key could not be loaded or made.
 #[derive(Debug, thiserror::Error)]
-#[error("signing key {path}")]
+#[error("key file {path}")]
 pub struct KeyError {
     path: String,
     source: std::io::Error,
@@ -343,6 +343,10 @@ pub fn load_or_create_key(data_dir: &Path) -> Result<Vec<u8>, KeyError> {
 }
 
 /// Reads a 32-byte key kept (base64) in `data_dir/name`, creating it (mode 0600) on first use.
+///
+/// A key file that is not a regular file of its own (a link), or that the group or others
+/// may read or write, is refused naming the file: whoever could read it could sign tokens
+/// (or fingerprints) for every tenant, and whoever could write it could choose the key.
 pub fn load_or_create_key_file(data_dir: &Path, name: &str) -> Result<Vec<u8>, KeyError> {
     use base64::Engine;
     let path = data_dir.join(name);
@@ -350,10 +354,15 @@ pub fn load_or_create_key_file(data_dir: &Path, name: &str) -> Result<Vec<u8>, K
         path: path.display().to_string(),
         source,
     };
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        return base64::engine::general_purpose::STANDARD
-            .decode(text.trim())
-            .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)));
+    match std::fs::symlink_metadata(&path) {
+        Ok(_) => {
+            let text = read_owner_only(&path).map_err(err)?;
+            return base64::engine::general_purpose::STANDARD
+                .decode(text.trim())
+                .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
     }
     std::fs::create_dir_all(data_dir).map_err(err)?;
     let key: [u8; 32] = rand::random();
@@ -362,6 +371,7 @@ pub fn load_or_create_key_file(data_dir: &Path, name: &str) -> Result<Vec<u8>, K
     options.write(true).create_new(true);
     #[cfg(unix)]
     {
+        // Owner-only from its first byte: never readable by others, not even for a moment.
         use std::os::unix::fs::OpenOptionsExt;
         options.mode(0o600);
     }
@@ -377,6 +387,44 @@ pub fn load_or_create_key_file(data_dir: &Path, name: &str) -> Result<Vec<u8>, K
         }
         Err(e) => Err(err(e)),
     }
+}
+
+/// Reads a secret file that must be a regular file only its owner may read or write.
+fn read_owner_only(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    let named = std::fs::symlink_metadata(path)?;
+    if !named.file_type().is_file() {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "is not a regular file (a link or a folder); Ferry reads its keys only from its own files",
+        ));
+    }
+    let mut file = std::fs::File::open(path)?;
+    let opened = file.metadata()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        // The file opened must be the one checked (not swapped for another in between).
+        if (opened.dev(), opened.ino()) != (named.dev(), named.ino()) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "changed while it was being read",
+            ));
+        }
+        let mode = opened.mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "the group or others may use it (mode {mode:o}); a key others can read or write is refused: \
+                     make it owner-only (chmod 600), or replace it if others may have read it"
+                ),
+            ));
+        }
+    }
+    let mut text = String::new();
+    file.read_to_string(&mut text)?;
+    Ok(text)
 }
 
 /// Signs an HS256 token (for `ferry token` and tests).
@@ -404,4 +452,64 @@ pub fn issue_hs256(
         &claims,
         &EncodingKey::from_secret(key),
     )
+}
+
+#[cfg(test)]
+#[cfg(unix)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777
+    }
+
+    #[test]
+    fn a_new_key_file_is_owner_only_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let key = load_or_create_key(&data).unwrap();
+        assert_eq!(key.len(), 32);
+        assert_eq!(mode(&data.join(KEY_FILE)), 0o600);
+        assert_eq!(load_or_create_key(&data).unwrap(), key);
+        load_or_create_key_file(&data, "secret-fingerprint.key").unwrap();
+        assert_eq!(mode(&data.join("secret-fingerprint.key")), 0o600);
+    }
+
+    /// A key file the group or others may read or write is refused, naming the file; so is
+    /// one that is a link (to wherever it leads).
+    #[test]
+    fn a_key_file_others_can_reach_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [KEY_FILE, "secret-fingerprint.key"] {
+            let path = dir.path().join(name);
+            load_or_create_key_file(dir.path(), name).unwrap();
+            for loose in [0o644, 0o640, 0o604, 0o620, 0o602, 0o666] {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(loose)).unwrap();
+                let err = load_or_create_key_file(dir.path(), name).unwrap_err();
+                let text = format!("{err}: {}", err.source);
+                assert!(text.contains(&path.display().to_string()), "{text}");
+                assert!(text.contains(&format!("mode {loose:o}")), "{text}");
+                assert_eq!(err.source.kind(), std::io::ErrorKind::PermissionDenied);
+            }
+            for owner_only in [0o600, 0o400] {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(owner_only))
+                    .unwrap();
+                assert!(load_or_create_key_file(dir.path(), name).is_ok());
+            }
+        }
+        let elsewhere = dir.path().join("elsewhere.key");
+        std::fs::copy(dir.path().join(KEY_FILE), &elsewhere).unwrap();
+        std::fs::remove_file(dir.path().join(KEY_FILE)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dir.path().join(KEY_FILE)).unwrap();
+        let err = load_or_create_key(dir.path()).unwrap_err();
+        assert!(
+            err.source.to_string().contains("not a regular file"),
+            "{err:?}"
+        );
+    }
 }
