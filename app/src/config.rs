@@ -122,6 +122,13 @@ pub struct Config {
     /// reads only the events after them; 0 turns the cache off
     /// (`FERRY_AGGREGATE_CACHE_EVENTS`).
     pub aggregate_cache_events: usize,
+    /// Bytes a run's checked-out program may hold (`FERRY_MAX_PROGRAM_BYTES`).
+    pub max_program_bytes: u64,
+    /// Resources one plan may list (`FERRY_MAX_PLAN_RESOURCES`).
+    pub max_plan_resources: usize,
+    /// Bytes one receipt may take as stored, and one stored log
+    /// (`FERRY_MAX_RECEIPT_BYTES`).
+    pub max_receipt_bytes: usize,
     /// How long a worker's claim on a step lasts without renewal
     /// (`FERRY_WORKER_LEASE_SECONDS`).
     pub worker_lease: Duration,
@@ -401,6 +408,16 @@ settings! {
     /// hold, or they are reloaded in full again and again (0 to 10000000; 0 turns the cache
     /// off).
     aggregate_cache_events: Whole = 1000000;
+    /// Bytes a run's checked-out program folder may hold: a larger program's plan fails,
+    /// naming this setting, before any runner reads it (1024 to 1073741824).
+    max_program_bytes: Whole = 8388608;
+    /// Resources one plan may list: a plan with more fails, naming this setting (1 to
+    /// 1000000).
+    max_plan_resources: Whole = 10000;
+    /// Bytes one plan or apply receipt may take as stored (a larger plan fails; an apply's
+    /// outputs are left out of its receipt, saying why) and one stored log (cut beyond it)
+    /// (1024 to 268435456).
+    max_receipt_bytes: Whole = 4194304;
     /// Absolute folders (comma-separated, or a TOML array; `{tenant}` = the tenant) that a
     /// tenant's `file://` secrets and configuration may name. A root that could hold Ferry's
     /// own files stops start-up.
@@ -957,6 +974,17 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             let events = c.in_range(at!(raw.aggregate_cache_events), 0, 10_000_000, "events")?;
             usize::try_from(events)
                 .map_err(|_| c.refuse("aggregate_cache_events", "too large for this machine"))?
+        },
+        max_program_bytes: c.in_range(at!(raw.max_program_bytes), 1024, 1 << 30, "bytes")?,
+        max_plan_resources: {
+            let n = c.in_range(at!(raw.max_plan_resources), 1, 1_000_000, "resources")?;
+            usize::try_from(n)
+                .map_err(|_| c.refuse("max_plan_resources", "too large for this machine"))?
+        },
+        max_receipt_bytes: {
+            let n = c.in_range(at!(raw.max_receipt_bytes), 1024, 1 << 28, "bytes")?;
+            usize::try_from(n)
+                .map_err(|_| c.refuse("max_receipt_bytes", "too large for this machine"))?
         },
         worker_lease: c.seconds(at!(raw.worker_lease_seconds), 3, 3600)?,
         worker_recovery_grace: c.seconds(at!(raw.worker_recovery_grace_seconds), 0, 3600)?,
@@ -1533,6 +1561,9 @@ mod tests {
             ("FERRY_LOG_FORMAT", "xml", "json or pretty"),
             ("FERRY_TENANT_FILE_ROOTS", "/srv/a, relative", "absolute"),
             ("NATS_URL", "", "empty"),
+            ("FERRY_MAX_PROGRAM_BYTES", "10", "between 1024 and"),
+            ("FERRY_MAX_PLAN_RESOURCES", "0", "between 1 and 1000000"),
+            ("FERRY_MAX_RECEIPT_BYTES", "many", "whole number"),
         ] {
             let e = Config::load(None, &env(&[(name, value)])).unwrap_err();
             assert_eq!(
@@ -1569,6 +1600,11 @@ mod tests {
         assert_eq!(c.approval_expiry, Some(Duration::from_secs(24 * 60 * 60)));
         assert_eq!(c.trusted_sources, ferry_messaging::TrustedSources::any());
         assert!(c.workers && c.tenant_file_roots.is_none());
+        // The limits the workers use by default are the declared ones.
+        let limits = crate::server::worker_settings(&c).limits;
+        assert_eq!(limits, ferry_workers::limits::Limits::default());
+        let c = Config::load(None, &env(&[("FERRY_MAX_PLAN_RESOURCES", "7")])).unwrap();
+        assert_eq!(crate::server::worker_settings(&c).limits.plan_resources, 7);
     }
 
     #[test]

@@ -122,6 +122,11 @@ pub fn worker_settings(config: &Config) -> ferry_workers::Settings {
     settings.poll = config.poll_interval;
     settings.lease = config.worker_lease;
     settings.recovery_grace = config.worker_recovery_grace;
+    settings.limits = ferry_workers::limits::Limits {
+        program_bytes: config.max_program_bytes,
+        plan_resources: config.max_plan_resources,
+        receipt_bytes: config.max_receipt_bytes,
+    };
     settings.baseline_programs = config.baseline_programs.iter().cloned().collect();
     settings
 }

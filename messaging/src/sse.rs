@@ -5,12 +5,19 @@
 //! caller's tenant, and sends each event as the CloudEvent the relay would publish:
 //! `id` = the position (`txid.position`, resumable with `Last-Event-ID`), `event` = the
 //! subject, `data` = the CloudEvent JSON.
+//!
+//! History (a caller starting from `after=0`) is read a page at a time, and a page ends at
+//! [`BATCH`] events or once its payloads pass [`PAGE_BYTES`]
+//! ([`ferry_store::stream::read_after_bounded`]); the next page is read only when the
+//! client has taken the last one. So a stream holds one page whatever the history holds,
+//! and twenty callers reading a large tenant's history hold twenty pages, not twenty
+//! histories.
 
 use crate::outbound::{parse_position, position_token, DEFAULT_SOURCE};
 use crate::publish::{EncodeError, Publishers};
 use axum::response::sse::Event;
 use ferry_store::events::ReadError;
-use ferry_store::stream::read_after;
+use ferry_store::stream::read_after_bounded;
 use ferry_store::{Database, Position};
 use futures::Stream;
 use std::collections::VecDeque;
@@ -18,8 +25,11 @@ use std::convert::Infallible;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// Events read per query.
-const BATCH: i64 = 256;
+/// Events read per query, at most.
+pub const BATCH: i64 = 256;
+/// Bytes of payloads read per query: a page ends at the event that passes them (the first
+/// event of a page is always read, so a page is at most this and one event).
+pub const PAGE_BYTES: i64 = 1024 * 1024;
 /// How often to look for new events when no wake-up arrives.
 const POLL: Duration = Duration::from_secs(1);
 
@@ -118,7 +128,7 @@ pub fn sse_stream_with_source(
 /// Reads the next batch; true when anything was read (even if none was the tenant's). An
 /// event that does not decode is an error like a store error: retried, never skipped.
 async fn fill(s: &mut State) -> Result<bool, EncodeError> {
-    let events = read_after(&s.db, s.after, BATCH)
+    let events = read_after_bounded(&s.db, s.after, BATCH, PAGE_BYTES)
         .await
         .map_err(ReadError::from)?;
     let Some(last) = events.last().map(|e| e.position) else {

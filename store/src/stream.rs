@@ -760,6 +760,70 @@ pub async fn read_after(
     }
 }
 
+/// [`read_after`], ending the batch once its payloads pass `max_bytes`: the events whose
+/// payloads start within that many bytes of the batch's start (so always the first, however
+/// large). The rows past it are counted by the store, never sent; a reader that holds a
+/// batch at a time (the SSE stream of a caller reading history from the start) holds at
+/// most `max_bytes` and one event, whatever the events' sizes.
+pub async fn read_after_bounded(
+    db: &Database,
+    after: Position,
+    limit: i64,
+    max_bytes: i64,
+) -> Result<Vec<StoredEvent>, sqlx::Error> {
+    let rows = match db.pool() {
+        Pool::Postgres(p) => sqlx::query(PG_BOUNDED_BATCH)
+            .bind(after.transaction_id.to_string())
+            .bind(after.global_position)
+            .bind(limit)
+            .bind(max_bytes)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(pg_event)
+            .collect(),
+        Pool::Sqlite(p) => sqlx::query(SQLITE_BOUNDED_BATCH)
+            .bind(after.global_position)
+            .bind(limit)
+            .bind(max_bytes)
+            .fetch_all(p)
+            .await?
+            .iter()
+            .map(sqlite_event)
+            .collect(),
+    };
+    rows
+}
+
+/// [`PG_BATCH`] with a running sum of the payloads' sizes, cut at `$4` bytes.
+const PG_BOUNDED_BATCH: &str = "
+SELECT * FROM (
+SELECT global_position, transaction_id::text::bigint AS transaction_id, event_id::text AS event_id,
+       aggregate_type, aggregate_id, sequence, event_type, event_version, payload, metadata, recorded_at,
+       SUM(octet_length(payload::text)) OVER (ORDER BY events.transaction_id, events.global_position)
+         - octet_length(payload::text) AS bytes_before
+  FROM events
+ WHERE (transaction_id, global_position) > ($1::text::xid8, $2)
+   AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+ ORDER BY events.transaction_id, events.global_position
+ LIMIT $3) page
+ WHERE bytes_before = 0 OR bytes_before < $4
+ ORDER BY transaction_id, global_position";
+
+/// [`SQLITE_BATCH`] with a running sum of the payloads' sizes, cut at `?3` bytes.
+const SQLITE_BOUNDED_BATCH: &str = "
+SELECT * FROM (
+SELECT global_position, 0 AS transaction_id, event_id, aggregate_type, aggregate_id, sequence,
+       event_type, event_version, payload, metadata, recorded_at,
+       SUM(length(CAST(payload AS BLOB))) OVER (ORDER BY global_position)
+         - length(CAST(payload AS BLOB)) AS bytes_before
+  FROM events
+ WHERE global_position > ?1
+ ORDER BY global_position
+ LIMIT ?2)
+ WHERE bytes_before = 0 OR bytes_before < ?3
+ ORDER BY global_position";
+
 /// The stream's batch read on Postgres, in a transaction or on the pool.
 async fn read_pg<'e>(
     executor: impl sqlx::PgExecutor<'e>,

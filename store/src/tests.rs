@@ -1294,3 +1294,50 @@ async fn only_replayable_batches_commit_without_waiting_for_the_flush() {
     drop(connections);
     t.cleanup().await;
 }
+
+crate::test_on_both_engines! {
+    async fn a_bounded_read_ends_its_batch_at_the_byte_budget(backend) {
+        let t = TestDatabase::new(backend).await;
+        let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+        for _ in 0..5 {
+            let id = ProvisioningRunId::new_random();
+            runs.execute(&tenant("a"), &id.to_string(), request("a", id), &meta("a"), true)
+                .await
+                .unwrap();
+        }
+        let all = eventually("five events", || async {
+            let e = stream::read_after(&t.db, Position::default(), 10).await.unwrap();
+            (e.len() == 5).then_some(e)
+        })
+        .await;
+        let sizes: Vec<i64> = all.iter().map(|e| e.payload.get().len() as i64).collect();
+        let read = |max_bytes: i64| {
+            let db = t.db.clone();
+            async move {
+                stream::read_after_bounded(&db, Position::default(), 10, max_bytes)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|e| e.position)
+                    .collect::<Vec<_>>()
+            }
+        };
+        let positions: Vec<Position> = all.iter().map(|e| e.position).collect();
+        // The first event always, however small the budget.
+        assert_eq!(read(0).await, positions[..1]);
+        assert_eq!(read(1).await, positions[..1]);
+        // The events that start within the budget.
+        assert_eq!(read(sizes[0] + sizes[1] - 1).await, positions[..2]);
+        assert_eq!(read(sizes[0] + sizes[1] + 1).await, positions[..3]);
+        // A budget larger than the stream: the count limits, as `read_after` does.
+        assert_eq!(read(i64::MAX / 2).await, positions);
+        let limited = stream::read_after_bounded(&t.db, Position::default(), 4, i64::MAX / 2)
+            .await
+            .unwrap();
+        assert_eq!(limited.len(), 4);
+        // Resuming after a bounded batch goes on where it ended.
+        let next = stream::read_after_bounded(&t.db, positions[1], 10, 1).await.unwrap();
+        assert_eq!(next.iter().map(|e| e.position).collect::<Vec<_>>(), positions[2..3]);
+        t.cleanup().await;
+    }
+}

@@ -64,6 +64,11 @@ impl Workers {
             .checkout(tenant, &spec.program_ref, &spec.program_version, dir)
             .await
             .map_err(|e| e.to_string())?;
+        // Before any runner reads or parses it.
+        self.settings
+            .limits
+            .check_program(&checkout.program_dir)
+            .await?;
         let config = self
             .ports
             .config

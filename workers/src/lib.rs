@@ -34,6 +34,7 @@
 pub mod clock;
 pub mod enqueuer;
 pub mod inputs;
+pub mod limits;
 pub mod liveness;
 pub mod metrics;
 pub mod queue;
@@ -111,6 +112,8 @@ pub struct Settings {
     pub baseline_programs: HashMap<EnvironmentClass, BaselineProgram>,
     /// Steps run at once.
     pub concurrency: usize,
+    /// What one run may make Ferry hold (program, plan, receipts and logs).
+    pub limits: limits::Limits,
     /// Queue polling when nothing wakes the workers.
     pub poll: Duration,
     /// This process's name in `claimed_by`.
@@ -137,6 +140,7 @@ impl Settings {
             approval_expiry: Some(Duration::from_secs(24 * 3600)),
             baseline_programs: HashMap::new(),
             concurrency: 4,
+            limits: limits::Limits::default(),
             poll: Duration::from_millis(500),
             instance: format!("ferry-{}", uuid::Uuid::new_v4().simple()),
             auto_apply_non_destructive: tokio::sync::watch::channel(true).1,

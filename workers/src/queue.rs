@@ -217,9 +217,14 @@ impl Queue {
         &self.clock
     }
 
-    /// Claims the oldest due item with the fresh fencing token `token`, skipping applies for
+    /// Claims a due item with the fresh fencing token `token`, skipping applies for
     /// environments that already have one running (or one whose stored result is not yet
     /// recorded). `None` when nothing is due.
+    ///
+    /// The slots are shared fairly between tenants: the item claimed is the oldest of a
+    /// tenant with the fewest items running, so a tenant's backlog (however many plans it
+    /// asks for, however long each takes) never keeps another tenant's first item waiting
+    /// for more than the next free slot.
     pub async fn claim(
         &self,
         token: &str,
@@ -231,13 +236,16 @@ impl Queue {
                     claim_token = $4, lease_until = $2, updated_at = $3
               WHERE status = 'pending' AND (item_id, step) = (
                     SELECT w.item_id, w.step FROM work_items w
+                      LEFT JOIN (SELECT tenant_id, COUNT(*) AS n FROM work_items
+                                  WHERE status = 'running' GROUP BY tenant_id) busy
+                        ON busy.tenant_id = w.tenant_id
                      WHERE w.status = 'pending' AND w.not_before <= $3
                        AND NOT (w.step = 'apply' AND EXISTS (
                            SELECT 1 FROM work_items r
                             WHERE r.environment_key = w.environment_key AND r.step = 'apply'
                               AND r.item_id <> w.item_id
                               AND (r.status = 'running' OR (r.status = 'pending' AND r.result IS NOT NULL))))
-                     ORDER BY w.not_before, w.created_at LIMIT 1)
+                     ORDER BY COALESCE(busy.n, 0), w.not_before, w.created_at LIMIT 1)
           RETURNING {COLUMNS}"
         );
         let sql = self.db.sql(&sql);

@@ -30,6 +30,9 @@ pub(crate) const INTERRUPTED: &str = "apply interrupted: the Ferry instance runn
     or stopped its runner after losing its lease, before the runner's result was stored; \
     the infrastructure may be partly changed; the apply is not re-run, plan a new run";
 
+/// The one output of an apply receipt whose outputs were too large to store: why.
+pub(crate) const OUTPUTS_LEFT_OUT: &str = "ferry:outputsLeftOut";
+
 /// How a step ended.
 #[derive(Debug)]
 pub(crate) enum Outcome {
@@ -217,7 +220,11 @@ impl Workers {
                     .await
             }
         };
-        let log = redact(&preview.log, inputs.secrets());
+        let limits = self.settings.limits;
+        if let Err(reason) = limits.check_resources(preview.plan.resources.len()) {
+            return self.fail_planning(item, tenant, reason).await;
+        }
+        let log = limits.cut_log(redact(&preview.log, inputs.secrets()));
         let logs_ref = match self
             .ports
             .artifacts
@@ -281,6 +288,11 @@ impl Workers {
             policy: Some(decision.clone()),
             warnings,
         };
+        // The receipt goes into an event that every reader of the stream loads.
+        let receipt_bytes = serde_json::to_vec(&receipt).map_or(usize::MAX, |json| json.len());
+        if let Err(reason) = limits.check_receipt("plan receipt", receipt_bytes) {
+            return self.fail_planning(item, tenant, reason).await;
+        }
         let planned = self
             .command(
                 item,
@@ -538,10 +550,13 @@ impl Workers {
             }
         };
         // A failure without output has no log to keep (as a success always has one).
+        let limits = self.settings.limits;
+        let reason = reason.map(|r| limits.cut_log(r));
+        let resource = resource.map(|r| limits.cut_log(r));
         let logs_ref = if log.is_empty() && apply_result == ApplyResult::Failed {
             None
         } else {
-            let log = redact(&log, inputs.secrets());
+            let log = limits.cut_log(redact(&log, inputs.secrets()));
             self.ports
                 .artifacts
                 .put(
@@ -551,7 +566,7 @@ impl Workers {
                 .await
                 .ok()
         };
-        let stored = RunnerResult {
+        let mut stored = RunnerResult {
             receipt: ApplyReceipt {
                 outputs,
                 duration_seconds: seconds,
@@ -562,6 +577,16 @@ impl Workers {
             reason,
             logs_ref,
         };
+        // What was applied stays applied: outputs too large to store are left out, saying so.
+        let receipt_bytes =
+            serde_json::to_vec(&stored.receipt).map_or(usize::MAX, |json| json.len());
+        if let Err(why) = limits.check_receipt("apply receipt", receipt_bytes) {
+            tracing::warn!(%why, "the apply's outputs are left out of its receipt");
+            stored.receipt.outputs = std::collections::BTreeMap::from([(
+                OUTPUTS_LEFT_OUT.to_string(),
+                serde_json::Value::String(why),
+            )]);
+        }
         if let Err(outcome) = self.store_result(item, &stored).await {
             return Ok(outcome);
         }

@@ -92,6 +92,10 @@ struct FakeRunner {
     cancelled: AtomicUsize,
     running: Mutex<HashMap<String, usize>>,
     max_parallel_in_env: AtomicUsize,
+    /// Resources the plan lists besides the first.
+    more_resources: usize,
+    /// Bytes of padding added to the preview's log.
+    log_padding: usize,
 }
 
 /// Leaves the running count when an apply ends or is dropped, counting a drop as cancelled.
@@ -141,14 +145,27 @@ impl Runner for FakeRunner {
                 changes: 0,
                 deletes: self.deletes,
                 replaces: 0,
-                resources: vec![PlannedResource {
-                    urn: "urn:pulumi:e::p::test:Thing::a".into(),
-                    resource_type: "test:Thing".into(),
-                    op: ResourceOp::Create,
-                    properties: Vec::new(),
-                }],
+                resources: (0..=self.more_resources)
+                    .map(|i| PlannedResource {
+                        urn: if i == 0 {
+                            "urn:pulumi:e::p::test:Thing::a".into()
+                        } else {
+                            format!("urn:pulumi:e::p::test:Thing::a{i}")
+                        },
+                        resource_type: "test:Thing".into(),
+                        op: if i == 0 {
+                            ResourceOp::Create
+                        } else {
+                            ResourceOp::Same
+                        },
+                        properties: Vec::new(),
+                    })
+                    .collect(),
             },
-            log: format!("previewing with password {secret}"),
+            log: format!(
+                "previewing with password {secret}{}",
+                ".".repeat(self.log_padding)
+            ),
         })
     }
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
@@ -1602,5 +1619,107 @@ ferry_store::test_on_both_engines! {
         assert!(error.to_string().contains("ApplyStarted"), "{error}");
         assert_eq!(work_items(db).await, 0);
         tdb.cleanup().await;
+    }
+}
+
+/// Why a run's plan item failed, once it has.
+async fn plan_failure(w: &World, id: ProvisioningRunId) -> String {
+    w.wait_state(id, ProvisioningState::Failed).await;
+    let (status, error, _) = eventually("the plan item finished", || async {
+        let s = w.status(id, Step::Plan).await?;
+        (s.0 != "running" && s.0 != "pending").then_some(s)
+    })
+    .await;
+    assert_eq!(status, "failed");
+    error.unwrap_or_default()
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_program_over_the_size_limit_fails_its_plan_naming_the_setting(backend) {
+        // The checkout writes a 10-byte Pulumi.yaml; nothing reaches the runner.
+        let w = World::new(backend, FakeRunner::default(), |s| s.limits.program_bytes = 9).await;
+        let id = w.request("dev", Some(EnvironmentClass::Development), "abcdef1").await;
+        let reason = plan_failure(&w, id).await;
+        assert!(reason.contains("FERRY_MAX_PROGRAM_BYTES"), "{reason}");
+        assert!(reason.contains("more than 9 bytes"), "{reason}");
+        assert!(w.runs().load(&tenant(), &id.to_string()).await.unwrap().unwrap().0.plan_receipt().is_none());
+        w.stop().await;
+    }
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_plan_over_the_resource_limit_fails_naming_the_setting(backend) {
+        let runner = FakeRunner { more_resources: 3, ..Default::default() };
+        let w = World::new(backend, runner, |s| s.limits.plan_resources = 3).await;
+        let id = w.request("dev", Some(EnvironmentClass::Development), "abcdef1").await;
+        let reason = plan_failure(&w, id).await;
+        assert!(reason.contains("the plan lists 4 resources"), "{reason}");
+        assert!(reason.contains("FERRY_MAX_PLAN_RESOURCES"), "{reason}");
+        w.stop().await;
+
+        // At the limit, the plan goes through.
+        let runner = FakeRunner { more_resources: 2, ..Default::default() };
+        let w = World::new(backend, runner, |s| s.limits.plan_resources = 3).await;
+        let id = w.request("dev", Some(EnvironmentClass::Development), "abcdef1").await;
+        let run = w.wait_state(id, ProvisioningState::Applied).await;
+        assert_eq!(run.plan_receipt().unwrap().resources.len(), 3);
+        w.stop().await;
+    }
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_receipt_over_the_size_limit_fails_its_plan_and_a_long_log_is_cut(backend) {
+        // Forty resources make a receipt of a few kilobytes.
+        let runner = FakeRunner { more_resources: 40, ..Default::default() };
+        let w = World::new(backend, runner, |s| s.limits.receipt_bytes = 2_000).await;
+        let id = w.request("dev", Some(EnvironmentClass::Development), "abcdef1").await;
+        let reason = plan_failure(&w, id).await;
+        assert!(reason.contains("plan receipt"), "{reason}");
+        assert!(reason.contains("FERRY_MAX_RECEIPT_BYTES"), "{reason}");
+        assert!(w.runs().load(&tenant(), &id.to_string()).await.unwrap().unwrap().0.plan_receipt().is_none());
+        w.stop().await;
+
+        // A small receipt with a long log: the plan goes on, its stored log is cut.
+        let runner = FakeRunner { log_padding: 100_000, ..Default::default() };
+        let w = World::new(backend, runner, |s| s.limits.receipt_bytes = 2_000).await;
+        let id = w.request("dev", Some(EnvironmentClass::Development), "abcdef1").await;
+        w.wait_state(id, ProvisioningState::Applied).await;
+        let log = w.artifacts.get(&format!("artifacts:runs/{id}/plan.log")).await.unwrap();
+        let log = String::from_utf8(log).unwrap();
+        assert!(log.len() < 2_200, "{} bytes", log.len());
+        assert!(log.starts_with("previewing with password ***"), "{log}");
+        assert!(log.contains("FERRY_MAX_RECEIPT_BYTES"), "{log}");
+        w.stop().await;
+    }
+}
+
+ferry_store::test_on_both_engines! {
+    async fn a_tenants_backlog_does_not_keep_another_tenants_item_from_the_next_slot(backend) {
+        let w = World::idle(backend).await;
+        let now = now_ms();
+        let mut tx = Tx::begin(&w.tdb.db).await.unwrap();
+        // The hog asked first, for many plans; the calm tenant's one plan comes last.
+        for i in 0..6 {
+            let item = format!("hog-{i}");
+            enqueue(&mut tx, &item, Step::Plan, "hog", "hog/dev", now - 1_000 + i, None, None)
+                .await
+                .unwrap();
+        }
+        enqueue(&mut tx, "calm-0", Step::Plan, "calm", "calm/dev", now, None, None)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let queue = w.workers.queue();
+        let lease = Duration::from_secs(60);
+        // Two slots: the first goes to the oldest item, the second to the tenant with
+        // nothing running, though five of the hog's items are older.
+        let first = queue.claim("t1", lease).await.unwrap().unwrap();
+        assert_eq!(first.item_id, "hog-0");
+        let second = queue.claim("t2", lease).await.unwrap().unwrap();
+        assert_eq!(second.item_id, "calm-0");
+        // With one each running, the hog's backlog goes on in order.
+        let third = queue.claim("t3", lease).await.unwrap().unwrap();
+        assert_eq!(third.item_id, "hog-1");
+        w.stop().await;
     }
 }
