@@ -26,6 +26,10 @@ fn a_bad_setting_stops_start_up_naming_it() {
         ("DATABASE_URL", "mysql://nope"),
         ("FERRY_POLL_INTERVAL_MS", "0"),
         ("FERRY_LOG_FORMAT", "xml"),
+        ("FERRY_NATS_CREDS_FILE", "/nonexistent/ferry.creds"),
+        ("FERRY_NATS_NKEY_SEED_FILE", "/nonexistent/ferry.nk"),
+        ("FERRY_NATS_TLS_CA_FILE", "/nonexistent/ca.pem"),
+        ("FERRY_NATS_USER", "ferry"),
     ] {
         let out = ferry(dir.path())
             .env(name, value)
@@ -36,6 +40,19 @@ fn a_bad_setting_stops_start_up_naming_it() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(name), "{name}: {stderr}");
     }
+    // A secret setting is named, never shown.
+    let out = ferry(dir.path())
+        .env("NATS_URL", "nats://127.0.0.1:4222")
+        .env("FERRY_NATS_PASSWORD", "pw-never-shown")
+        .arg("serve")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("FERRY_NATS_PASSWORD") && !stderr.contains("pw-never-shown"),
+        "{stderr}"
+    );
     let file = dir.path().join("ferry.toml");
     std::fs::write(&file, "http_addr = 8080\n").unwrap();
     let out = ferry(dir.path())

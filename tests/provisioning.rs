@@ -471,6 +471,128 @@ async fn a_production_run_waits_for_another_identitys_approval() {
     f.stop().await;
 }
 
+/// The passwords the Compose example's `deploy/nats.conf` reads from the environment.
+const NATS_PASSWORDS: [(&str, &str); 4] = [
+    ("NATS_PASSWORD_FERRY", "ferry-pw"),
+    ("NATS_PASSWORD_RUNCONTROL", "runcontrol-pw"),
+    ("NATS_PASSWORD_ENVIRONMENTS", "environments-pw"),
+    ("NATS_PASSWORD_RELEASES", "releases-pw"),
+];
+
+/// Run control's approval of run `run`, as anyone may write it.
+fn nats_approval(run: &str) -> bytes::Bytes {
+    let approval_id = uuid::Uuid::new_v4();
+    json!({
+        "specversion": "1.0", "id": format!("approval-{approval_id}"), "source": "urn:runcontrol",
+        "type": "runcontrol.approvals.v1.approval-decided", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"approvalId": approval_id, "tenantId": "acme", "provisioningRunId": run,
+                 "decision": "approve", "decidedBy": "carol", "reason": "CAB approved"}
+    })
+    .to_string()
+    .into()
+}
+
+#[tokio::test]
+async fn over_nats_only_run_controls_user_approves_a_production_run() {
+    const APPROVALS: &str = "runcontrol.approvals.v1.approval-decided";
+    let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/nats.conf");
+    let nats = ferry_messaging::testing::Nats::start_with_config(
+        &conf,
+        &NATS_PASSWORDS,
+        ("ferry", "ferry-pw"),
+    )
+    .await;
+    // Ferry's NATS user, through its settings.
+    let settings = [
+        ("NATS_URL", nats.url()),
+        ("FERRY_NATS_USER", "ferry".to_string()),
+        ("FERRY_NATS_PASSWORD", "ferry-pw".to_string()),
+    ];
+    let nats_auth = ferry_app::Config::load(
+        None,
+        &settings
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    )
+    .unwrap()
+    .nats_auth;
+    let f = start_tuned(Backend::Postgres, |c| {
+        c.nats_url = Some(nats.url());
+        c.nats_auth = nats_auth;
+    })
+    .await;
+    f.environment("payments-prod", "production").await;
+    f.environment("billing-prod", "production").await;
+    let target = f.run("payments-prod", &f.good).await;
+    let marker = f.run("billing-prod", &f.good).await;
+    f.wait(&target, "AwaitingApproval").await;
+    f.wait(&marker, "AwaitingApproval").await;
+    let runcontrol =
+        async_nats::jetstream::new(nats.connect_as("runcontrol", "runcontrol-pw").await);
+    // Ferry's consumer makes the stream storing approvals in the background.
+    let js = &nats.js().await;
+    eventually_showing("a stream storing approvals", 20, || async move {
+        js.stream_by_subject(APPROVALS)
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+
+    // Every other user publishes an approval of the target run: the release service's, the
+    // environment service's and Ferry's own.
+    for (user, password) in [
+        ("releases", "releases-pw"),
+        ("environments", "environments-pw"),
+        ("ferry", "ferry-pw"),
+    ] {
+        let client = nats.connect_as(user, password).await;
+        client
+            .publish(APPROVALS, nats_approval(&target))
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+    }
+    // Then run control approves the other run: that one is handled, the target stays
+    // unapproved, and the stream holds run control's approval alone.
+    runcontrol
+        .publish(APPROVALS, nats_approval(&marker))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let run = f.wait(&marker, "Applied").await;
+    assert_eq!(run["authorization"]["approvedBy"], "carol");
+    let (_, run) =
+        f.s.get(
+            &operator("acme", "alice"),
+            &format!("/factory/provisioning/runs/{target}"),
+        )
+        .await;
+    assert_eq!(run["state"], "AwaitingApproval", "{run}");
+    let stream = js
+        .get_stream(js.stream_by_subject(APPROVALS).await.unwrap())
+        .await
+        .unwrap();
+    let mut subjects = stream.info_with_subjects(APPROVALS).await.unwrap();
+    let stored = futures::StreamExt::next(&mut subjects)
+        .await
+        .map(Result::unwrap);
+    assert_eq!(stored, Some((APPROVALS.to_string(), 1)));
+
+    // Run control's approval of the target run is handled like any other.
+    runcontrol
+        .publish(APPROVALS, nats_approval(&target))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let run = f.wait(&target, "Applied").await;
+    assert_eq!(run["authorization"]["approvedBy"], "carol");
+    f.stop().await;
+}
+
 #[tokio::test]
 async fn a_wrong_commit_fails_naming_it_and_a_failing_program_names_the_resource() {
     let f = start(Backend::Sqlite).await;

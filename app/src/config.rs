@@ -100,6 +100,9 @@ pub struct Config {
     pub nats_url: Option<String>,
     /// JetStream stream Ferry publishes to (`FERRY_NATS_STREAM`).
     pub nats_stream: String,
+    /// Ferry's NATS user and TLS (`FERRY_NATS_CREDS_FILE`, `FERRY_NATS_NKEY_SEED_FILE`,
+    /// `FERRY_NATS_USER` and `FERRY_NATS_PASSWORD`, `FERRY_NATS_TOKEN`, `FERRY_NATS_TLS_*`).
+    pub nats_auth: ferry_messaging::nats::NatsAuth,
     /// Run the planner and applier in this process (`FERRY_WORKERS`); API-only instances
     /// set it to false.
     pub workers: bool,
@@ -386,6 +389,28 @@ settings! {
     nats_url: String, env "NATS_URL", shown "unset";
     /// JetStream stream Ferry publishes to.
     nats_stream: String = "FERRY_EVENTS";
+    /// Ferry's NATS credentials file (`.creds`: user JWT and nkey seed), checked at start.
+    /// Ferry connects as one NATS user: this, an nkey seed, user and password, or a token
+    /// (the trust model says which permissions that user and the others need).
+    nats_creds_file: String, shown "unset";
+    /// File holding Ferry's NATS user nkey seed (`SU…`).
+    nats_nkey_seed_file: String, shown "unset";
+    /// Ferry's NATS user, with `nats_password`.
+    nats_user: String, shown "unset";
+    /// The NATS user's password (never logged).
+    nats_password: String, shown "unset";
+    /// A NATS token (never logged).
+    nats_token: String, shown "unset";
+    /// PEM file of the authorities NATS's certificate must chain to; TLS is then required.
+    nats_tls_ca_file: String, shown "unset";
+    /// PEM file of Ferry's client certificate for NATS, with `nats_tls_key_file`; TLS is
+    /// then required.
+    nats_tls_cert_file: String, shown "unset";
+    /// PEM file of the client certificate's key.
+    nats_tls_key_file: String, shown "unset";
+    /// Refuse a NATS connection without TLS (a `tls://` URL, a CA or a client certificate
+    /// require it too).
+    nats_tls_required: Flag = false;
     /// CloudEvent sources trusted per inbound event (see the trust model).
     trusted_sources: String, shown "unset: any source";
     /// Postgres ends Ferry's sessions idle in a transaction this long (1000 to 3600000).
@@ -810,6 +835,109 @@ impl Check<'_> {
         Ok(prefixes)
     }
 
+    /// A file `check` accepts, read when the settings are.
+    fn file<T>(
+        &self,
+        at: At<String>,
+        check: impl FnOnce(&Path) -> Result<T, ferry_messaging::nats::CredentialFileError>,
+    ) -> Result<(PathBuf, T), ConfigError> {
+        let key = at.0;
+        let path = PathBuf::from(self.non_empty(at)?);
+        let checked = check(&path).map_err(|e| self.refuse(key, e.to_string()))?;
+        Ok((path, checked))
+    }
+
+    /// Ferry's NATS identity and TLS: at most one identity, each file readable and of its
+    /// kind, a user with its password, a certificate with its key.
+    fn nats_auth(&self, raw: RawNatsAuth) -> Result<ferry_messaging::nats::NatsAuth, ConfigError> {
+        use ferry_domain::ports::SecretValue;
+        use ferry_messaging::nats::{self, NatsAuth, NatsCredentials, NatsTls};
+        // A setting that is set, as its layer names it; one that is missing, both ways.
+        let named = |key: &str| self.refuse(key, "").setting;
+        let missing = |key: &str| format!("{} (file key {key})", variable_of(key));
+        let mut identities: Vec<(&str, NatsCredentials)> = Vec::new();
+        if let Some((path, ())) =
+            self.opt(raw.creds_file, |c, at| c.file(at, nats::check_creds_file))?
+        {
+            identities.push(("nats_creds_file", NatsCredentials::CredsFile(path)));
+        }
+        if let Some((file, seed)) = self.opt(raw.nkey_seed_file, |c, at| {
+            c.file(at, nats::read_nkey_seed_file)
+        })? {
+            identities.push((
+                "nats_nkey_seed_file",
+                NatsCredentials::NkeySeed { file, seed },
+            ));
+        }
+        let user = self.opt(raw.user, Check::non_empty)?;
+        let password = self.opt(raw.password, Check::non_empty)?;
+        match (user, password) {
+            (Some(user), Some(password)) => identities.push((
+                "nats_user",
+                NatsCredentials::UserPassword {
+                    user,
+                    password: SecretValue::new(password),
+                },
+            )),
+            (Some(_), None) => {
+                let needed = missing("nats_password");
+                return Err(self.refuse("nats_user", format!("needs {needed} too")));
+            }
+            (None, Some(_)) => {
+                let needed = missing("nats_user");
+                return Err(self.refuse("nats_password", format!("needs {needed} too")));
+            }
+            (None, None) => {}
+        }
+        if let Some(token) = self.opt(raw.token, Check::non_empty)? {
+            identities.push((
+                "nats_token",
+                NatsCredentials::Token(SecretValue::new(token)),
+            ));
+        }
+        let mut identities = identities.into_iter();
+        let credentials = match (identities.next(), identities.next()) {
+            (Some((first, _)), Some((second, _))) => {
+                let first = named(first);
+                return Err(self.refuse(
+                    second,
+                    format!("Ferry has one NATS identity: {first} is set too"),
+                ));
+            }
+            (Some((_, credentials)), None) => credentials,
+            (None, _) => NatsCredentials::Anonymous,
+        };
+        let ca_file = self
+            .opt(raw.tls_ca_file, |c, at| c.file(at, nats::check_pem_file))?
+            .map(|(path, ())| path);
+        let cert = self
+            .opt(raw.tls_cert_file, |c, at| c.file(at, nats::check_pem_file))?
+            .map(|(path, ())| path);
+        let key = self
+            .opt(raw.tls_key_file, |c, at| c.file(at, nats::check_pem_file))?
+            .map(|(path, ())| path);
+        let client_certificate = match (cert, key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            (Some(_), None) => {
+                let needed = missing("nats_tls_key_file");
+                return Err(self.refuse("nats_tls_cert_file", format!("needs {needed} too")));
+            }
+            (None, Some(_)) => {
+                let needed = missing("nats_tls_cert_file");
+                return Err(self.refuse("nats_tls_key_file", format!("needs {needed} too")));
+            }
+        };
+        Ok(NatsAuth {
+            credentials,
+            tls: NatsTls {
+                ca_file,
+                client_certificate,
+                required: raw.tls_required,
+            },
+        })
+    }
+
     /// `<programRef>@<commit>`.
     fn baseline(
         &self,
@@ -833,11 +961,35 @@ impl Check<'_> {
     }
 }
 
+/// The NATS identity and TLS settings, as [`Check::nats_auth`] takes them.
+struct RawNatsAuth {
+    creds_file: At<Option<String>>,
+    nkey_seed_file: At<Option<String>>,
+    user: At<Option<String>>,
+    password: At<Option<String>>,
+    token: At<Option<String>>,
+    tls_ca_file: At<Option<String>>,
+    tls_cert_file: At<Option<String>>,
+    tls_key_file: At<Option<String>>,
+    tls_required: bool,
+}
+
 /// The one validation step: every raw setting checked and made into a [`Config`] (without
 /// the checks across settings, see [`Config::check_combinations`]).
 fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
     use ferry_domain::EnvironmentClass as Class;
     let c = Check(layers);
+    let nats_auth = c.nats_auth(RawNatsAuth {
+        creds_file: at!(raw.nats_creds_file),
+        nkey_seed_file: at!(raw.nats_nkey_seed_file),
+        user: at!(raw.nats_user),
+        password: at!(raw.nats_password),
+        token: at!(raw.nats_token),
+        tls_ca_file: at!(raw.nats_tls_ca_file),
+        tls_cert_file: at!(raw.nats_tls_cert_file),
+        tls_key_file: at!(raw.nats_tls_key_file),
+        tls_required: raw.nats_tls_required.0,
+    })?;
     let http = &["http://", "https://"];
     let (key, http_addr) = at!(raw.http_addr);
     let baselines = [
@@ -954,6 +1106,7 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             }
             stream
         },
+        nats_auth,
         workers: raw.workers.0,
         trusted_sources: c
             .opt(at!(raw.trusted_sources), |c, (key, sources)| {
@@ -1158,6 +1311,28 @@ impl Config {
         Ok(config)
     }
 
+    /// Ferry's NATS credential, key and certificate files, as they really are: a tenant
+    /// that read them could publish as Ferry.
+    fn nats_secret_files(&self) -> Vec<(PathBuf, &'static str)> {
+        use ferry_messaging::nats::NatsCredentials;
+        let auth = &self.nats_auth;
+        let credentials = match &auth.credentials {
+            NatsCredentials::CredsFile(path) => Some((path.clone(), "NATS credentials")),
+            NatsCredentials::NkeySeed { file, .. } => Some((file.clone(), "NATS nkey seed")),
+            _ => None,
+        };
+        let (cert, key) = auth.tls.client_certificate.clone().unzip();
+        [
+            credentials,
+            key.map(|path| (path, "NATS client key")),
+            cert.map(|path| (path, "NATS client certificate")),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|(path, what)| (real_path(&path), what))
+        .collect()
+    }
+
     /// The checks across settings.
     fn check_combinations(&self) -> Result<(), ConfigError> {
         if self.runner == RunnerKind::Http && self.runner_url.is_none() {
@@ -1204,6 +1379,7 @@ impl Config {
                 config_file: self.config_file.as_deref().map(absolute),
                 policy_dir: self.policy_dir.as_deref().map(absolute),
                 artifacts_dir,
+                secret_files: self.nats_secret_files(),
             },
             file_roots: self.tenant_file_roots.clone().unwrap_or_else(default_roots),
             program_roots: self
@@ -1590,6 +1766,162 @@ mod tests {
         let c = Config::load(None, &env(&[("HOME", "/root"), ("FERRY_CONFIG", &path)])).unwrap();
         assert_eq!(c.config_file.as_deref(), Some(file.as_path()));
         assert!(!c.workers);
+    }
+
+    #[test]
+    fn nats_credentials_are_checked_at_start_naming_the_setting() {
+        use ferry_messaging::nats::{NatsAuth, NatsCredentials};
+        let dir = tempfile::tempdir().unwrap();
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        let seed = nkeys::KeyPair::new_user().seed().unwrap();
+        std::fs::write(path("junk"), "not a key\n").unwrap();
+        std::fs::write(path("user.nk"), format!("{seed}\n")).unwrap();
+        std::fs::write(
+            path("ferry.creds"),
+            format!(
+                "-----BEGIN NATS USER JWT-----\neyJhbGciOiJlZDI1NTE5In0.e30.c2ln\n------END NATS USER JWT------\n\n\
+                 -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            path("ca.pem"),
+            "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let (missing, junk, ca) = (path("missing"), path("junk"), path("ca.pem"));
+        for (pairs, setting, reason) in [
+            (
+                vec![("FERRY_NATS_CREDS_FILE", missing.as_str())],
+                "FERRY_NATS_CREDS_FILE",
+                "cannot read",
+            ),
+            (
+                vec![("FERRY_NATS_CREDS_FILE", junk.as_str())],
+                "FERRY_NATS_CREDS_FILE",
+                "not a NATS credentials file",
+            ),
+            (
+                vec![("FERRY_NATS_NKEY_SEED_FILE", junk.as_str())],
+                "FERRY_NATS_NKEY_SEED_FILE",
+                "nkey seed",
+            ),
+            (
+                vec![("FERRY_NATS_NKEY_SEED_FILE", missing.as_str())],
+                "FERRY_NATS_NKEY_SEED_FILE",
+                "cannot read",
+            ),
+            (
+                vec![("FERRY_NATS_USER", "ferry")],
+                "FERRY_NATS_USER",
+                "needs FERRY_NATS_PASSWORD",
+            ),
+            (
+                vec![("FERRY_NATS_PASSWORD", "pw-never-shown")],
+                "FERRY_NATS_PASSWORD",
+                "needs FERRY_NATS_USER",
+            ),
+            (vec![("FERRY_NATS_TOKEN", " ")], "FERRY_NATS_TOKEN", "empty"),
+            (
+                vec![
+                    ("FERRY_NATS_USER", "ferry"),
+                    ("FERRY_NATS_PASSWORD", "pw-never-shown"),
+                    ("FERRY_NATS_TOKEN", "tok-never-shown"),
+                ],
+                "FERRY_NATS_TOKEN",
+                "FERRY_NATS_USER is set too",
+            ),
+            (
+                vec![("FERRY_NATS_TLS_CA_FILE", missing.as_str())],
+                "FERRY_NATS_TLS_CA_FILE",
+                "cannot read",
+            ),
+            (
+                vec![("FERRY_NATS_TLS_CA_FILE", junk.as_str())],
+                "FERRY_NATS_TLS_CA_FILE",
+                "no PEM block",
+            ),
+            (
+                vec![("FERRY_NATS_TLS_CERT_FILE", ca.as_str())],
+                "FERRY_NATS_TLS_CERT_FILE",
+                "needs FERRY_NATS_TLS_KEY_FILE",
+            ),
+            (
+                vec![("FERRY_NATS_TLS_REQUIRED", "maybe")],
+                "FERRY_NATS_TLS_REQUIRED",
+                "true or false",
+            ),
+        ] {
+            let e = Config::load(None, &env(&pairs)).unwrap_err();
+            assert_eq!(e.setting, setting, "{pairs:?}: {e}");
+            assert!(e.reason.contains(reason), "{pairs:?}: {e}");
+            let shown = e.to_string();
+            assert!(
+                !shown.contains("never-shown") && !shown.contains(&seed),
+                "{shown}"
+            );
+        }
+        // In the file, a setting is named by its key.
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(&file, format!("nats_tls_key_file = {ca:?}\n")).unwrap();
+        let e = Config::load(Some(&file), &env(&[])).unwrap_err();
+        assert_eq!(e.setting, "nats_tls_key_file", "{e}");
+
+        let c = Config::load(None, &env(&[])).unwrap();
+        assert_eq!(c.nats_auth, NatsAuth::default());
+        let c = Config::load(
+            None,
+            &env(&[
+                ("FERRY_NATS_USER", "ferry"),
+                ("FERRY_NATS_PASSWORD", "pw-never-shown"),
+            ]),
+        )
+        .unwrap();
+        assert!(matches!(
+            &c.nats_auth.credentials,
+            NatsCredentials::UserPassword { user, password }
+                if user == "ferry" && password.expose() == "pw-never-shown"
+        ));
+        assert!(!format!("{c:?}").contains("pw-never-shown"));
+        let nkey = path("user.nk");
+        let c = Config::load(None, &env(&[("FERRY_NATS_NKEY_SEED_FILE", &nkey)])).unwrap();
+        assert!(matches!(
+            &c.nats_auth.credentials,
+            NatsCredentials::NkeySeed { seed: s, .. } if s.expose() == seed
+        ));
+        let creds = path("ferry.creds");
+        let c = Config::load(
+            None,
+            &env(&[
+                ("FERRY_NATS_CREDS_FILE", &creds),
+                ("FERRY_NATS_TLS_CA_FILE", &ca),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.nats_auth.credentials,
+            NatsCredentials::CredsFile(PathBuf::from(&creds))
+        );
+        assert!(c.nats_auth.tls.is_required());
+        assert!(!c.nats_auth.tls.required);
+
+        // A tenant that could read Ferry's NATS credentials could publish as Ferry: a
+        // tenant root holding them stops start-up.
+        let data = dir.path().join("data");
+        std::fs::create_dir_all(data.join("tenants/acme")).unwrap();
+        let inside = data.join("tenants/acme/ferry.creds");
+        std::fs::copy(&creds, &inside).unwrap();
+        let (data, inside) = (data.display().to_string(), inside.display().to_string());
+        let e = Config::load(
+            None,
+            &env(&[
+                ("FERRY_DATA_DIR", &data),
+                ("FERRY_NATS_CREDS_FILE", &inside),
+            ]),
+        )
+        .unwrap_err();
+        assert_eq!(e.setting, "FERRY_TENANT_FILE_ROOTS", "{e}");
+        assert!(e.reason.contains("NATS credentials"), "{e}");
     }
 
     #[test]

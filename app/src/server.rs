@@ -255,6 +255,7 @@ impl Server {
             Some(url) => {
                 let relay_config = ferry_messaging::RelayConfig {
                     nats_url: url.clone(),
+                    nats_auth: config.nats_auth.clone(),
                     stream_name: config.nats_stream.clone(),
                     poll: config.poll_interval,
                     subjects: ferry_messaging::subjects::stream_subjects(&publishers),
@@ -270,7 +271,10 @@ impl Server {
                 let inbound = ferry_messaging::inbound::Inbound::start_with(
                     ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
                         .with_trusted_sources(config.trusted_sources.clone()),
-                    ferry_messaging::inbound::InboundConfig::new(url),
+                    ferry_messaging::inbound::InboundConfig {
+                        nats_auth: config.nats_auth.clone(),
+                        ..ferry_messaging::inbound::InboundConfig::new(url)
+                    },
                     shutdown_rx.clone(),
                 )
                 .await?;

@@ -239,6 +239,9 @@ pub struct FerryFiles {
     pub policy_dir: Option<PathBuf>,
     /// A local artifact folder outside the data dir, if one is configured.
     pub artifacts_dir: Option<PathBuf>,
+    /// Ferry's other secret files and what each is (e.g. its NATS credentials: a tenant
+    /// that read them could publish as Ferry).
+    pub secret_files: Vec<(PathBuf, &'static str)>,
 }
 
 /// What the rules are built from: templates as the operator wrote them.
@@ -903,6 +906,12 @@ fn protected_paths(ferry: &FerryFiles) -> Result<Vec<Protected>, ConfinementErro
                 what,
             });
         }
+    }
+    for (path, what) in &ferry.secret_files {
+        protected.push(Protected::Path {
+            path: absolute(path)?,
+            what,
+        });
     }
     Ok(protected)
 }

@@ -51,7 +51,8 @@
 //! * `NATS_URL` set: [`Relay::start`] with [`RelayConfig`] (`FERRY_NATS_STREAM` →
 //!   `stream_name`; the other fields keep their defaults: source `urn:ferry`, a two-hour
 //!   duplicate window), and [`Inbound::start`], whose [`InboundContext`] the HTTP endpoint
-//!   shares. Both return at once even when NATS is down and stop when the shutdown signal
+//!   shares. Both connect through [`nats::connect`] as Ferry's NATS user
+//!   ([`nats::NatsAuth`], the `FERRY_NATS_*` settings). Both return at once even when NATS is down and stop when the shutdown signal
 //!   turns true.
 //! * `POST /factory/events` (scope-protected): [`accept_cloud_event`] with the token's
 //!   tenant; map [`AcceptError::status`] to problem+json.

@@ -74,6 +74,8 @@ const LOCK_ERROR: &str = "cannot open the relay's leader-lock connection to the 
 pub struct RelayConfig {
     /// NATS server URL(s), e.g. `nats://127.0.0.1:4222`.
     pub nats_url: String,
+    /// Ferry's NATS user and TLS (default: anonymous, TLS as the URL says).
+    pub nats_auth: crate::nats::NatsAuth,
     /// The JetStream stream, created or updated at start (default `FERRY_EVENTS`).
     pub stream_name: String,
     /// CloudEvent `source` (default `urn:ferry`).
@@ -98,6 +100,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             nats_url: "nats://127.0.0.1:4222".to_string(),
+            nats_auth: crate::nats::NatsAuth::default(),
             stream_name: "FERRY_EVENTS".to_string(),
             source: DEFAULT_SOURCE.to_string(),
             duplicate_window: Duration::from_secs(2 * 60 * 60),
@@ -443,7 +446,8 @@ impl Relay {
         config: RelayConfig,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, RelayError> {
-        let connection = crate::nats::connect(&config.nats_url, "ferry-relay").await?;
+        let connection =
+            crate::nats::connect(&config.nats_url, &config.nats_auth, "ferry-relay").await?;
         let metrics = Arc::new(RelayMetrics::default());
         let worker = Worker {
             db,

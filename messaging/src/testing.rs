@@ -1,10 +1,11 @@
 //! Test helpers for other crates' tests: a real `nats-server` per test, on a free port with
 //! its own store, that a test can kill, restart empty, or crash so that it loses the tail
-//! of a stream. Built with the `testing` feature.
+//! of a stream; or one started from a configuration file with users and permissions
+//! ([`Nats::start_with_config`]). Built with the `testing` feature.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 use async_nats::jetstream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub const NATS_BIN: &str = "/usr/sbin/nats-server";
@@ -14,6 +15,14 @@ pub struct Nats {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Option<tokio::process::Child>,
+    config: Option<ServerConfig>,
+}
+
+/// A configuration file, the variables it reads, and Ferry's user in it (user, password).
+struct ServerConfig {
+    file: PathBuf,
+    env: Vec<(String, String)>,
+    ferry: (String, String),
 }
 
 fn free_port() -> u16 {
@@ -27,9 +36,56 @@ impl Nats {
             port: free_port(),
             dir: tempfile::tempdir().unwrap(),
             child: None,
+            config: None,
         };
         n.spawn().await;
         n
+    }
+
+    /// A server started from the configuration file `file` (users and permissions), with
+    /// `env` as the variables it reads; its address, port and store folder are given on
+    /// the command line, so the file must not set a store folder. It is up when Ferry's
+    /// user `ferry` (user, password; replies under Ferry's inbox prefix) can ask JetStream
+    /// for its account; [`Nats::js`] is that user's.
+    pub async fn start_with_config(file: &Path, env: &[(&str, &str)], ferry: (&str, &str)) -> Self {
+        let mut n = Self {
+            port: free_port(),
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+            config: Some(ServerConfig {
+                file: file.to_path_buf(),
+                env: env
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ferry: (ferry.0.to_string(), ferry.1.to_string()),
+            }),
+        };
+        n.spawn().await;
+        n
+    }
+
+    /// A client of user `user`.
+    pub async fn connect_as(&self, user: &str, password: &str) -> async_nats::Client {
+        async_nats::ConnectOptions::with_user_and_password(user.to_string(), password.to_string())
+            .connect(self.url())
+            .await
+            .unwrap()
+    }
+
+    /// A client as Ferry's user, or anonymous when the server has no configuration file.
+    async fn probe(&self) -> Result<async_nats::Client, async_nats::ConnectError> {
+        let options = match &self.config {
+            Some(ServerConfig {
+                ferry: (user, password),
+                ..
+            }) => {
+                async_nats::ConnectOptions::with_user_and_password(user.clone(), password.clone())
+                    .custom_inbox_prefix(crate::nats::INBOX_PREFIX)
+            }
+            None => async_nats::ConnectOptions::new(),
+        };
+        options.connect(self.url()).await
     }
 
     pub fn url(&self) -> String {
@@ -41,7 +97,14 @@ impl Nats {
     }
 
     async fn spawn(&mut self) {
-        let child = tokio::process::Command::new(NATS_BIN)
+        let mut command = tokio::process::Command::new(NATS_BIN);
+        if let Some(config) = &self.config {
+            command
+                .arg("-c")
+                .arg(&config.file)
+                .envs(config.env.iter().cloned());
+        }
+        let child = command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -58,11 +121,9 @@ impl Nats {
             .expect("nats-server starts");
         self.child = Some(child);
         // Ready when a client can ask JetStream for the account.
-        let url = self.url();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         loop {
-            if let Ok(Ok(client)) =
-                tokio::time::timeout(Duration::from_secs(1), async_nats::connect(&url)).await
+            if let Ok(Ok(client)) = tokio::time::timeout(Duration::from_secs(1), self.probe()).await
             {
                 // JetStream answers once it has loaded its store.
                 let info = client.request("$JS.API.INFO", "".into()).await;
@@ -162,6 +223,6 @@ impl Nats {
     }
 
     pub async fn js(&self) -> jetstream::Context {
-        jetstream::new(async_nats::connect(self.url()).await.unwrap())
+        jetstream::new(self.probe().await.unwrap())
     }
 }

@@ -18,6 +18,7 @@ fn settings() -> ConfinementSettings {
             config_file: Some("/etc/ferry/ferry.toml".into()),
             policy_dir: Some("/etc/ferry/policies".into()),
             artifacts_dir: None,
+            secret_files: vec![("/etc/nats/ferry.creds".into(), "NATS credentials")],
         },
         file_roots: strings(&["/srv/tenants/{tenant}", "/srv/shared"]),
         program_roots: strings(&["/srv/tenants/{tenant}/repos"]),
@@ -213,6 +214,7 @@ fn ferrys_own_files_are_never_resolvable() {
         ("/srv/ferry/git-cache/globex/x", "Git cache"),
         ("/etc/ferry/ferry.toml", "configuration file"),
         ("/etc/ferry/policies/x.rego", "policy folder"),
+        ("/etc/nats/ferry.creds", "NATS credentials"),
     ] {
         let err = rules
             .check_secret(&acme, &secret(&format!("file://{path}")))
@@ -268,6 +270,7 @@ fn roots_that_could_hold_ferrys_files_are_refused() {
             "lies in the policy folder",
         ),
         (vec!["/etc"], "holds the configuration file"),
+        (vec!["/etc/nats"], "holds Ferry's NATS credentials"),
         (vec!["/"], "the file system root"),
         (vec!["relative/{tenant}"], "relative"),
         (vec!["/srv/tenants/../ferry"], "climbs"),

@@ -25,6 +25,8 @@ use tracing::Instrument;
 pub struct InboundConfig {
     /// NATS server URL(s).
     pub nats_url: String,
+    /// Ferry's NATS user and TLS.
+    pub nats_auth: crate::nats::NatsAuth,
     /// The stream Ferry creates for inbound subjects no other stream covers.
     pub inbound_stream: String,
     /// Prefix of the durable consumer names.
@@ -44,6 +46,7 @@ impl InboundConfig {
     pub fn new(nats_url: &str) -> Self {
         Self {
             nats_url: nats_url.to_string(),
+            nats_auth: crate::nats::NatsAuth::default(),
             inbound_stream: "FERRY_INBOUND".to_string(),
             durable_prefix: "ferry-inbound".to_string(),
             subjects: INBOUND.iter().map(|(_, s)| s.to_string()).collect(),
@@ -93,7 +96,8 @@ impl Inbound {
         config: InboundConfig,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, InboundStartError> {
-        let connection = crate::nats::connect(&config.nats_url, "ferry-inbound").await?;
+        let connection =
+            crate::nats::connect(&config.nats_url, &config.nats_auth, "ferry-inbound").await?;
         let js = jetstream::new(connection.client);
         let setup = Arc::new(tokio::sync::Mutex::new(()));
         let statuses = Arc::new(ConsumerStatuses::default());
