@@ -51,6 +51,7 @@ impl BoundedContext for Provisioning {
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
         if process.config.workers {
             let mut settings = worker_settings(process.config);
+            settings.runner_identities = Arc::new(process.config.runner_identities()?);
             settings.auto_apply_non_destructive =
                 follow(process.options, |o| o.auto_apply_non_destructive);
             ferry_workers::Workers::new(
