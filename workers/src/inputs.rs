@@ -1,6 +1,7 @@
 //! Gathering a run's inputs: the program checkout, configuration and secrets, the tenant's
-//! runner identity when the runner needs one (never part of the hash), and the inputs hash (sha256 over the program version, the resolved configuration values and the
-//! secret references' versions; never secret values).
+//! runner identity when the runner needs one (never part of the hash), and the inputs hash
+//! (sha256 over the program version, the resolved configuration values and the secret
+//! references' versions; never secret values).
 
 use ferry_domain::ports::runner::{RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
