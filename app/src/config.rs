@@ -12,11 +12,12 @@
 
 use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::BaselineProgram;
+use ferry_domain::ports::identity::{IdentitySpec, RunnerIdentities, RunnerIdentity};
 use figment::providers::{Format, Serialized, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider, Source};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -79,6 +80,12 @@ pub struct Config {
     pub runner_url: Option<String>,
     /// Bearer token for the remote runner (`FERRY_RUNNER_TOKEN`).
     pub runner_token: Option<String>,
+    /// Each tenant's runner identity, as references (`FERRY_RUNNER_IDENTITIES`).
+    pub runner_identities: BTreeMap<ferry_domain::TenantId, IdentitySpec>,
+    /// The identity shared by every tenant without one, declared on purpose: the named
+    /// variables with their values in the environment `load` was handed
+    /// (`FERRY_RUNNER_SHARED_IDENTITY`); `None` = none is shared.
+    pub runner_shared_identity: Option<RunnerIdentity>,
     /// Runner timeout per apply (`FERRY_APPLY_TIMEOUT_MINUTES`).
     pub apply_timeout: Duration,
     /// How long a run may wait for approval before it is rejected; `None` = forever
@@ -361,6 +368,18 @@ settings! {
     runner_url: String, shown "unset";
     /// Bearer token for the remote runner.
     runner_token: String, shown "unset";
+    /// Each tenant's runner identity for `FERRY_RUNNER=pulumi` or `http` (its program gets
+    /// this and nothing of Ferry's; see the trust model): JSON in the variable, a table in
+    /// the file, mapping a tenant to `{"backend": "s3://state-acme", "passphrase":
+    /// "<secret reference>", "env": {"AWS_ACCESS_KEY_ID": "<secret reference>"}}`. Each
+    /// reference is resolved in that tenant's own secret scope; two tenants never share a
+    /// backend (an `http(s)://` service excepted), a passphrase or a credential. A tenant
+    /// without one cannot plan.
+    runner_identities: Json, shown "none";
+    /// Single-tenant installations only: the server's variables (e.g.
+    /// `PULUMI_BACKEND_URL,PULUMI_CONFIG_PASSPHRASE,AWS_PROFILE`) that the program of every
+    /// tenant without an identity of its own gets. Ferry's own variables are refused.
+    runner_shared_identity: List, shown "unset: none shared";
     /// Runner timeout per apply (`ApplyTimeoutMinutes`), 1 to 1440.
     apply_timeout_minutes: Whole = 45;
     /// A run awaiting approval longer is rejected; `0` = never.
@@ -555,6 +574,22 @@ impl<'de> Deserialize<'de> for Flag {
             }
         }
         deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// A JSON document: JSON text in a variable, or a table in the file.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+struct Json(serde_json::Value);
+
+impl<'de> Deserialize<'de> for Json {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match serde_json::Value::deserialize(deserializer)? {
+            serde_json::Value::String(text) => serde_json::from_str(&text)
+                .map(Json)
+                .map_err(|e| serde::de::Error::custom(format!("not JSON: {e}"))),
+            other => Ok(Json(other)),
+        }
     }
 }
 
@@ -938,6 +973,55 @@ impl Check<'_> {
         })
     }
 
+    /// Tenant → `{backend, passphrase?, env?}` (the rules across tenants are checked with
+    /// the confinement, [`Config::runner_identities`]).
+    fn identities(
+        &self,
+        (key, Json(doc)): At<Json>,
+    ) -> Result<BTreeMap<ferry_domain::TenantId, IdentitySpec>, ConfigError> {
+        use ferry_domain::ports::identity::VariableName;
+        use ferry_domain::SecretRef;
+        /// One tenant's entry as written.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Entry {
+            backend: String,
+            #[serde(default)]
+            passphrase: Option<String>,
+            #[serde(default)]
+            env: BTreeMap<String, String>,
+        }
+        let entries: BTreeMap<String, Entry> = serde_json::from_value(doc).map_err(|e| {
+            self.refuse(
+                key,
+                format!("must map each tenant to {{backend, passphrase, env}}: {e}"),
+            )
+        })?;
+        let mut out = BTreeMap::new();
+        for (tenant, entry) in entries {
+            let fail = |reason: String| self.refuse(key, format!("tenant {tenant}: {reason}"));
+            let id =
+                ferry_domain::TenantId::parse(tenant.as_str()).map_err(|e| fail(e.to_string()))?;
+            let reference = |raw: String| SecretRef::parse(raw).map_err(|e| fail(e.to_string()));
+            let env = entry
+                .env
+                .into_iter()
+                .map(|(name, raw)| {
+                    Ok((VariableName::parse(&name).map_err(&fail)?, reference(raw)?))
+                })
+                .collect::<Result<_, ConfigError>>()?;
+            out.insert(
+                id,
+                IdentitySpec {
+                    backend: entry.backend,
+                    passphrase: entry.passphrase.map(reference).transpose()?,
+                    env,
+                },
+            );
+        }
+        Ok(out)
+    }
+
     /// `<programRef>@<commit>`.
     fn baseline(
         &self,
@@ -976,7 +1060,11 @@ struct RawNatsAuth {
 
 /// The one validation step: every raw setting checked and made into a [`Config`] (without
 /// the checks across settings, see [`Config::check_combinations`]).
-fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
+fn convert(
+    raw: RawSettings,
+    layers: &Figment,
+    env: &HashMap<String, String>,
+) -> Result<Config, ConfigError> {
     use ferry_domain::EnvironmentClass as Class;
     let c = Check(layers);
     let nats_auth = c.nats_auth(RawNatsAuth {
@@ -1063,6 +1151,13 @@ fn convert(raw: RawSettings, layers: &Figment) -> Result<Config, ConfigError> {
             c.url(at, http, "a URL starting with http:// or https://")
         })?,
         runner_token: c.opt(at!(raw.runner_token), Check::non_empty)?,
+        runner_identities: c
+            .opt(at!(raw.runner_identities), Check::identities)?
+            .unwrap_or_default(),
+        runner_shared_identity: c.opt(at!(raw.runner_shared_identity), |c, (key, names)| {
+            RunnerIdentity::shared(&names.0, |name| env.get(name).cloned())
+                .map_err(|e| c.refuse(key, e.reason))
+        })?,
         apply_timeout: Duration::from_secs(
             c.in_range(at!(raw.apply_timeout_minutes), 1, 1440, "minutes")? * 60,
         ),
@@ -1210,7 +1305,7 @@ impl Default for Config {
     fn default() -> Self {
         // They pass every check (a test loads them): a refusal here is a mistake in the
         // declarations above, not something a user can cause.
-        convert(RawSettings::default(), &defaults())
+        convert(RawSettings::default(), &defaults(), &HashMap::new())
             .unwrap_or_else(|e| panic!("a declared default is refused: {e}"))
     }
 }
@@ -1304,10 +1399,11 @@ impl Config {
         }
         let layers = layers.merge(Environment(env));
         let raw: RawSettings = layers.extract().map_err(unreadable)?;
-        let mut config = convert(raw, &layers)?;
+        let mut config = convert(raw, &layers, env)?;
         config.config_file = file;
         config.check_combinations()?;
         config.confinement()?;
+        config.runner_identities()?;
         Ok(config)
     }
 
@@ -1351,6 +1447,21 @@ impl Config {
             });
         }
         Ok(())
+    }
+
+    /// Each tenant's runner identity and the shared one, checked against the confinement
+    /// (references in each tenant's own scope, nothing shared between tenants).
+    pub fn runner_identities(&self) -> Result<RunnerIdentities, ConfigError> {
+        RunnerIdentities::new(
+            self.runner_identities.clone(),
+            self.runner_shared_identity.clone(),
+            &self.confinement()?,
+        )
+        .map_err(|e| ConfigError {
+            setting: e.setting.to_string(),
+            source_name: "configuration".to_string(),
+            reason: e.reason,
+        })
     }
 
     /// The rules confining each tenant's references, from the `tenant_*` settings, Ferry's
@@ -1456,6 +1567,84 @@ mod tests {
         let c = Config::load(Some(&file), &env(&[("FERRY_HTTP_ADDR", "127.0.0.1:7000")])).unwrap();
         assert_eq!(c.http_addr.to_string(), "127.0.0.1:7000");
         assert_eq!(c.poll_interval, Duration::from_millis(250));
+    }
+
+    /// Runner identities: JSON in the variable or a table in the file; references in each
+    /// tenant's own scope; nothing shared between tenants; the shared identity only as
+    /// declared, never with Ferry's own variables.
+    #[test]
+    fn runner_identities_are_per_tenant_and_the_shared_one_is_declared() {
+        let acme = r#""acme": {"backend": "s3://state-acme", "passphrase": "vault://acme/pulumi#passphrase", "env": {"AWS_ACCESS_KEY_ID": "env://TENANT_acme__AWS_KEY"}}"#;
+        let c = Config::load(
+            None,
+            &env(&[("FERRY_RUNNER_IDENTITIES", &format!("{{{acme}}}"))]),
+        )
+        .unwrap();
+        let tenant = ferry_domain::TenantId::parse("acme").unwrap();
+        assert_eq!(c.runner_identities[&tenant].backend, "s3://state-acme");
+        assert_eq!(c.runner_shared_identity, None);
+        assert!(!c.runner_identities().unwrap().has_shared());
+        assert!(Config::default().runner_identities.is_empty());
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(
+            &file,
+            "[runner_identities.globex]\nbackend = \"s3://state-globex\"\nenv = { AWS_SECRET_ACCESS_KEY = \"vault://globex/aws#secret\" }\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&file), &env(&[])).unwrap();
+        let globex = ferry_domain::TenantId::parse("globex").unwrap();
+        assert_eq!(c.runner_identities[&globex].env.len(), 1);
+
+        let refused = |value: String, why: &str| {
+            let e = Config::load(None, &env(&[("FERRY_RUNNER_IDENTITIES", &value)])).unwrap_err();
+            assert_eq!(e.setting, "FERRY_RUNNER_IDENTITIES", "{why}: {e}");
+            e.reason
+        };
+        refused("not json".into(), "not JSON");
+        refused(
+            r#"{"acme": {"backend": "s3://a", "token": "x"}}"#.into(),
+            "unknown field",
+        );
+        refused(
+            r#"{"acme": {"backend": "s3://a", "env": {"FERRY_VAULT_TOKEN": "vault://acme/x#y"}}}"#
+                .into(),
+            "Ferry's own variable",
+        );
+        refused(
+            r#"{"acme": {"backend": "s3://a", "env": {"HOME": "vault://acme/x#y"}}}"#.into(),
+            "a variable the runner sets",
+        );
+        let reason = refused(
+            r#"{"acme": {"backend": "s3://a", "passphrase": "vault://globex/p#p"}}"#.into(),
+            "another tenant's scope",
+        );
+        assert!(reason.contains("tenant acme"), "{reason}");
+        let reason = refused(
+            format!(r#"{{{acme}, "globex": {{"backend": "s3://state-acme"}}}}"#),
+            "a shared backend",
+        );
+        assert!(reason.contains("share the backend"), "{reason}");
+
+        let server = [
+            (
+                "FERRY_RUNNER_SHARED_IDENTITY",
+                "PULUMI_BACKEND_URL, AWS_PROFILE",
+            ),
+            ("PULUMI_BACKEND_URL", "file:///srv/state"),
+            ("AWS_PROFILE", "ops"),
+            ("AWS_SECRET_ACCESS_KEY", "not-shared"),
+        ];
+        let c = Config::load(None, &env(&server)).unwrap();
+        let shared = c.runner_shared_identity.clone().unwrap();
+        let names: Vec<&str> = shared.vars().keys().map(String::as_str).collect();
+        assert_eq!(names, ["AWS_PROFILE", "PULUMI_BACKEND_URL"]);
+        assert!(c.runner_identities().unwrap().has_shared());
+        for bad in ["FERRY_VAULT_TOKEN", "DATABASE_URL", "NATS_URL", "PATH"] {
+            let e = Config::load(None, &env(&[("FERRY_RUNNER_SHARED_IDENTITY", bad)])).unwrap_err();
+            assert_eq!(e.setting, "FERRY_RUNNER_SHARED_IDENTITY", "{bad}");
+        }
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
         RunnerKind::Simulated => Arc::new(ferry_runners::SimulatedRunner::new(data.clone())),
         RunnerKind::Pulumi => Arc::new(ferry_runners::PulumiRunner::new(
             config.pulumi_bin.clone(),
-            std::collections::BTreeMap::new(),
+            data.join("runner-homes"),
         )),
         RunnerKind::Http => Arc::new(ferry_runners::HttpRunner::new(
             config

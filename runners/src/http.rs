@@ -8,9 +8,13 @@
 //! * any failure: a non-2xx status with an [`ErrorResponse`] (kind, message, failing
 //!   resource).
 //!
-//! The request carries the program folder's files (path → base64) and the resolved
-//! configuration and secrets, so the base URL must be `https` outside a test or a trusted
-//! network; a bearer token authenticates Ferry to the runner.
+//! The request carries the program folder's files (path → base64), the resolved
+//! configuration and secrets, and the tenant's runner identity (`identity`: the variables
+//! its program runs with, its backend, passphrase and cloud credentials, resolved per tenant
+//! from `FERRY_RUNNER_IDENTITIES`), so the base URL must be `https` outside a test or a
+//! trusted network; a bearer token authenticates Ferry to the runner. The remote runner
+//! runs the program with that identity and nothing of its own; a run without an identity
+//! is not sent (it fails naming the setting).
 //!
 //! **Cancellation.** The protocol has no cancel operation. When the workers drop an apply
 //! (they lost its lease), the request is dropped and its connection closed; that is the only
@@ -20,6 +24,7 @@
 
 use crate::preview::parse_preview;
 use base64::Engine as _;
+use ferry_domain::ports::identity::missing_identity;
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
 use ferry_domain::ports::SecretValue;
@@ -57,6 +62,10 @@ pub struct RunRequest {
     /// Resources (URNs) to leave alone (`pulumi up --exclude`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub exclude: Vec<String>,
+    /// The tenant's runner identity: the environment variables its program runs with
+    /// (`PULUMI_BACKEND_URL`, `PULUMI_CONFIG_PASSPHRASE`, cloud credentials), and no other
+    /// credential (never logged or stored by the runner).
+    pub identity: BTreeMap<String, String>,
 }
 
 /// Answer of `GET /v1/version`.
@@ -220,6 +229,10 @@ impl HttpRunner {
 
 /// Builds the request: the program folder's files (without `.git`), config and secrets.
 fn run_request(input: &RunnerInput) -> Result<RunRequest, RunnerError> {
+    let identity = input
+        .identity
+        .as_ref()
+        .ok_or_else(|| RunnerError::NoIdentity(missing_identity(&input.tenant)))?;
     let mut files = BTreeMap::new();
     let mut total = 0u64;
     collect_files(
@@ -242,7 +255,23 @@ fn run_request(input: &RunnerInput) -> Result<RunRequest, RunnerError> {
         timeout_seconds: input.timeout.as_secs().max(1),
         refresh: input.refresh,
         exclude: input.exclude.clone(),
+        identity: identity
+            .vars()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.expose().to_string()))
+            .collect(),
     })
+}
+
+/// Everything to redact from a run's answers: its secrets and its identity's values.
+fn redactions(input: &RunnerInput) -> BTreeMap<String, SecretValue> {
+    let mut all = input.secrets.clone();
+    if let Some(identity) = &input.identity {
+        for (name, value) in identity.vars() {
+            all.insert(format!("identity:{name}"), value.clone());
+        }
+    }
+    all
 }
 
 fn collect_files(
@@ -297,6 +326,10 @@ impl Runner for HttpRunner {
         "http"
     }
 
+    fn needs_identity(&self) -> bool {
+        true
+    }
+
     async fn version(&self) -> Result<String, RunnerError> {
         let v: VersionResponse = self
             .call("/v1/version", None, VERSION_TIMEOUT, &BTreeMap::new())
@@ -307,8 +340,9 @@ impl Runner for HttpRunner {
     #[tracing::instrument(skip_all, fields(runner = "http", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
         let req = run_request(input)?;
+        let secrets = &redactions(input);
         let resp: PreviewResponse = self
-            .call("/v1/preview", Some(&req), input.timeout, &input.secrets)
+            .call("/v1/preview", Some(&req), input.timeout, secrets)
             .await?;
         let doc = serde_json::to_string_pretty(&resp.preview)
             .map_err(|e| RunnerError::BadOutput(format!("preview document: {e}")))?;
@@ -320,24 +354,25 @@ impl Runner for HttpRunner {
         };
         Ok(PreviewOutcome {
             plan,
-            log: redact(&log, input.secrets.values()),
+            log: redact(&log, secrets.values()),
         })
     }
 
     #[tracing::instrument(skip_all, fields(runner = "http", stack = %input.stack))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let req = run_request(input)?;
+        let secrets = &redactions(input);
         let resp: ApplyResponse = self
-            .call("/v1/apply", Some(&req), input.timeout, &input.secrets)
+            .call("/v1/apply", Some(&req), input.timeout, secrets)
             .await?;
         let outputs = resp
             .outputs
             .into_iter()
-            .map(|(k, v)| (k, crate::pulumi::redact_json(v, &input.secrets)))
+            .map(|(k, v)| (k, crate::pulumi::redact_json(v, secrets)))
             .collect();
         Ok(ApplyOutcome {
             outputs,
-            log: redact(&resp.log, input.secrets.values()),
+            log: redact(&resp.log, secrets.values()),
         })
     }
 }

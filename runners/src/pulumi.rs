@@ -18,9 +18,25 @@
 //! namespace get the project's name from `Pulumi.yaml`. Consequences: the stack's own
 //! `Pulumi.<stack>.yaml` is not read when Ferry supplies configuration, and values arrive
 //! as plain (not `secure:`) config, so Ferry redacts every secret value from the output
-//! it returns. The `work_env` given to [`PulumiRunner::new`] (backend URL, passphrase,
-//! cloud credentials) is set on the child's environment; Ferry's own settings (`FERRY_*`,
-//! `DATABASE_URL`, `NATS_*`) are removed from it.
+//! it returns.
+//!
+//! **The child's environment** is built from nothing (README, "Trust model"): the program is
+//! a tenant's, and Ferry's process holds what no tenant may have (its Vault token, database
+//! and NATS credentials, whatever cloud credentials or Pulumi backend the host gave it). The
+//! child gets only
+//!
+//! * from Ferry's environment, what running `pulumi` needs and holds no credential: `PATH`
+//!   (pulumi finds its language hosts, plugins, `node`/`python` through it), the locale
+//!   (`LANG`, `LC_*`, `TZ`: UTF-8 output and timestamps) and the CA bundle location
+//!   (`SSL_CERT_FILE`, `SSL_CERT_DIR`: reaching the backend behind a private CA). Proxy
+//!   variables are not passed (their URLs may hold credentials): an identity may set them;
+//! * `HOME`, `PULUMI_HOME` and `TMPDIR` in a folder of the tenant's own that Ferry owns
+//!   (`<homes>/tenants/<tenant>`, mode 700): pulumi keeps its logins, plugins and workspace
+//!   settings there, so one tenant's program can neither read another's login nor plant a
+//!   plugin another tenant's run would execute, nor guess another's temporary files;
+//! * the run's [`RunnerIdentity`](ferry_domain::ports::identity::RunnerIdentity): its
+//!   tenant's backend, passphrase and credentials (`FERRY_RUNNER_IDENTITIES`), or the
+//!   shared identity the operator declared. A run without one fails naming the setting.
 //!
 //! The child runs in a process group of its own. A timeout, or dropping the `preview` or
 //! `apply` future before the child exited (the workers do when they lose the apply's lease),
@@ -29,12 +45,13 @@
 //! JSON diagnostics or engine events carry a URN.
 
 use crate::preview::parse_preview;
-use ferry_domain::confinement::is_ferry_variable;
+use ferry_domain::ports::identity::{missing_identity, RunnerIdentity};
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{ApplyOutcome, PreviewOutcome, Runner, RunnerError, RunnerInput};
 use ferry_domain::ports::SecretValue;
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -48,7 +65,25 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct PulumiRunner {
     binary: PathBuf,
-    work_env: BTreeMap<String, String>,
+    /// Where each tenant's home folder is made (absolute: the child runs elsewhere).
+    homes: PathBuf,
+    /// The variables of Ferry's environment every child gets ([`is_inherited`]).
+    inherited: BTreeMap<OsString, OsString>,
+}
+
+/// Whether a variable of Ferry's environment is passed to the child (see the module doc):
+/// what pulumi needs to run and that holds no credential.
+fn is_inherited(name: &str) -> bool {
+    matches!(
+        name,
+        "PATH" | "LANG" | "TZ" | "SSL_CERT_FILE" | "SSL_CERT_DIR"
+    ) || name.starts_with("LC_")
+}
+
+/// The child's environment for one run: its home folder and its identity.
+struct ChildEnv<'a> {
+    home: PathBuf,
+    identity: Option<&'a RunnerIdentity>,
 }
 
 /// What a finished child printed.
@@ -59,13 +94,67 @@ struct Finished {
 }
 
 impl PulumiRunner {
-    /// A runner calling the `pulumi` binary at `binary_path`, with `work_env` added to the
-    /// child's environment (e.g. `PULUMI_BACKEND_URL`, `PULUMI_CONFIG_PASSPHRASE`).
-    pub fn new(binary_path: impl Into<PathBuf>, work_env: BTreeMap<String, String>) -> Self {
+    /// A runner calling the `pulumi` binary at `binary_path`, with each tenant's home under
+    /// `homes` (a folder Ferry owns, e.g. `<data dir>/runner-homes`), passing on the
+    /// allowed variables of this process's environment.
+    pub fn new(binary_path: impl Into<PathBuf>, homes: impl Into<PathBuf>) -> Self {
+        Self::with_parent_env(binary_path, homes, std::env::vars_os())
+    }
+
+    /// As [`PulumiRunner::new`], with `parent` standing for this process's environment
+    /// (only its allowed variables are kept).
+    pub fn with_parent_env<K: Into<OsString>, V: Into<OsString>>(
+        binary_path: impl Into<PathBuf>,
+        homes: impl Into<PathBuf>,
+        parent: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
+        let homes = homes.into();
+        let inherited = parent
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .filter(|(k, _): &(OsString, OsString)| k.to_str().is_some_and(is_inherited))
+            .collect();
         Self {
             binary: binary_path.into(),
-            work_env,
+            homes: std::path::absolute(&homes).unwrap_or(homes),
+            inherited,
         }
+    }
+
+    /// The home folder of a tenant's runs (or of Ferry's own `pulumi version`), made
+    /// owner-only if it is not there yet.
+    fn home(&self, tenant: Option<&ferry_domain::TenantId>) -> Result<PathBuf, RunnerError> {
+        // Ferry's own folder lies beside the tenants' folder, never in it.
+        let home = match tenant {
+            Some(t) => self.homes.join("tenants").join(t.path_component()),
+            None => self.homes.join("%ferry"),
+        };
+        for dir in [home.join(".pulumi"), home.join("tmp")] {
+            let mut builder = std::fs::DirBuilder::new();
+            builder.recursive(true);
+            #[cfg(unix)]
+            std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+            builder.create(&dir).map_err(|e| {
+                RunnerError::Unavailable(format!(
+                    "cannot create the runner home {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        Ok(home)
+    }
+
+    /// The environment of a run of `input`: its tenant's home and identity. Without an
+    /// identity the run does not start.
+    fn child_env<'a>(&self, input: &'a RunnerInput) -> Result<ChildEnv<'a>, RunnerError> {
+        let identity = input
+            .identity
+            .as_ref()
+            .ok_or_else(|| RunnerError::NoIdentity(missing_identity(&input.tenant)))?;
+        Ok(ChildEnv {
+            home: self.home(Some(&input.tenant))?,
+            identity: Some(identity),
+        })
     }
 
     /// Runs the binary with `args` in `dir`, feeding `stdin`, within `timeout`.
@@ -75,18 +164,19 @@ impl PulumiRunner {
         dir: &Path,
         stdin: Option<Vec<u8>>,
         timeout: Duration,
+        env: &ChildEnv<'_>,
     ) -> Result<Finished, RunnerError> {
         let mut cmd = Command::new(&self.binary);
-        // The program is a tenant's: Ferry's own settings (signing key, database, Vault
-        // token) stay out of its environment.
-        for (name, _) in std::env::vars_os() {
-            if name.to_str().is_none_or(is_ferry_variable) {
-                cmd.env_remove(&name);
-            }
+        // Built from nothing: see the module doc for each variable and why.
+        cmd.env_clear().envs(&self.inherited);
+        if let Some(identity) = env.identity {
+            cmd.envs(identity.vars().iter().map(|(k, v)| (k, v.expose())));
         }
         cmd.args(args)
             .current_dir(dir)
-            .envs(&self.work_env)
+            .env("HOME", &env.home)
+            .env("PULUMI_HOME", env.home.join(".pulumi"))
+            .env("TMPDIR", env.home.join("tmp"))
             .env("PULUMI_SKIP_UPDATE_CHECK", "true")
             .stdin(if stdin.is_some() {
                 Stdio::piped()
@@ -368,6 +458,17 @@ pub(crate) fn redact_json(v: Value, secrets: &BTreeMap<String, SecretValue>) -> 
     }
 }
 
+/// Everything to redact from a run's output: its secrets and its identity's values.
+fn redactions(input: &RunnerInput) -> BTreeMap<String, SecretValue> {
+    let mut all = input.secrets.clone();
+    if let Some(identity) = &input.identity {
+        for (name, value) in identity.vars() {
+            all.insert(format!("identity:{name}"), value.clone());
+        }
+    }
+    all
+}
+
 fn remaining(deadline: Instant, timeout: Duration) -> Result<Duration, RunnerError> {
     deadline
         .checked_duration_since(Instant::now())
@@ -381,9 +482,19 @@ impl Runner for PulumiRunner {
         "pulumi"
     }
 
+    fn needs_identity(&self) -> bool {
+        true
+    }
+
     async fn version(&self) -> Result<String, RunnerError> {
-        let dir = std::env::temp_dir();
-        let f = self.run(&["version"], &dir, None, VERSION_TIMEOUT).await?;
+        // No tenant's: Ferry's own home, and no identity.
+        let env = ChildEnv {
+            home: self.home(None)?,
+            identity: None,
+        };
+        let f = self
+            .run(&["version"], &env.home, None, VERSION_TIMEOUT, &env)
+            .await?;
         let version = f.stdout.trim();
         if !f.status.success() || version.is_empty() {
             return Err(RunnerError::Unavailable(format!(
@@ -397,14 +508,16 @@ impl Runner for PulumiRunner {
 
     #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn preview(&self, input: &RunnerInput) -> Result<PreviewOutcome, RunnerError> {
+        let env = self.child_env(input)?;
+        let secrets = &redactions(input);
         let config = config_document(input)?;
         let mut args = Self::stack_args(&["preview", "--json"], input, config.is_some());
         Self::change_args(&mut args, input);
         let f = self
-            .run(&args, &input.program_dir, config, input.timeout)
+            .run(&args, &input.program_dir, config, input.timeout, &env)
             .await?;
         if !f.status.success() {
-            return Err(failure("preview", &f, &input.secrets));
+            return Err(failure("preview", &f, secrets));
         }
         let plan = parse_preview(f.stdout.as_bytes())?;
         tracing::info!(
@@ -416,13 +529,15 @@ impl Runner for PulumiRunner {
         );
         Ok(PreviewOutcome {
             plan,
-            log: combined_log(&f, &input.secrets),
+            log: combined_log(&f, secrets),
         })
     }
 
     #[tracing::instrument(skip_all, fields(runner = "pulumi", stack = %input.stack))]
     async fn apply(&self, input: &RunnerInput) -> Result<ApplyOutcome, RunnerError> {
         let deadline = Instant::now() + input.timeout;
+        let env = self.child_env(input)?;
+        let secrets = &redactions(input);
         let config = config_document(input)?;
         let mut args = Self::stack_args(
             &["up", "--yes", "--skip-preview", "--json"],
@@ -431,10 +546,10 @@ impl Runner for PulumiRunner {
         );
         Self::change_args(&mut args, input);
         let up = self
-            .run(&args, &input.program_dir, config, input.timeout)
+            .run(&args, &input.program_dir, config, input.timeout, &env)
             .await?;
         if !up.status.success() {
-            return Err(failure("up", &up, &input.secrets));
+            return Err(failure("up", &up, secrets));
         }
         let args = Self::stack_args(
             &["stack", "output", "--json", "--show-secrets"],
@@ -447,26 +562,27 @@ impl Runner for PulumiRunner {
                 &input.program_dir,
                 None,
                 remaining(deadline, input.timeout)?,
+                &env,
             )
             .await?;
         if !out.status.success() {
-            return Err(failure("stack output", &out, &input.secrets));
+            return Err(failure("stack output", &out, secrets));
         }
         let outputs = match serde_json::from_str::<Value>(&out.stdout) {
             Ok(Value::Object(m)) => m
                 .into_iter()
-                .map(|(k, v)| (k, redact_json(v, &input.secrets)))
+                .map(|(k, v)| (k, redact_json(v, secrets)))
                 .collect(),
             _ => {
                 return Err(RunnerError::BadOutput(format!(
                     "`pulumi stack output --json` did not print a JSON object: {}",
-                    redact(out.stdout.trim(), input.secrets.values())
+                    redact(out.stdout.trim(), secrets.values())
                 )))
             }
         };
         Ok(ApplyOutcome {
             outputs,
-            log: combined_log(&up, &input.secrets),
+            log: combined_log(&up, secrets),
         })
     }
 }

@@ -8,6 +8,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
+use ferry_domain::ports::identity::{RunnerIdentity, IDENTITIES_SETTING};
 use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
 use ferry_domain::{EnvironmentId, TenantId};
@@ -23,6 +24,7 @@ use std::time::Duration;
 
 const TOKEN: &str = "runner-token";
 const SECRET: &str = "db-password-42";
+const PASSPHRASE: &str = "acme-state-passphrase";
 
 #[derive(Clone, Default)]
 struct Seen {
@@ -72,7 +74,7 @@ async fn preview(
     let doc: serde_json::Value = serde_json::from_slice(&fixture).unwrap();
     Json(PreviewResponse {
         preview: doc,
-        log: format!("previewed with {SECRET}"),
+        log: format!("previewed with {SECRET} as {PASSPHRASE}"),
     })
     .into_response()
 }
@@ -154,6 +156,16 @@ fn input(timeout: Duration) -> (RunnerInput, tempfile::TempDir) {
         timeout,
         refresh: false,
         exclude: Vec::new(),
+        identity: Some(RunnerIdentity::new(BTreeMap::from([
+            (
+                "PULUMI_BACKEND_URL".to_string(),
+                SecretValue::new("s3://state-acme"),
+            ),
+            (
+                "PULUMI_CONFIG_PASSPHRASE".to_string(),
+                SecretValue::new(PASSPHRASE),
+            ),
+        ]))),
     };
     (input, dir)
 }
@@ -168,8 +180,8 @@ async fn version_and_preview() {
     let out = runner.preview(&input).await.unwrap();
     assert_eq!(out.plan.adds, 16);
     assert_eq!(out.plan.resources.len(), 16);
-    assert!(out.log.contains("previewed with ***"));
-    assert!(!out.log.contains(SECRET));
+    assert!(out.log.contains("previewed with *** as ***"), "{}", out.log);
+    assert!(!out.log.contains(SECRET) && !out.log.contains(PASSPHRASE));
     let req = seen.requests.lock().unwrap().pop().unwrap();
     assert_eq!(req.environment_id, "dev");
     assert_eq!(
@@ -178,6 +190,20 @@ async fn version_and_preview() {
     );
     assert_eq!(req.config["region"], json!("eu-west-1"));
     assert_eq!(req.secrets["dbPassword"], SECRET);
+    // The tenant's identity goes with the run, and nothing else as one.
+    assert_eq!(
+        req.identity,
+        BTreeMap::from([
+            (
+                "PULUMI_BACKEND_URL".to_string(),
+                "s3://state-acme".to_string()
+            ),
+            (
+                "PULUMI_CONFIG_PASSPHRASE".to_string(),
+                PASSPHRASE.to_string()
+            ),
+        ])
+    );
     assert_eq!(req.timeout_seconds, 10);
     assert_eq!(
         req.files.keys().collect::<Vec<_>>(),
@@ -192,6 +218,26 @@ async fn version_and_preview() {
         b64.decode(&req.files["Pulumi.yaml"]).unwrap(),
         b"name: shop\nruntime: yaml\n"
     );
+}
+
+/// A run without its tenant's identity is never sent: it fails naming the setting.
+#[tokio::test]
+async fn a_run_without_an_identity_is_not_sent() {
+    let (base, seen) = start().await;
+    let runner = HttpRunner::new(format!("{base}/ok"), Some(TOKEN.into()));
+    assert!(runner.needs_identity());
+    let (mut input, _dir) = input(Duration::from_secs(10));
+    input.identity = None;
+    for result in [
+        runner.preview(&input).await.map(|_| ()),
+        runner.apply(&input).await.map(|_| ()),
+    ] {
+        match result {
+            Err(RunnerError::NoIdentity(r)) => assert!(r.contains(IDENTITIES_SETTING), "{r}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(seen.requests.lock().unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -314,6 +360,7 @@ fn openapi_document_matches_the_protocol_types() {
         timeout_seconds: 1,
         refresh: true,
         exclude: vec!["urn:pulumi:acme.dev::web::aws:s3/bucket:Bucket::logs".into()],
+        identity: BTreeMap::new(),
     };
     let mut sent = keys(serde_json::to_value(&req).unwrap());
     let mut documented = schema_keys("RunRequest");

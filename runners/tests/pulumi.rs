@@ -1,9 +1,17 @@
-//! The Pulumi CLI runner's process handling, against fake `pulumi` shell scripts.
+//! The Pulumi CLI runner's process handling and the environment its child gets, against
+//! fake `pulumi` shell scripts.
 // Test helpers outside #[test] functions unwrap too: a failed setup is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use ferry_domain::confinement::{Confinement, ConfinementSettings, FerryFiles};
+use ferry_domain::ports::identity::{
+    IdentitySpec, RunnerIdentities, RunnerIdentity, VariableName, IDENTITIES_SETTING,
+    SHARED_SETTING,
+};
 use ferry_domain::ports::runner::{Runner, RunnerError, RunnerInput, StackName};
+use ferry_domain::ports::sources::{ResolvedSecret, SecretError, SecretResolver};
 use ferry_domain::ports::SecretValue;
+use ferry_domain::SecretRef;
 use ferry_domain::{EnvironmentId, TenantId};
 use ferry_runners::PulumiRunner;
 use serde_json::json;
@@ -21,7 +29,66 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A folder with a program and a fake `pulumi` whose body is `script`.
+/// What the server's own environment holds and no tenant's program may get: Ferry's
+/// settings, its Vault token, the host's cloud credentials and Pulumi backend, a proxy with
+/// a password, anything else, and its own home and temporary folder.
+const HOST_ENV: &[(&str, &str)] = &[
+    ("VAULT_TOKEN", "host-vault-token"),
+    ("AWS_ACCESS_KEY_ID", "host-aws-key-id"),
+    ("AWS_SECRET_ACCESS_KEY", "host-aws-secret"),
+    ("AWS_PROFILE", "host-aws-profile"),
+    (
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "/etc/host-gcp-credentials.json",
+    ),
+    ("AZURE_CLIENT_SECRET", "host-azure-secret"),
+    ("PULUMI_BACKEND_URL", "s3://host-state"),
+    ("PULUMI_CONFIG_PASSPHRASE", "host-passphrase"),
+    ("PULUMI_ACCESS_TOKEN", "host-pulumi-token"),
+    ("PULUMI_HOME", "/host-pulumi-home"),
+    ("FERRY_JWT_HS256_KEY", "host-signing-key"),
+    ("FERRY_VAULT_TOKEN", "host-ferry-vault-token"),
+    ("DATABASE_URL", "postgres://host-db"),
+    ("NATS_URL", "nats://host-nats"),
+    ("HTTPS_PROXY", "http://user:host-proxy-pass@proxy"),
+    ("SOME_ARBITRARY_VARIABLE", "host-arbitrary"),
+    ("HOME", "/host-home"),
+    ("TMPDIR", "/host-tmp"),
+    ("LANG", "C.UTF-8"),
+    ("LC_ALL", "C.UTF-8"),
+];
+
+/// The server's environment as the runner is handed it: [`HOST_ENV`] and this test's
+/// `PATH` (the fake needs `cat`, `env`, `sleep`).
+fn host_env() -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = HOST_ENV
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    env.push(("PATH".into(), std::env::var("PATH").unwrap()));
+    env
+}
+
+/// A tenant's identity, its values naming the tenant.
+fn identity_of(tenant: &str) -> RunnerIdentity {
+    RunnerIdentity::new(BTreeMap::from([
+        (
+            "PULUMI_BACKEND_URL".into(),
+            SecretValue::new(format!("s3://state-{tenant}")),
+        ),
+        (
+            "PULUMI_CONFIG_PASSPHRASE".into(),
+            SecretValue::new(format!("pass-{tenant}")),
+        ),
+        (
+            "AWS_ACCESS_KEY_ID".into(),
+            SecretValue::new(format!("key-{tenant}")),
+        ),
+    ]))
+}
+
+/// A folder with a program and a fake `pulumi` whose body is `script` (`$FAKE_DIR` is the
+/// folder: the child's environment has no room for it).
 struct Fake {
     dir: TempDir,
     runner: PulumiRunner,
@@ -31,7 +98,11 @@ impl Fake {
     fn new(script: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let bin = dir.path().join("pulumi");
-        std::fs::write(&bin, format!("#!/bin/sh\n{script}\n")).unwrap();
+        std::fs::write(
+            &bin,
+            format!("#!/bin/sh\nFAKE_DIR='{}'\n{script}\n", dir.path().display()),
+        )
+        .unwrap();
         std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::create_dir(dir.path().join("program")).unwrap();
         std::fs::write(
@@ -39,14 +110,17 @@ impl Fake {
             "name: shop\nruntime: yaml\n",
         )
         .unwrap();
-        let env = BTreeMap::from([("FAKE_DIR".to_string(), dir.path().display().to_string())]);
         Self {
-            runner: PulumiRunner::new(bin, env),
+            runner: PulumiRunner::with_parent_env(bin, dir.path().join("homes"), host_env()),
             dir,
         }
     }
     fn input(&self, timeout: Duration) -> RunnerInput {
-        let tenant = TenantId::parse("acme").unwrap();
+        self.input_for("acme", timeout)
+    }
+    fn input_for(&self, tenant: &str, timeout: Duration) -> RunnerInput {
+        let identity = identity_of(tenant);
+        let tenant = TenantId::parse(tenant).unwrap();
         let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
         RunnerInput {
             tenant,
@@ -61,34 +135,253 @@ impl Fake {
             timeout,
             refresh: false,
             exclude: Vec::new(),
+            identity: Some(identity),
         }
     }
     fn read(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(name)).unwrap()
     }
+    /// The environment the fake wrote into `name` (`env` output), without the variables
+    /// the shell sets itself.
+    fn env(&self, name: &str) -> BTreeMap<String, String> {
+        self.read(name)
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .filter(|(k, _)| !matches!(*k, "PWD" | "OLDPWD" | "SHLVL" | "_"))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
 }
 
-/// The tenant's program never sees Ferry's own settings in its environment.
-#[tokio::test]
-async fn ferrys_own_variables_stay_out_of_the_programs_environment() {
-    std::env::set_var("FERRY_PULUMI_TEST_SIGNING_KEY", "ferry-own-value");
-    let script = format!(
-        r#"env > "$FAKE_DIR/env"; cat '{}'"#,
+/// A fake that writes its environment to `env.<stack>` and plans.
+fn env_dumping_fake() -> Fake {
+    Fake::new(&format!(
+        r#"env > "$FAKE_DIR/env.$4"; cat > /dev/null; cat '{}'"#,
         fixture("preview-update.json").display()
-    );
-    let fake = Fake::new(&script);
+    ))
+}
+
+/// The program gets what pulumi needs to run, its tenant's identity, and nothing of the
+/// server's: no Vault token, cloud credentials, backend, Ferry setting or any other
+/// variable; its home and temporary folder are its tenant's own.
+#[tokio::test]
+async fn a_tenants_program_gets_its_identity_and_nothing_of_the_servers() {
+    let fake = env_dumping_fake();
     fake.runner
         .preview(&fake.input(Duration::from_secs(10)))
         .await
         .unwrap();
-    let env = fake.read("env");
-    assert!(
-        env.contains("FAKE_DIR="),
-        "the runner's own environment is set"
+    let env = fake.env("env.acme.dev");
+    let home = fake.dir.path().join("homes/tenants/acme");
+    let expected = BTreeMap::from([
+        ("PATH".to_string(), std::env::var("PATH").unwrap()),
+        ("LANG".to_string(), "C.UTF-8".to_string()),
+        ("LC_ALL".to_string(), "C.UTF-8".to_string()),
+        ("HOME".to_string(), home.display().to_string()),
+        (
+            "PULUMI_HOME".to_string(),
+            home.join(".pulumi").display().to_string(),
+        ),
+        ("TMPDIR".to_string(), home.join("tmp").display().to_string()),
+        ("PULUMI_SKIP_UPDATE_CHECK".to_string(), "true".to_string()),
+        (
+            "PULUMI_BACKEND_URL".to_string(),
+            "s3://state-acme".to_string(),
+        ),
+        (
+            "PULUMI_CONFIG_PASSPHRASE".to_string(),
+            "pass-acme".to_string(),
+        ),
+        ("AWS_ACCESS_KEY_ID".to_string(), "key-acme".to_string()),
+    ]);
+    assert_eq!(env, expected);
+    let raw = fake.read("env.acme.dev");
+    for (name, value) in HOST_ENV {
+        if !value.starts_with("C.") {
+            assert!(
+                !raw.contains(value),
+                "{name}'s value reached the program: {raw}"
+            );
+        }
+    }
+    // The home is the tenant's alone.
+    let mode = std::fs::metadata(&home).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+}
+
+/// Two tenants' programs run with two identities and two homes, neither seeing the other's.
+#[tokio::test]
+async fn two_tenants_run_with_their_own_identities() {
+    let fake = env_dumping_fake();
+    for tenant in ["acme", "globex"] {
+        fake.runner
+            .preview(&fake.input_for(tenant, Duration::from_secs(10)))
+            .await
+            .unwrap();
+    }
+    let (acme, globex) = (fake.env("env.acme.dev"), fake.env("env.globex.dev"));
+    for name in [
+        "PULUMI_BACKEND_URL",
+        "PULUMI_CONFIG_PASSPHRASE",
+        "AWS_ACCESS_KEY_ID",
+        "HOME",
+        "TMPDIR",
+    ] {
+        assert_ne!(acme[name], globex[name], "{name}");
+    }
+    assert_eq!(globex["PULUMI_BACKEND_URL"], "s3://state-globex");
+    let raw = fake.read("env.globex.dev");
+    assert!(!raw.contains("acme"), "{raw}");
+}
+
+/// The identity's values are redacted from what a failed run reports, as secrets are.
+#[tokio::test]
+async fn identity_values_never_show_in_the_output() {
+    let fake = Fake::new(
+        r#"cat > /dev/null; echo "backend $PULUMI_BACKEND_URL pass $PULUMI_CONFIG_PASSPHRASE key $AWS_ACCESS_KEY_ID" >&2; exit 1"#,
     );
-    assert!(!env.contains("ferry-own-value"), "{env}");
-    assert!(!env.contains("FERRY_"), "{env}");
-    assert!(!env.contains("DATABASE_URL="), "{env}");
+    match fake
+        .runner
+        .preview(&fake.input(Duration::from_secs(10)))
+        .await
+    {
+        Err(RunnerError::ProgramFailed { reason, log, .. }) => {
+            for value in ["s3://state-acme", "pass-acme", "key-acme"] {
+                assert!(
+                    !reason.contains(value) && !log.contains(value),
+                    "{reason} {log}"
+                );
+            }
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A run without an identity never starts the program: it fails naming the setting.
+#[tokio::test]
+async fn a_run_without_an_identity_fails_naming_the_setting() {
+    let fake = Fake::new(r#"echo ran > "$FAKE_DIR/ran"; cat > /dev/null; echo '{}'"#);
+    let mut input = fake.input(Duration::from_secs(10));
+    input.identity = None;
+    for result in [
+        fake.runner.preview(&input).await.map(|_| ()),
+        fake.runner.apply(&input).await.map(|_| ()),
+    ] {
+        match result {
+            Err(RunnerError::NoIdentity(reason)) => {
+                assert!(reason.contains(IDENTITIES_SETTING), "{reason}");
+                assert!(reason.contains("acme"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(!fake.dir.path().join("ran").exists());
+}
+
+/// Resolves `env://` references from a fixed map, confined per tenant as Ferry's resolver is.
+struct TenantSecrets(Confinement, BTreeMap<&'static str, &'static str>);
+
+#[async_trait::async_trait]
+impl SecretResolver for TenantSecrets {
+    async fn resolve(
+        &self,
+        tenant: &TenantId,
+        reference: &SecretRef,
+    ) -> Result<ResolvedSecret, SecretError> {
+        let refuse = |reason: String| SecretError {
+            reference: reference.to_string(),
+            reason,
+        };
+        self.0
+            .check_secret(tenant, reference)
+            .map_err(|r| refuse(r.to_string()))?;
+        let name = reference.as_str().trim_start_matches("env://");
+        let value = self.1.get(name).ok_or_else(|| refuse("unset".into()))?;
+        Ok(ResolvedSecret {
+            value: SecretValue::new(*value),
+            version: "v1".into(),
+        })
+    }
+}
+
+/// From the operator's setting to the child: acme's references resolve in acme's scope;
+/// globex, without an identity, gets none unless a shared identity is declared, and then
+/// exactly the shared variables of the server, never the others.
+#[tokio::test]
+async fn the_shared_identity_serves_tenants_without_one_only_when_declared() {
+    let confinement = Confinement::new(ConfinementSettings {
+        ferry: FerryFiles {
+            data_dir: "/var/lib/ferry".into(),
+            ..Default::default()
+        },
+        env_prefix: "TENANT_{tenant}".into(),
+        vault_prefix: "{tenant}/".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    let secrets = TenantSecrets(
+        confinement.clone(),
+        BTreeMap::from([
+            ("TENANT_acme__PASSPHRASE", "acme-passphrase"),
+            ("TENANT_acme__AWS_KEY", "acme-aws-key"),
+        ]),
+    );
+    let acme = IdentitySpec {
+        backend: "s3://state-acme".into(),
+        passphrase: Some(SecretRef::parse("env://TENANT_acme__PASSPHRASE").unwrap()),
+        env: BTreeMap::from([(
+            VariableName::parse("AWS_ACCESS_KEY_ID").unwrap(),
+            SecretRef::parse("env://TENANT_acme__AWS_KEY").unwrap(),
+        )]),
+    };
+    let tenants = BTreeMap::from([(TenantId::parse("acme").unwrap(), acme)]);
+    let fake = env_dumping_fake();
+    let run = |identities: RunnerIdentities, tenant: &'static str| {
+        let mut input = fake.input_for(tenant, Duration::from_secs(10));
+        let secrets = &secrets;
+        let runner = fake.runner.clone();
+        async move {
+            let identity = identities.resolve(&input.tenant, secrets).await;
+            input.identity = Some(identity.map_err(|e| e.to_string())?);
+            runner.preview(&input).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(())
+        }
+    };
+    let unshared = RunnerIdentities::new(tenants.clone(), None, &confinement).unwrap();
+    run(unshared.clone(), "acme").await.unwrap();
+    let env = fake.env("env.acme.dev");
+    assert_eq!(env["PULUMI_CONFIG_PASSPHRASE"], "acme-passphrase");
+    assert_eq!(env["AWS_ACCESS_KEY_ID"], "acme-aws-key");
+    let e = run(unshared, "globex").await.unwrap_err();
+    assert!(
+        e.contains(IDENTITIES_SETTING) && e.contains(SHARED_SETTING),
+        "{e}"
+    );
+    assert!(!fake.dir.path().join("env.globex.dev").exists());
+
+    let host: BTreeMap<&str, &str> = HOST_ENV.iter().copied().collect();
+    let shared = RunnerIdentity::shared(&["PULUMI_BACKEND_URL", "AWS_PROFILE"], |name| {
+        host.get(name).map(|v| v.to_string())
+    })
+    .unwrap();
+    let declared = RunnerIdentities::new(tenants, Some(shared), &confinement).unwrap();
+    run(declared.clone(), "globex").await.unwrap();
+    let env = fake.env("env.globex.dev");
+    assert_eq!(env["PULUMI_BACKEND_URL"], "s3://host-state");
+    assert_eq!(env["AWS_PROFILE"], "host-aws-profile");
+    for name in [
+        "AWS_SECRET_ACCESS_KEY",
+        "VAULT_TOKEN",
+        "PULUMI_CONFIG_PASSPHRASE",
+    ] {
+        assert!(!env.contains_key(name), "{name}");
+    }
+    // A tenant with its own identity keeps it.
+    run(declared, "acme").await.unwrap();
+    assert_eq!(
+        fake.env("env.acme.dev")["PULUMI_BACKEND_URL"],
+        "s3://state-acme"
+    );
 }
 
 #[tokio::test]
@@ -385,7 +678,7 @@ async fn garbage_output_is_bad_output() {
 async fn missing_binary_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-pulumi");
-    let runner = PulumiRunner::new(&missing, BTreeMap::new());
+    let runner = PulumiRunner::new(&missing, dir.path().join("homes"));
     let tenant = TenantId::parse("acme").unwrap();
     let stack = StackName::for_environment(&tenant, &EnvironmentId::parse("dev").unwrap());
     let input = RunnerInput {
@@ -398,6 +691,7 @@ async fn missing_binary_is_unavailable() {
         timeout: Duration::from_secs(5),
         refresh: false,
         exclude: Vec::new(),
+        identity: Some(identity_of("acme")),
     };
     for result in [
         runner.version().await.map(|_| ()),

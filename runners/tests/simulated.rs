@@ -55,6 +55,7 @@ impl Fixture {
             timeout: Duration::from_secs(10),
             refresh: false,
             exclude: Vec::new(),
+            identity: None,
         }
     }
     fn state_file(&self) -> std::path::PathBuf {

@@ -1,6 +1,7 @@
-//! Gathering a run's inputs: the program checkout, configuration and secrets, and the
-//! inputs hash (sha256 over the program version, the resolved configuration values and the
-//! secret references' versions; never secret values).
+//! Gathering a run's inputs: the program checkout, configuration and secrets, the tenant's
+//! runner identity when the runner needs one (never part of the hash), and the inputs hash
+//! (sha256 over the program version, the resolved configuration values and the secret
+//! references' versions; never secret values).
 
 use ferry_domain::ports::runner::{RunnerInput, StackName};
 use ferry_domain::ports::SecretValue;
@@ -26,9 +27,12 @@ pub struct Inputs {
 }
 
 impl Inputs {
-    /// The secret values, to redact logs with.
+    /// The secret values and the identity's, to redact logs with.
     pub fn secrets(&self) -> impl Iterator<Item = &SecretValue> {
-        self.runner.secrets.values()
+        self.runner
+            .secrets
+            .values()
+            .chain(self.runner.identity.iter().flat_map(|i| i.values()))
     }
 }
 
@@ -44,9 +48,10 @@ pub fn inputs_hash(
 }
 
 impl Workers {
-    /// Checks the program out into `dir` and resolves configuration and secrets, each for
-    /// `tenant` (the adapters refuse what the tenant may not reach). An error is the reason
-    /// the step cannot go on (it names the reference).
+    /// Checks the program out into `dir` and resolves configuration, secrets and (for a
+    /// runner that needs one) the runner identity, each for `tenant` (the adapters refuse
+    /// what the tenant may not reach). An error is the reason the step cannot go on (it
+    /// names the reference, or the setting that gives the tenant no identity).
     pub(crate) async fn gather(
         &self,
         tenant: &TenantId,
@@ -54,6 +59,18 @@ impl Workers {
         dir: &Path,
         timeout: Duration,
     ) -> Result<Inputs, String> {
+        // First: a tenant without an identity has nothing to check out for.
+        let identity = if self.ports.runner.needs_identity() {
+            let identities = &self.settings.runner_identities;
+            Some(
+                identities
+                    .resolve(tenant, self.ports.secrets.as_ref())
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+        } else {
+            None
+        };
         let _ = tokio::fs::remove_dir_all(dir).await;
         tokio::fs::create_dir_all(dir)
             .await
@@ -101,6 +118,7 @@ impl Workers {
                 // plan's ignore rules left out.
                 refresh: false,
                 exclude: Vec::new(),
+                identity,
             },
             commit: checkout.commit,
             hash,

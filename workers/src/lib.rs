@@ -121,6 +121,9 @@ pub struct Settings {
     /// `AutoApplyNonDestructive`: a reconciliation's adds and in-place changes outside
     /// production apply without a proposal. Read at each plan (reloadable).
     pub auto_apply_non_destructive: tokio::sync::watch::Receiver<bool>,
+    /// Each tenant's runner identity (`FERRY_RUNNER_IDENTITIES`, and the shared one if
+    /// declared): resolved for every run of a runner that needs one. None by default.
+    pub runner_identities: Arc<ferry_domain::ports::identity::RunnerIdentities>,
 }
 
 impl Settings {
@@ -144,6 +147,7 @@ impl Settings {
             poll: Duration::from_millis(500),
             instance: format!("ferry-{}", uuid::Uuid::new_v4().simple()),
             auto_apply_non_destructive: tokio::sync::watch::channel(true).1,
+            runner_identities: Arc::default(),
         }
     }
 }

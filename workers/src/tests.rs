@@ -11,6 +11,7 @@ use chrono::Utc;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
+use ferry_domain::ports::identity::{RunnerIdentities, RunnerIdentity};
 use ferry_domain::ports::runner::*;
 use ferry_domain::ports::sources::*;
 use ferry_domain::ports::SecretValue;
@@ -96,6 +97,10 @@ struct FakeRunner {
     more_resources: usize,
     /// Bytes of padding added to the preview's log.
     log_padding: usize,
+    /// Runs with a tenant's identity, as the Pulumi and HTTP runners do.
+    needs_identity: bool,
+    /// The identity of each preview, as its variables' names and values.
+    identities: Mutex<Vec<Option<BTreeMap<String, String>>>>,
 }
 
 /// Leaves the running count when an apply ends or is dropped, counting a drop as cancelled.
@@ -125,6 +130,9 @@ impl Runner for FakeRunner {
     fn name(&self) -> &'static str {
         "fake"
     }
+    fn needs_identity(&self) -> bool {
+        self.needs_identity
+    }
     async fn version(&self) -> Result<String, RunnerError> {
         Ok("1.0-test".to_string())
     }
@@ -133,6 +141,15 @@ impl Runner for FakeRunner {
             self.unavailable_previews.fetch_sub(1, Ordering::SeqCst);
             return Err(RunnerError::Unavailable("runner busy".to_string()));
         }
+        self.identities
+            .lock()
+            .unwrap()
+            .push(input.identity.as_ref().map(|i| {
+                i.vars()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.expose().to_string()))
+                    .collect()
+            }));
         let secret = input
             .secrets
             .values()
@@ -321,6 +338,8 @@ fn test_settings(dir: &Path, clock: Arc<dyn Clock>) -> Settings {
     settings.plan_backoff = Duration::from_millis(10);
     settings.heartbeat = Duration::from_millis(10);
     settings.clock = clock;
+    // A runner that needs an identity (the Pulumi CLI below) gets an empty shared one.
+    settings.runner_identities = Arc::new(RunnerIdentities::shared(RunnerIdentity::default()));
     settings
 }
 
@@ -765,6 +784,64 @@ async fn a_missing_commit_fails_planning_naming_it() {
     w.stop().await;
 }
 
+/// A runner that runs with a tenant's identity: a tenant without one fails planning naming
+/// the setting (nothing is checked out or previewed), and with a shared identity declared
+/// the run goes on with it.
+#[tokio::test]
+async fn a_tenant_without_a_runner_identity_fails_planning_naming_the_setting() {
+    use ferry_domain::ports::identity::IDENTITIES_SETTING;
+    let runner = FakeRunner {
+        needs_identity: true,
+        ..Default::default()
+    };
+    let w = World::new(Backend::Sqlite, runner, |s| {
+        s.runner_identities = Arc::default();
+    })
+    .await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    w.wait_state(id, ProvisioningState::Failed).await;
+    let (status, error, _) = eventually("the plan item finished", || async {
+        let s = w.status(id, Step::Plan).await?;
+        (s.0 != "running" && s.0 != "pending").then_some(s)
+    })
+    .await;
+    assert_eq!(status, "failed");
+    let error = error.unwrap();
+    assert!(error.contains(IDENTITIES_SETTING), "{error}");
+    assert!(error.contains(tenant().as_str()), "{error}");
+    assert!(w.runner.identities.lock().unwrap().is_empty());
+    w.stop().await;
+
+    let runner = FakeRunner {
+        needs_identity: true,
+        ..Default::default()
+    };
+    let w = World::new(Backend::Sqlite, runner, |s| {
+        s.runner_identities = Arc::new(RunnerIdentities::shared(RunnerIdentity::new(
+            BTreeMap::from([(
+                "PULUMI_BACKEND_URL".to_string(),
+                SecretValue::new("file:///srv/state"),
+            )]),
+        )));
+    })
+    .await;
+    let id = w
+        .request("dev", Some(EnvironmentClass::Development), "abcdef1")
+        .await;
+    w.wait_state(id, ProvisioningState::Applied).await;
+    let seen = w.runner.identities.lock().unwrap().clone();
+    assert_eq!(
+        seen.first().cloned().flatten(),
+        Some(BTreeMap::from([(
+            "PULUMI_BACKEND_URL".to_string(),
+            "file:///srv/state".to_string()
+        )]))
+    );
+    w.stop().await;
+}
+
 #[tokio::test]
 async fn the_planner_retries_an_unavailable_runner_with_backoff() {
     let runner = FakeRunner {
@@ -1100,12 +1177,15 @@ ferry_store::test_on_both_engines! {
         use std::os::unix::fs::PermissionsExt;
         let fake = tempfile::tempdir().unwrap();
         let bin = fake.path().join("pulumi");
-        std::fs::write(&bin, FAKE_PULUMI).unwrap();
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let pulumi = ferry_runners::PulumiRunner::new(
-            &bin,
-            BTreeMap::from([("FAKE_DIR".to_string(), fake.path().display().to_string())]),
+        // The child's environment has no room for the folder: the script names it.
+        let script = FAKE_PULUMI.replacen(
+            "#!/bin/sh\n",
+            &format!("#!/bin/sh\nFAKE_DIR='{}'\n", fake.path().display()),
+            1,
         );
+        std::fs::write(&bin, script).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let pulumi = ferry_runners::PulumiRunner::new(&bin, fake.path().join("homes"));
         let w = World::build(
             backend,
             FakeRunner::default(),

@@ -51,6 +51,16 @@ impl BoundedContext for Provisioning {
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
         if process.config.workers {
             let mut settings = worker_settings(process.config);
+            let identities = process.config.runner_identities()?;
+            // Said once at start: the operator sees what tenants' programs will run as.
+            if process.config.runner != crate::config::RunnerKind::Simulated {
+                if identities.has_shared() {
+                    tracing::warn!("FERRY_RUNNER_SHARED_IDENTITY is declared: every tenant without an identity of its own runs its program with the server's named variables (single-tenant installations only)");
+                } else if identities.tenants().next().is_none() {
+                    tracing::warn!("FERRY_RUNNER_IDENTITIES names no tenant: every plan fails until a tenant has a runner identity");
+                }
+            }
+            settings.runner_identities = Arc::new(identities);
             settings.auto_apply_non_destructive =
                 follow(process.options, |o| o.auto_apply_non_destructive);
             ferry_workers::Workers::new(

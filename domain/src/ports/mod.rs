@@ -1,9 +1,11 @@
 //! Ports: what the domain's workflows need from the outside world, as traits. Adapters
 //! (in `adapters/`) implement them; the domain stays free of IO.
 //!
+//! * [`identity`]: the runner identity a tenant's program runs with (never Ferry's).
 //! * [`runner`]: the IaC runner (plan and apply) and the plan it reports.
 //! * [`sources`]: program source (Git), secrets, configuration, policy, artifacts.
 
+pub mod identity;
 pub mod runner;
 pub mod sources;
 

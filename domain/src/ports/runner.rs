@@ -3,6 +3,7 @@
 //! `simulated` (a Pulumi YAML evaluator against a local simulated cloud), `http` (a remote
 //! runner).
 
+use super::identity::RunnerIdentity;
 use super::SecretValue;
 use crate::ids::{EnvironmentId, TenantId};
 use crate::receipts::PlannedResource;
@@ -71,6 +72,10 @@ pub struct RunnerInput {
     /// Resources (URNs) to leave alone: the differences ignore rules left out of the plan
     /// (`pulumi up --exclude`).
     pub exclude: Vec<String>,
+    /// The tenant's runner identity (backend, passphrase, credentials), resolved for this
+    /// run when the runner [needs one](Runner::needs_identity); never logged or stored.
+    /// A runner that needs one refuses to run without it.
+    pub identity: Option<RunnerIdentity>,
 }
 
 /// A parsed plan: counts and the resource list (the core of the plan receipt).
@@ -131,6 +136,9 @@ pub enum RunnerError {
     /// The program itself is invalid (e.g. a Pulumi.yaml that does not parse).
     #[error("invalid program: {0}")]
     InvalidProgram(String),
+    /// The run has no runner identity of its tenant (names the missing setting).
+    #[error("{0}")]
+    NoIdentity(String),
 }
 
 /// An IaC runner.
@@ -138,6 +146,12 @@ pub enum RunnerError {
 pub trait Runner: Send + Sync {
     /// `pulumi`, `simulated` or `http`: recorded on every receipt.
     fn name(&self) -> &'static str;
+    /// Whether the program runs with a tenant's runner identity (a real backend and cloud):
+    /// then every run must carry its tenant's ([`RunnerInput::identity`]). The simulated
+    /// runner needs none.
+    fn needs_identity(&self) -> bool {
+        false
+    }
     /// The runner's version, recorded on every receipt.
     async fn version(&self) -> Result<String, RunnerError>;
     /// Plans the program against the environment's current state.

@@ -576,6 +576,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             refresh: false,
             exclude: Vec::new(),
+            identity: None,
         }
     }
 
