@@ -123,6 +123,9 @@ export FERRY_HTTP_ADDR="127.0.0.1:$PORT"
 export FERRY_GRPC_ADDR=off
 export FERRY_JWT_HS256_KEY=${HOSTILE_JWT_KEY:-"hostile-bench-hs256-key-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"}
 export FERRY_VERIFICATION_WINDOW=3s
+# The seed's health URL and smoke check are Ferry's own: loopback, which probes reach only
+# where a prefix names it.
+export FERRY_TENANT_PROBE_URL_PREFIXES="$BASE/"
 export FERRY_RECONCILE_SCHEDULE=off
 export FERRY_LOG=${HOSTILE_LOG:-warn}
 RUN_ID=$(od -An -tx1 -N3 /dev/urandom | tr -d ' \n')

@@ -703,6 +703,22 @@ def explicit(args) -> None:
     r = f.call("GET", "/factory/provisioning/runs", headers={"Authorization": "Basic YWxpY2U6YWxpY2U="})
     problem_row(res, "Basic credentials → 401", r, [401])
 
+    # --- probes and queries: only what the tenant may reach (issue 37, section 6) -----
+    res = Results(args.results, "probes and queries")
+    port = args.base.rsplit(":", 1)[-1]
+    for url in [f"http://2130706433:{port}/metrics", f"http://0x7f.1:{port}/metrics",
+                f"http://[::ffff:127.0.0.1]:{port}/metrics", f"http://localhost:{port}/metrics",
+                "http://169.254.169.254/latest/meta-data/", "http://10.0.0.7:9000/admin"]:
+        r = f.call("PUT", f"/factory/environments/{env['dev']}", admin,
+                   {"environmentClass": "development", "healthUrl": url})
+        problem_row(res, f"health URL {url} → 422", r, [422], field_named("healthUrl"))
+    for query in ['sum(rate(errors{tenant="%s"}[5m]))' % b, 'sum(errors{tenant=~".*"})',
+                  'sum(errors{tenant!="%s"})' % a]:
+        r = f.call("PUT", f"/factory/environments/{env['dev']}", admin,
+                   {"environmentClass": "development", "slo": {"query": query, "threshold": 1}})
+        problem_row(res, f"SLO query naming another tenant's series {query} → 422", r, [422],
+                    field_named("slo.query"))
+
     # --- 4. afterwards: nothing moved, and the rules are not merely broken -------------
     res = Results(args.results, "state after")
     run_view = j(f.call("GET", f"/factory/provisioning/runs/{run_ops}", alice)) or {}

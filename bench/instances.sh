@@ -85,6 +85,9 @@ export FERRY_JWT_HS256_KEY=soak-soak-soak-soak-soak-soak-soak-key-0123456789
 export FERRY_WORKERS=true FERRY_VERIFICATION_WINDOW=1s FERRY_RECONCILE_SCHEDULE="$SCHEDULE"
 export FERRY_LOG=warn,ferry_runners=info,ferry_workers=info,ferry_app::contexts::provisioning::reconcile=info
 export FERRY_LOG_FORMAT=json
+# Verification probes the first instance's /healthz: loopback, reached only where a prefix
+# names it.
+export FERRY_TENANT_PROBE_URL_PREFIXES="http://127.0.0.1:${INST_PORTS%% *}/"
 URLS=()
 n=0
 for port in $INST_PORTS; do

@@ -43,6 +43,8 @@ fresh_db() { dropdb --if-exists --force "$1"; createdb "$1"; }
 
 export FERRY_JWT_HS256_KEY="ferry-bench-signing-key-0123456789abcdef"
 export FERRY_HTTP_ADDR="127.0.0.1:$PORT" FERRY_GRPC_ADDR=off FERRY_LOG=warn
+# The e2e phase probes Ferry's own /healthz: loopback, reached only where a prefix names it.
+export FERRY_TENANT_PROBE_URL_PREFIXES="$BASE/"
 SCOPES="factory.provisioning.read factory.provisioning.apply factory.delivery.read factory.delivery.promote"
 TOKEN=$("$FERRY" token --tenant "$TENANT" --sub load --roles "Operator PlatformAdmin" --scopes "$SCOPES" --ttl 86400)
 

@@ -94,6 +94,8 @@ export DATABASE_URL NATS_URL=nats://127.0.0.1:$SOAK_NATS_PORT FERRY_NATS_STREAM=
 export FERRY_HTTP_ADDR=127.0.0.1:$SOAK_HTTP_PORT FERRY_GRPC_ADDR=off FERRY_DATA_DIR=$DATA
 export FERRY_JWT_HS256_KEY=soak-soak-soak-soak-soak-soak-soak-key-0123456789
 export FERRY_WORKERS=true FERRY_VERIFICATION_WINDOW=1s FERRY_RECONCILE_SCHEDULE=off
+# Verification probes Ferry's own /healthz: loopback, reached only where a prefix names it.
+export FERRY_TENANT_PROBE_URL_PREFIXES=http://127.0.0.1:$SOAK_HTTP_PORT/
 # Short leases so that an apply cut by a kill is settled within seconds, not minutes.
 export FERRY_WORKER_LEASE_SECONDS=10 FERRY_WORKER_RECOVERY_GRACE_SECONDS=2
 # JSON logs; the simulated runner's lines, inside the workers' "work" span, say which run

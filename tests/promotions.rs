@@ -27,6 +27,10 @@ struct Delivery {
     /// `FERRY_PROMETHEUS_URL`.
     base: String,
     slo: Arc<AtomicU64>,
+    /// The queries Prometheus was sent, in order.
+    queries: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Requests the test's endpoint server answered, by path.
+    hits: Arc<std::sync::Mutex<Vec<String>>>,
     /// `<repository>#stacks/web` and its commit, in acme's folder.
     program: (String, String),
     _root: tempfile::TempDir,
@@ -70,6 +74,20 @@ async fn start_with(
     let answer = status.clone();
     let slo = Arc::new(AtomicU64::new(0.0f64.to_bits()));
     let slo_value = slo.clone();
+    let queries = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let asked = queries.clone();
+    let hits = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = hits.clone();
+    // Where `/redirect` sends a client: another loopback port, under no probe URL prefix,
+    // whose every request is recorded as `elsewhere`.
+    let elsewhere = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let location = format!("http://{}/metrics", elsewhere.local_addr().unwrap());
+    let noted = hits.clone();
+    let other = axum::Router::new().fallback(move || {
+        noted.lock().unwrap().push("elsewhere".to_string());
+        async { "ferry_secrets 1" }
+    });
+    tokio::spawn(async move { axum::serve(elsewhere, other).await });
     let app = axum::Router::new()
         .route(
             "/healthz",
@@ -87,15 +105,34 @@ async fn start_with(
             get(|| async { axum::http::StatusCode::INTERNAL_SERVER_ERROR }),
         )
         .route(
-            "/api/v1/query",
+            "/redirect",
             get(move || {
-                let value = f64::from_bits(slo_value.load(Ordering::SeqCst));
-                async move {
-                    axum::Json(json!({"status": "success", "data": {"resultType": "vector",
-                        "result": [{"metric": {}, "value": [1.7e9, value.to_string()]}]}}))
-                }
+                let to = location.clone();
+                async move { axum::response::Redirect::temporary(&to) }
             }),
+        )
+        .route(
+            "/api/v1/query",
+            get(
+                move |query: axum::extract::Query<std::collections::HashMap<String, String>>| {
+                    asked
+                        .lock()
+                        .unwrap()
+                        .push(query.get("query").cloned().unwrap_or_default());
+                    let value = f64::from_bits(slo_value.load(Ordering::SeqCst));
+                    async move {
+                        axum::Json(json!({"status": "success", "data": {"resultType": "vector",
+                        "result": [{"metric": {}, "value": [1.7e9, value.to_string()]}]}}))
+                    }
+                },
+            ),
         );
+    let app = app.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            seen.lock().unwrap().push(request.uri().path().to_string());
+            next.run(request)
+        },
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let health = format!("{base}/healthz");
@@ -104,6 +141,8 @@ async fn start_with(
     let mut config = config(data.path());
     config.workers = true;
     config.prometheus_url = Some(base.clone());
+    // The endpoint server is on loopback, which probes reach only where a prefix names it.
+    config.tenant_probe_url_prefixes = Some(vec![format!("{base}/")]);
     config.tenant_program_roots = Some(vec![format!("{}/{{tenant}}", root.path().display())]);
     tune(&mut config);
     if let Some(rego) = policy {
@@ -118,6 +157,8 @@ async fn start_with(
         status,
         base,
         slo,
+        queries,
+        hits,
         program,
         _root: root,
     }
@@ -1452,6 +1493,141 @@ async fn probe_urls_stay_in_the_tenant_s_prefixes_when_the_operator_sets_them() 
         )
         .await;
     assert_eq!(status, 201, "{body}");
+    d.s.stop().await;
+}
+
+/// Ferry's own port, the metadata service and private networks, however the address is
+/// written, are no health URL or smoke check unless the operator's prefix names them.
+#[tokio::test]
+async fn probes_reach_no_loopback_or_private_address_unless_a_prefix_names_it() {
+    // No prefixes: nothing is confined by prefix, which no longer means "anywhere".
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.tenant_probe_url_prefixes = None
+    })
+    .await;
+    let port = d.base.rsplit(':').next().unwrap().to_string();
+    for url in [
+        d.health.clone(),
+        d.s.url("/metrics"),
+        format!("http://2130706433:{port}/healthz"),
+        format!("http://0x7f.1:{port}/healthz"),
+        format!("http://[::ffff:127.0.0.1]:{port}/healthz"),
+        format!("http://[::1]:{port}/healthz"),
+        format!("http://localhost:{port}/healthz"),
+        "http://169.254.169.254/latest/meta-data/".to_string(),
+        "http://10.0.0.7:9000/admin".to_string(),
+        "http://[fd00::1]/".to_string(),
+    ] {
+        let (status, body) = d
+            .put(
+                &admin("acme"),
+                "/factory/environments/shop-dev",
+                &json!({"environmentClass": "development", "healthUrl": url}),
+            )
+            .await;
+        assert_eq!(status, 422, "{url}: {body}");
+        assert_eq!(body["errors"][0]["field"], "healthUrl", "{body}");
+    }
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{}", uuid::Uuid::new_v4()),
+            &json!({"projectId": "payments", "version": "1.0.0",
+                "programRef": d.program.0, "programVersion": d.program.1, "pipeline": passed(),
+                "smokeChecks": [{"name": "metrics", "url": d.s.url("/metrics")}]}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "smokeChecks[0].url", "{body}");
+    assert!(d.hits.lock().unwrap().is_empty());
+    d.s.stop().await;
+}
+
+/// A prefix naming a loopback address lets probes reach it, and a redirect from there to
+/// an address no prefix names is not followed.
+#[tokio::test]
+async fn probes_reach_an_address_a_prefix_names_and_follow_no_redirect_away() {
+    // The prefix is the endpoint server's own address (`start_with` sets it).
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    d.environment("shop-dev", "development").await;
+    let release = d.with_smoke("1.0.0", "/redirect").await;
+    let p = d.promote(&release, "shop-dev", json!({})).await;
+    let p = d
+        .wait_until(&p, "the verification failed", |p| {
+            p["verification"]["outcome"] == "Failed"
+        })
+        .await;
+    let smoke: Vec<&Value> = p["verification"]["measurements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["kind"] == "Smoke")
+        .collect();
+    assert_eq!(smoke[0]["value"], "307", "the redirect is the answer: {p}");
+    let hits = d.hits.lock().unwrap().clone();
+    assert!(hits.iter().any(|h| h == "/healthz"), "{hits:?}");
+    assert!(hits.iter().any(|h| h == "/redirect"), "{hits:?}");
+    assert!(!hits.iter().any(|h| h == "elsewhere"), "{hits:?}");
+    d.s.stop().await;
+}
+
+/// An environment's SLO query goes to the shared Prometheus with the tenant's matcher on
+/// every selector; one naming another tenant's series is refused.
+#[tokio::test]
+async fn slo_queries_read_only_the_tenant_s_series() {
+    let d = start_with(Backend::Sqlite, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    for query in [
+        "sum(rate(errors{tenant=\"acme\"}[5m])) / sum(rate(requests{tenant=\"acme\"}[5m]))",
+        "sum(errors{tenant=~\".*\"})",
+        "sum(errors{tenant=~\"globex|acme\"})",
+        "sum(errors{tenant!=\"globex\"})",
+        "sum(errors{tenant=\"globex\"}) + sum(errors{tenant=\"acme\"})",
+    ] {
+        let (status, body) = d
+            .put(
+                &admin("globex"),
+                "/factory/environments/g-dev",
+                &json!({"environmentClass": "development",
+                        "slo": {"query": query, "threshold": 0.01}}),
+            )
+            .await;
+        assert_eq!(status, 422, "{query}: {body}");
+        assert_eq!(body["errors"][0]["field"], "slo.query", "{body}");
+    }
+    assert!(d.queries.lock().unwrap().is_empty());
+
+    // acme's query names no tenant: every selector is given acme's.
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            "/factory/environments/shop-dev",
+            &json!({"environmentClass": "development", "healthUrl": d.health,
+                    "slo": {"query": "sum(rate(errors[5m])) / sum(rate(requests{job=\"web\"}[5m]))",
+                            "threshold": 0.01}}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let release = d.deployable("1.0.0").await;
+    let p = d.promote(&release, "shop-dev", json!({})).await;
+    let p = d.wait(&p, "Completed").await;
+    let confined = "sum(rate(errors{tenant=\"acme\"}[5m])) / sum(rate(requests{job=\"web\",tenant=\"acme\"}[5m]))";
+    let queries = d.queries.lock().unwrap().clone();
+    assert!(!queries.is_empty());
+    assert!(queries.iter().all(|q| q == confined), "{queries:?}");
+    let slo = p["verification"]["measurements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["kind"] == "Slo")
+        .cloned()
+        .unwrap();
+    assert_eq!(slo["name"], confined, "{p}");
     d.s.stop().await;
 }
 

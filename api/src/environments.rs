@@ -104,6 +104,14 @@ pub async fn put_environment(
     if let Some((field, reason)) = body.slo.as_ref().and_then(SloObjective::invalid) {
         return Err(ApiError::invalid_field(field, reason));
     }
+    if let Some(slo) = &body.slo {
+        // Every tenant's query goes to one Prometheus: it must read only this tenant's
+        // series (confined again, with the rules of the day, before each evaluation).
+        state
+            .confinement()
+            .confine_query(&caller.tenant, &slo.query)
+            .map_err(|refusal| ApiError::invalid_field("slo.query", refusal))?;
+    }
     if let Some(program) = &body.baseline_program {
         state
             .confinement()

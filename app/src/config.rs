@@ -160,6 +160,8 @@ pub struct Config {
     pub auto_rollback: bool,
     /// The Prometheus HTTP API that environments' SLO queries go to (`FERRY_PROMETHEUS_URL`).
     pub prometheus_url: Option<String>,
+    /// The label SLO queries are confined by (`FERRY_PROMETHEUS_TENANT_LABEL`).
+    pub prometheus_tenant_label: String,
     /// Reconciliation applies adds and in-place changes outside production
     /// (`FERRY_AUTO_APPLY_NON_DESTRUCTIVE`).
     pub auto_apply_non_destructive: bool,
@@ -177,7 +179,7 @@ pub struct Config {
     /// (`FERRY_TENANT_CONFIG_URL_PREFIXES`); none by default.
     pub tenant_config_url_prefixes: Vec<String>,
     /// URL prefix templates of health URLs and smoke checks
-    /// (`FERRY_TENANT_PROBE_URL_PREFIXES`); `None` = not confined.
+    /// (`FERRY_TENANT_PROBE_URL_PREFIXES`); `None` = any URL (of a public address).
     pub tenant_probe_url_prefixes: Option<Vec<String>>,
     /// The configuration file that was read, if any (never resolvable by a tenant).
     pub config_file: Option<PathBuf>,
@@ -480,9 +482,10 @@ settings! {
     /// URL prefixes a tenant's `http(s)://` configuration must start with.
     tenant_config_url_prefixes: List, shown "none";
     /// URL prefixes the URLs verification probes (environments' health URLs, releases' smoke
-    /// checks) must start with, e.g. `https://{tenant}.apps.example.com/`. Unset: not
-    /// confined (only a PlatformAdmin or a service sets them).
-    tenant_probe_url_prefixes: List, shown "unset: not confined";
+    /// checks) must start with, e.g. `https://{tenant}.apps.example.com/`. Set or not, probes
+    /// reach only public addresses, except the literal address a prefix's host names
+    /// (`http://127.0.0.1:8080/` lets them reach Ferry's own port).
+    tenant_probe_url_prefixes: List, shown "unset: any URL of a public address";
     /// Environment classes in promotion order (`PromotionPath`): a release enters a class
     /// only after it completed in the one before.
     promotion_path: List, shown "`development,test,staging,production`";
@@ -497,6 +500,11 @@ settings! {
     /// environment's SLO query to (`/api/v1/query`). Without it, an SLO cannot be checked
     /// and its verification is held for an Operator.
     prometheus_url: String, shown "unset";
+    /// The Prometheus label naming a series' tenant: every selector of an environment's SLO
+    /// query gets `<label>="<tenant>"`, and a query naming the label otherwise (another
+    /// tenant, `!=`, a regular expression) is refused, so one tenant never reads another's
+    /// series from the shared Prometheus.
+    prometheus_tenant_label: String = "tenant";
     /// Reconciliation applies adds and in-place changes outside production without a
     /// proposal (`AutoApplyNonDestructive`); off, every difference is a proposal. Reloadable.
     auto_apply_non_destructive: Flag = true;
@@ -1282,6 +1290,17 @@ fn convert(
         prometheus_url: c.opt(at!(raw.prometheus_url), |c, at| {
             c.url(at, http, "a URL starting with http:// or https://")
         })?,
+        prometheus_tenant_label: {
+            let (key, label) = at!(raw.prometheus_tenant_label);
+            let label = label.trim().to_string();
+            if !ferry_domain::confinement::promql::is_label_name(&label) {
+                return Err(c.refuse(
+                    key,
+                    "must be a Prometheus label name (letters, digits, `_`; not starting with a digit or `__`)",
+                ));
+            }
+            label
+        },
         verification_window: {
             let (key, text) = at!(raw.verification_window);
             let window = humantime::parse_duration(text.trim())
@@ -1504,7 +1523,7 @@ impl Config {
             probe_url_prefixes: self.tenant_probe_url_prefixes.clone(),
             trusted_programs,
         };
-        Confinement::new(settings).map_err(|e| match e {
+        let rules = Confinement::new(settings).map_err(|e| match e {
             ConfinementError::Setting { setting, reason } => ConfigError {
                 setting: setting.env_name().to_string(),
                 source_name: "configuration".to_string(),
@@ -1515,7 +1534,14 @@ impl Config {
                 source_name: "configuration".to_string(),
                 reason: format!("{} must be an absolute path", path.display()),
             },
-        })
+        })?;
+        rules
+            .with_metric_tenant_label(&self.prometheus_tenant_label)
+            .ok_or_else(|| ConfigError {
+                setting: "FERRY_PROMETHEUS_TENANT_LABEL".to_string(),
+                source_name: "configuration".to_string(),
+                reason: "must be a Prometheus label name".to_string(),
+            })
     }
 }
 

@@ -26,13 +26,27 @@
 //! Operator-configured baseline programs are trusted as they are: exactly those
 //! (`programRef`, `programVersion`) pairs pass the root and URL rules.
 //!
+//! What verification reaches for a tenant is confined too: probe URLs (health URLs, smoke
+//! checks) reach only public addresses unless a probe URL prefix names the address
+//! ([`network`]; the HTTP client checks resolved names the same way), and an SLO query
+//! reads only the tenant's own series ([`promql`]).
+//!
 //! [path component]: crate::TenantId::path_component
 
 use crate::environment::BaselineProgram;
 use crate::ids::TenantId;
 use crate::values::{ConfigRef, ProbeUrl, ProgramRef, ProgramVersion, RefMap, SecretRef};
 use std::fmt;
+use std::net::IpAddr;
 use std::path::{Component, Path, PathBuf};
+
+pub mod network;
+pub mod promql;
+
+pub use network::is_public;
+
+/// The label an SLO query's selectors are confined by, unless the operator names another.
+pub const DEFAULT_METRIC_TENANT_LABEL: &str = "tenant";
 
 /// The placeholder templates use for the tenant.
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
@@ -184,6 +198,22 @@ pub enum Refusal {
         /// The tenant's prefixes.
         prefixes: Vec<String>,
     },
+    /// A probe URL whose host is a non-public address no probe URL prefix names.
+    #[error(
+        "{url} names {address}, a loopback, private, link-local or other non-public \
+        address; probes reach such an address only when a probe URL prefix ({setting}) names it"
+    )]
+    NonPublicAddress {
+        /// The URL.
+        url: String,
+        /// The address (or name) it reaches.
+        address: String,
+        /// The setting that could allow it.
+        setting: Setting,
+    },
+    /// An SLO query that cannot be confined to the tenant's series.
+    #[error("{0}")]
+    Query(String),
     /// A reference that cannot be checked as written (relative path, `..`, …).
     #[error("{0}")]
     Malformed(String),
@@ -458,6 +488,16 @@ fn split_url(url: &str) -> Option<(String, String, &str)> {
     ))
 }
 
+/// The host of an `http(s)` URL, parsed as the HTTP client parses it.
+fn probe_host(raw: &str) -> Result<url::Host<String>, Refusal> {
+    let parsed =
+        url::Url::parse(raw).map_err(|e| Refusal::Malformed(format!("{raw} is not a URL: {e}")))?;
+    parsed
+        .host()
+        .map(|h| h.to_owned())
+        .ok_or_else(|| Refusal::Malformed(format!("{raw} names no host")))
+}
+
 /// Path segments that would let a client climb (`.`, `..`, their percent-encodings,
 /// backslashes).
 fn climbs(path: &str) -> bool {
@@ -525,6 +565,7 @@ pub struct Confinement {
     probe_url_prefixes: Option<Vec<Template>>,
     trusted_programs: Vec<(ProgramRef, ProgramVersion)>,
     protected: Vec<Protected>,
+    metric_tenant_label: String,
 }
 
 impl Confinement {
@@ -563,7 +604,29 @@ impl Confinement {
             probe_url_prefixes,
             trusted_programs: settings.trusted_programs,
             protected,
+            metric_tenant_label: DEFAULT_METRIC_TENANT_LABEL.to_string(),
         })
+    }
+
+    /// The same rules, with SLO queries confined by `label` (a Prometheus label name, not
+    /// reserved: `None` when it is not one).
+    pub fn with_metric_tenant_label(mut self, label: &str) -> Option<Self> {
+        if !promql::is_label_name(label) {
+            return None;
+        }
+        self.metric_tenant_label = label.to_string();
+        Some(self)
+    }
+
+    /// The label an SLO query's selectors are confined by.
+    pub fn metric_tenant_label(&self) -> &str {
+        &self.metric_tenant_label
+    }
+
+    /// An SLO query of the tenant as it may be sent: every selector confined to the
+    /// tenant's series (`<label>="<tenant>"` added), or why it cannot be.
+    pub fn confine_query(&self, tenant: &TenantId, query: &str) -> Result<String, Refusal> {
+        promql::confine(query, &self.metric_tenant_label, tenant.as_str()).map_err(Refusal::Query)
     }
 
     /// The tenant's folders of a kind (normalised, as configured: not canonicalised).
@@ -703,12 +766,53 @@ impl Confinement {
     }
 
     /// Checks a URL verification would probe for a tenant (a health URL, a smoke check):
-    /// under the tenant's probe URL prefixes when the operator set them.
+    /// under the tenant's probe URL prefixes when the operator set them, and naming no
+    /// non-public address unless one of those prefixes names it. The host is read as the
+    /// HTTP client reads it, so `http://2130706433/`, `http://0x7f.1/` and
+    /// `http://[::ffff:127.0.0.1]/` are all loopback; `localhost` is refused here too. Other
+    /// names are checked when they are resolved, on the addresses connected to.
     pub fn check_probe(&self, tenant: &TenantId, url: &ProbeUrl) -> Result<(), Refusal> {
-        if self.probe_url_prefixes.is_none() {
-            return Ok(());
+        if self.probe_url_prefixes.is_some() {
+            self.check_url(tenant, url.as_str(), Setting::ProbeUrlPrefixes)?;
         }
-        self.check_url(tenant, url.as_str(), Setting::ProbeUrlPrefixes)
+        let refused = |address: String| Refusal::NonPublicAddress {
+            url: url.to_string(),
+            address,
+            setting: Setting::ProbeUrlPrefixes,
+        };
+        let ip = match probe_host(url.as_str())? {
+            url::Host::Ipv4(v4) => IpAddr::V4(v4),
+            url::Host::Ipv6(v6) => IpAddr::V6(v6),
+            url::Host::Domain(name) => {
+                // Names that always mean this machine (RFC 6761): no need to resolve them.
+                let name = name.trim_end_matches('.');
+                if name == "localhost" || name.ends_with(".localhost") {
+                    return Err(refused(name.to_string()));
+                }
+                return Ok(());
+            }
+        };
+        if network::is_public(ip) || self.probe_addresses(tenant).contains(&ip) {
+            Ok(())
+        } else {
+            Err(refused(ip.to_string()))
+        }
+    }
+
+    /// The literal addresses the tenant's probe URL prefixes name: the operator allowed
+    /// probes to reach them even when they are not public.
+    fn probe_addresses(&self, tenant: &TenantId) -> Vec<IpAddr> {
+        if self.probe_url_prefixes.is_none() {
+            return Vec::new();
+        }
+        self.url_prefixes(tenant, Setting::ProbeUrlPrefixes)
+            .iter()
+            .filter_map(|prefix| match probe_host(prefix).ok()? {
+                url::Host::Ipv4(v4) => Some(IpAddr::V4(v4)),
+                url::Host::Ipv6(v6) => Some(IpAddr::V6(v6)),
+                url::Host::Domain(_) => None,
+            })
+            .collect()
     }
 
     /// Checks a secret reference for a tenant.

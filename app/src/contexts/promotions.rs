@@ -8,6 +8,7 @@
 //! * [`events`]: what promotions publish (`releases.promotions.v1.*` and domain events);
 //! * [`metrics`]: the promotion counters and lead-time histogram;
 //! * [`verification`]: the health, smoke and SLO checks after an apply;
+//! * [`probe`]: the client those checks probe tenants' URLs with (public addresses only);
 //! * [`driver`]: the worker that queues promotions per environment and evaluates their
 //!   gates.
 //!
@@ -15,6 +16,7 @@
 pub mod driver;
 pub mod events;
 pub mod metrics;
+pub mod probe;
 pub mod routes;
 pub mod verification;
 pub mod views;

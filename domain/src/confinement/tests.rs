@@ -519,7 +519,13 @@ fn odd_tenant_ids_stay_in_their_folders() {
 fn probe_urls_are_free_until_the_operator_sets_prefixes_then_stay_in_the_tenant_s() {
     let url = |s: &str| ProbeUrl::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"));
     assert!(rules()
-        .check_probe(&tenant("acme"), &url("http://10.0.0.7:9000/admin"))
+        .check_probe(
+            &tenant("acme"),
+            &url("https://payments.example.com/healthz")
+        )
+        .is_ok());
+    assert!(rules()
+        .check_probe(&tenant("acme"), &url("http://8.8.8.8:9000/admin"))
         .is_ok());
     let mut s = settings();
     s.probe_url_prefixes = Some(strings(&["https://{tenant}.apps.example.com/"]));
@@ -551,4 +557,70 @@ fn probe_urls_are_free_until_the_operator_sets_prefixes_then_stay_in_the_tenant_
             ..
         })
     ));
+}
+
+#[test]
+fn probes_reach_no_non_public_address_however_written_unless_a_prefix_names_it() {
+    let url = |s: &str| ProbeUrl::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+    let acme = tenant("acme");
+    // By default (no prefixes): Ferry's own port, the metadata service, private networks,
+    // in every form the HTTP client reads as one of them.
+    for probe in [
+        "http://127.0.0.1:8080/metrics",
+        "http://127.1:8080/metrics",
+        "http://2130706433:8080/metrics",
+        "http://0x7f.1:8080/metrics",
+        "http://0177.0.0.1:8080/metrics",
+        "http://0x7f000001:8080/metrics",
+        "http://[::1]:8080/metrics",
+        "http://[::ffff:127.0.0.1]:8080/metrics",
+        "http://[::ffff:7f00:1]:8080/metrics",
+        "http://[0:0:0:0:0:ffff:127.0.0.1]:8080/",
+        "http://[::127.0.0.1]:8080/",
+        "http://0.0.0.0:8080/metrics",
+        "http://0:8080/metrics",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[fe80::1]/",
+        "http://[fd00::1]/",
+        "http://10.0.0.7:9000/admin",
+        "http://172.16.3.4/",
+        "http://192.168.0.1/",
+        "http://100.64.0.1/",
+        "http://224.0.0.1/",
+        "http://255.255.255.255/",
+        "http://localhost:8080/metrics",
+        "http://LOCALHOST.:8080/metrics",
+        "http://ferry.localhost/metrics",
+    ] {
+        match rules().check_probe(&acme, &url(probe)) {
+            Err(Refusal::NonPublicAddress { setting, .. }) => {
+                assert_eq!(setting, Setting::ProbeUrlPrefixes, "{probe}")
+            }
+            other => panic!("{probe} must be refused as non-public, got {other:?}"),
+        }
+    }
+    // A prefix naming the address allows it, for the tenants it is configured for, and
+    // only that address.
+    let mut s = settings();
+    s.probe_url_prefixes = Some(strings(&[
+        "http://127.0.0.1:8080/",
+        "http://[::1]:9090/",
+        "https://{tenant}.apps.example.com/",
+    ]));
+    let rules = Confinement::new(s).unwrap_or_else(|e| panic!("{e}"));
+    for probe in [
+        "http://127.0.0.1:8080/healthz",
+        "http://[::1]:9090/smoke",
+        "https://acme.apps.example.com/healthz",
+    ] {
+        assert_eq!(rules.check_probe(&acme, &url(probe)), Ok(()), "{probe}");
+    }
+    for probe in [
+        "http://127.0.0.1:8081/metrics",
+        "http://2130706433:8080/metrics",
+        "http://localhost:8080/metrics",
+        "http://10.0.0.7:8080/",
+    ] {
+        assert!(rules.check_probe(&acme, &url(probe)).is_err(), "{probe}");
+    }
 }

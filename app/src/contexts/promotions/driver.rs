@@ -34,7 +34,7 @@
 use super::metrics::observe;
 use super::{verification, views};
 use chrono::Utc;
-use ferry_domain::environment::Environment;
+use ferry_domain::environment::{Environment, SloObjective};
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, Readiness};
 use ferry_domain::promotion::{
@@ -85,7 +85,11 @@ pub struct Driver {
     runs: Repository<ProvisioningRun>,
     policy: Arc<dyn DeploymentPolicy>,
     settings: DriverSettings,
+    /// Reaches Prometheus (the operator's).
     http: reqwest::Client,
+    /// Reaches tenants' health URLs and smoke checks: public addresses only
+    /// ([`super::probe`]); `Err` says why there is none.
+    probes: Result<reqwest::Client, String>,
 }
 
 /// How the driver behaves.
@@ -225,6 +229,10 @@ impl Driver {
                 .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .unwrap_or_default(),
+            probes: super::probe::client(Duration::from_secs(5)).map_err(|error| {
+                tracing::error!(%error, "the probe client could not be built; no URL will be probed");
+                format!("the probe client could not be built: {error}")
+            }),
         }
     }
 
@@ -1080,6 +1088,7 @@ impl Driver {
             let first_round = view.verification.measurements.is_empty();
             let measurements = checks
                 .measure(
+                    self.probes.as_ref().map_err(String::as_str),
                     &self.http,
                     self.settings.prometheus_url.as_deref(),
                     first_round,
@@ -1166,10 +1175,22 @@ impl Driver {
             .load(tenant, &Release::aggregate_id(tenant, view.release_id))
             .await
             .map_err(command_error)?;
-        let mut checks = verification::Checks {
-            slo: registration.and_then(|r| r.slo.clone()),
-            ..Default::default()
-        };
+        let mut checks = verification::Checks::default();
+        // The query sent is the tenant's confined one, checked with the rules as they are now.
+        if let Some(objective) = registration.and_then(|r| r.slo.clone()) {
+            match self
+                .settings
+                .confinement
+                .confine_query(tenant, &objective.query)
+            {
+                Ok(query) => checks.slo = Some(SloObjective { query, ..objective }),
+                Err(refusal) => {
+                    checks
+                        .refused
+                        .push((CheckKind::Slo, objective.query, refusal.to_string()))
+                }
+            }
+        }
         // Checked again before each request: the prefixes may have narrowed since.
         let confined = |url: &str| {
             ferry_domain::ProbeUrl::parse(url.to_string())
@@ -1233,16 +1254,36 @@ impl Driver {
                 reason: "no readiness was reported and it has no health URL to probe".to_string(),
             });
         };
-        Ok(match self.http.get(&url).send().await {
+        // The same rules as verification's probes: the URL as recorded may no longer pass.
+        let confined = ferry_domain::ProbeUrl::parse(url.clone())
+            .map_err(|e| e.to_string())
+            .and_then(|u| {
+                self.settings
+                    .confinement
+                    .check_probe(tenant, &u)
+                    .map_err(|r| r.to_string())
+            });
+        let not_probed = |reason: &str| Readiness::Unknown {
+            reason: format!("its health URL is not probed: {reason}"),
+        };
+        let client = match (confined, &self.probes) {
+            (Ok(()), Ok(client)) => client,
+            (Err(reason), _) => return Ok(not_probed(&reason)),
+            (_, Err(reason)) => return Ok(not_probed(reason)),
+        };
+        Ok(match client.get(&url).send().await {
             Ok(response) => Readiness::Probed {
                 url,
                 status: Some(response.status().as_u16()),
                 error: None,
             },
-            Err(e) => Readiness::Probed {
-                url,
-                status: None,
-                error: Some(e.to_string()),
+            Err(e) => match super::probe::refused(&e) {
+                Some(reason) => not_probed(&reason),
+                None => Readiness::Probed {
+                    url,
+                    status: None,
+                    error: Some(e.to_string()),
+                },
             },
         })
     }

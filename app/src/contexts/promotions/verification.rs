@@ -9,9 +9,13 @@
 //!   threshold.
 //!
 //! A check that answers wrongly fails the release (`passed: false`). A check that cannot
-//! run (no Prometheus configured, Prometheus down or answering no single value) says
-//! nothing about the release (`passed: None`): verification is then held for an Operator.
-//! An endpoint of the release that does not answer at all is the release's fault.
+//! run (no Prometheus configured, Prometheus down or answering no single value, a URL or
+//! query outside what the tenant may reach) says nothing about the release
+//! (`passed: None`): verification is then held for an Operator. An endpoint of the release
+//! that does not answer at all is the release's fault.
+//!
+//! Health URLs and smoke checks go through the probe client ([`super::probe`]), which
+//! connects only to public addresses; the SLO query is the tenant's confined one.
 
 use chrono::{DateTime, Utc};
 use ferry_domain::environment::SloObjective;
@@ -26,10 +30,10 @@ pub struct Checks {
     pub health_url: Option<String>,
     /// The release's smoke suite.
     pub smoke: Vec<SmokeCheck>,
-    /// The environment's objective.
+    /// The environment's objective, its query confined to the tenant's series.
     pub slo: Option<SloObjective>,
-    /// Checks not run because their URL is outside the tenant's probe URL prefixes: kind,
-    /// name and why (the operator narrowed the prefixes after they were recorded).
+    /// Checks not run because their URL or query is outside what the tenant may reach: kind,
+    /// name and why (the operator narrowed the rules after they were recorded).
     pub refused: Vec<(CheckKind, String, String)>,
 }
 
@@ -42,9 +46,11 @@ impl Checks {
             && self.refused.is_empty()
     }
 
-    /// One round: health and the SLO, and the smoke suite when `first_round`.
+    /// One round: health and the SLO, and the smoke suite when `first_round`. `probes` is
+    /// the probe client (`Err`: why there is none); `http` reaches Prometheus.
     pub async fn measure(
         &self,
+        probes: Result<&reqwest::Client, &str>,
         http: &reqwest::Client,
         prometheus: Option<&str>,
         first_round: bool,
@@ -63,11 +69,11 @@ impl Checks {
             })
             .collect();
         if let Some(url) = &self.health_url {
-            measurements.push(health(http, url, now).await);
+            measurements.push(health(probes, url, now).await);
         }
         if first_round {
             for check in &self.smoke {
-                measurements.push(smoke(http, check, now).await);
+                measurements.push(smoke(probes, check, now).await);
             }
         }
         if let Some(objective) = &self.slo {
@@ -77,35 +83,56 @@ impl Checks {
     }
 }
 
-async fn health(http: &reqwest::Client, url: &str, now: DateTime<Utc>) -> Measurement {
-    let (value, passed) = match http.get(url).send().await {
-        Ok(r) => (r.status().as_u16().to_string(), r.status().is_success()),
-        Err(e) => (format!("no answer: {e}"), false),
+/// A probe's answer: its status, or why there is none and whether that is the release's
+/// fault (`Some(false)`: it did not answer) or says nothing (`None`: not probed).
+async fn probe(
+    probes: Result<&reqwest::Client, &str>,
+    url: &str,
+) -> Result<u16, (String, Option<bool>)> {
+    let client = probes.map_err(|why| (format!("not probed: {why}"), None))?;
+    match client.get(url).send().await {
+        Ok(r) => Ok(r.status().as_u16()),
+        Err(e) => Err(match super::probe::refused(&e) {
+            Some(reason) => (format!("not probed: {reason}"), None),
+            None => (format!("no answer from {url}: {e}"), Some(false)),
+        }),
+    }
+}
+
+async fn health(
+    probes: Result<&reqwest::Client, &str>,
+    url: &str,
+    now: DateTime<Utc>,
+) -> Measurement {
+    let (value, passed) = match probe(probes, url).await {
+        Ok(status) => (status.to_string(), Some((200..300).contains(&status))),
+        Err(why) => why,
     };
     Measurement {
         kind: CheckKind::Health,
         name: url.to_string(),
         value,
         threshold: Some("2xx".to_string()),
-        passed: Some(passed),
+        passed,
         measured_at: now,
     }
 }
 
-async fn smoke(http: &reqwest::Client, check: &SmokeCheck, now: DateTime<Utc>) -> Measurement {
-    let (value, passed) = match http.get(check.url.as_str()).send().await {
-        Ok(r) => (
-            r.status().as_u16().to_string(),
-            r.status().as_u16() == check.expected_status,
-        ),
-        Err(e) => (format!("no answer from {}: {e}", check.url), false),
+async fn smoke(
+    probes: Result<&reqwest::Client, &str>,
+    check: &SmokeCheck,
+    now: DateTime<Utc>,
+) -> Measurement {
+    let (value, passed) = match probe(probes, check.url.as_str()).await {
+        Ok(status) => (status.to_string(), Some(status == check.expected_status)),
+        Err(why) => why,
     };
     Measurement {
         kind: CheckKind::Smoke,
         name: check.name.clone(),
         value,
         threshold: Some(check.expected_status.to_string()),
-        passed: Some(passed),
+        passed,
         measured_at: now,
     }
 }
