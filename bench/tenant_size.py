@@ -233,8 +233,9 @@ def main() -> None:
     stop.set()
     for t in stream_threads:
         t.join(timeout=60)
-    print(f"    {loaded}", flush=True)
     rss1 = rss(args.pid)
+    print(f"    {loaded}; memory: max sampled {max(samples, default=0) // 1024} MiB, "
+          f"peak {rss1[1] // 1024} MiB", flush=True)
 
     print("  over the limits: one plan each", flush=True)
     over = {}
@@ -244,10 +245,13 @@ def main() -> None:
         ("resources", program_text(args.max_plan_resources + 1, args.max_program_bytes, "hog")),
         ("bytes", program_text(10, args.max_program_bytes + 1024, "hog") + "#" + "x" * 2048 + "\n"),
     ):
-        program, commit = git_program(args.data_dir, hog.name, text, f"over-{label}")
-        run = hog.plan(hog.declare("hog-over", program, commit))
-        view = hog.settled(run)
-        over[label] = {"state": view.get("state"), "reason": (view.get("failure") or {}).get("reason")}
+        try:
+            program, commit = git_program(args.data_dir, hog.name, text, f"over-{label}")
+            run = hog.plan(hog.declare("hog-over", program, commit))
+            view = hog.settled(run)
+            over[label] = {"state": view.get("state"), "reason": (view.get("failure") or {}).get("reason")}
+        except SystemExit as e:  # recorded: the figures above are still written
+            over[label] = {"error": str(e)[:300]}
         print(f"    {label}: {over[label]}", flush=True)
 
     settled = plans["settled"]

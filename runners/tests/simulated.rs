@@ -599,3 +599,30 @@ async fn tenants_are_separate_clouds() {
     assert!(state("acme").resources.is_empty());
     assert_eq!(state("globex").resources.len(), 3);
 }
+
+/// A large program's plan is CPU work: it must leave the runtime free for the process's other
+/// requests (two large programs once stalled every tenant's GETs for seconds).
+#[tokio::test(flavor = "current_thread")]
+async fn a_large_plan_does_not_hold_the_async_runtime() {
+    let mut program = String::from("name: big\nruntime: yaml\nresources:\n");
+    for i in 0..3_000 {
+        program.push_str(&format!(
+            "  r{i}:\n    type: aws:s3/bucket:Bucket\n    properties:\n      bucketPrefix: b{i}\n"
+        ));
+    }
+    let f = Fixture::new(&program);
+    let input = f.input();
+    let preview = f.runner.preview(&input);
+    tokio::pin!(preview);
+    // On the one thread of this runtime, the ticker runs only while the preview waits.
+    let mut ticks = 0;
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            outcome = &mut preview => break outcome.unwrap(),
+            _ = tokio::time::sleep(Duration::from_millis(1)) => ticks += 1,
+        }
+    };
+    assert_eq!(outcome.plan.adds, 3_000);
+    assert!(ticks > 0, "the runtime was held for the whole plan");
+}
