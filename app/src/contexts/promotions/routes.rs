@@ -17,7 +17,7 @@ use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
 use ferry_api::basis::Decided;
 use ferry_api::extract::{
     created, enum_from_str, give_back_key, idempotency_key, IdempotentRequest, QueryParams,
-    RequestIds, ValidJson,
+    RequestIds, Reservation, ValidJson,
 };
 use ferry_api::openapi::{schema_of, Doc};
 use ferry_api::problem::{refused_references, ApiError, FieldError};
@@ -341,7 +341,7 @@ pub async fn request_promotion(
     }
     let tenant = caller.tenant.as_str();
     let owner = ids.request_id.to_string();
-    let id = match &key {
+    let mut id = match &key {
         Some(k) => PromotionId::for_idempotency_key(&caller.tenant, k),
         None => PromotionId::new_random(),
     };
@@ -353,11 +353,18 @@ pub async fn request_promotion(
             resource_id: &id.to_string(),
             owner: &owner,
         };
-        let location = format!("/factory/delivery/promotions/{id}");
-        if let Some(first) = reservation.reserve(state.db(), tenant, &location).await? {
-            return Ok(first);
+        match reservation
+            .reserve(state.db(), tenant, "/factory/delivery/promotions/")
+            .await?
+        {
+            Reservation::Replay(first) => return Ok(first),
+            // The first request's promotion, made under whichever names its version derived.
+            Reservation::Proceed(recorded) => {
+                id = PromotionId::parse(&recorded).map_err(ApiError::internal)?;
+            }
         }
     }
+    let id = id;
     let executed = decision
         .execute(
             |read| promotion_basis(&state, &caller, &body, read),

@@ -144,8 +144,7 @@ pub async fn reconcile(
     for applied in applied_specifications(db, scope).await? {
         let tenant = &applied.tenant_id;
         let environment = &applied.environment_id;
-        let run_id =
-            ProvisioningRunId::for_reconciliation(tenant, applied.specification_id, window);
+        let run_id = reconciliation_run_id(&runs, &applied, window).await?;
         let entry = |started| ReconciliationRun {
             provisioning_run_id: run_id,
             environment_id: environment.clone(),
@@ -226,6 +225,32 @@ pub async fn reconcile(
         done.runs.push(entry(started));
     }
     Ok(done)
+}
+
+/// The run of `applied` in `window`: the one a version before issue 37 named
+/// ([`ProvisioningRunId::legacy_for_reconciliation`]) when it exists in this tenant and
+/// reconciles that specification (an instance of the old version reconciled this window),
+/// else the unambiguous name.
+async fn reconciliation_run_id(
+    runs: &Repository<ProvisioningRun>,
+    applied: &Applied,
+    window: &str,
+) -> Result<ProvisioningRunId, ReconcileError> {
+    let tenant = &applied.tenant_id;
+    let named = ProvisioningRunId::for_reconciliation(tenant, applied.specification_id, window);
+    let legacy =
+        ProvisioningRunId::legacy_for_reconciliation(tenant, applied.specification_id, window);
+    let found = runs
+        .load(tenant, &legacy.to_string())
+        .await
+        .map_err(|e| ReconcileError::Command(e.to_string()))?;
+    let reconciles = found.is_some_and(|(run, _)| {
+        run.request().is_some_and(|r| {
+            r.kind == ProvisioningKind::Reconciliation
+                && r.specification_id == applied.specification_id
+        })
+    });
+    Ok(if reconciles { legacy } else { named })
 }
 
 /// The metadata of the events the reconciler causes: `by`, correlated with `run`.
@@ -675,6 +700,88 @@ mod tests {
             // Put right by a later apply: nothing to propose.
             run_row(&t.db, 153, infra, "Applied", Some("Succeeded")).await;
             assert_eq!(last_apply_failed(&t.db, &infra_applied).await.unwrap(), None);
+            t.cleanup().await;
+        }
+    }
+
+    /// `tenant`'s `environment` with its Environment specification applied at version 1, as
+    /// the environments projection records it; the specification.
+    async fn applied_row(db: &Database, tenant: &str, environment: &str) -> SpecificationId {
+        let (t, e) = (
+            TenantId::parse(tenant).unwrap(),
+            EnvironmentId::parse(environment).unwrap(),
+        );
+        let id = SpecificationId::for_environment(&t, &e, SpecificationKind::Environment);
+        let latest = serde_json::json!({
+            "specificationId": id, "tenantId": tenant, "projectId": "payments",
+            "environmentId": environment, "kind": "Environment", "version": 1,
+            "programRef": "https://git.example.com/infra.git#envs/dev",
+            "programVersion": "a".repeat(40), "configRefs": {}, "secretRefs": {},
+            "declaredBy": "alice", "declaredAt": Utc::now(),
+        });
+        let applied = serde_json::json!({
+            "version": 1, "provisioningRunId": ProvisioningRunId::new_random(),
+            "appliedAt": Utc::now(),
+        });
+        let sql = db.sql(
+            "INSERT INTO rm_environment_specifications
+               (tenant_id, environment_id, kind, specification_id, latest_version, latest, applied)
+             VALUES ($1, $2, 'Environment', $3, 1, $4, $5)",
+        );
+        on_pool!(db, pool => sqlx::query(&sql)
+            .bind(tenant).bind(environment).bind(id.to_string())
+            .bind(Json(latest)).bind(Json(applied)).execute(pool).await.map(|_| ()))
+        .unwrap();
+        id
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn a_window_an_old_version_reconciled_keeps_its_old_named_run(backend) {
+            let t = TestDatabase::new(backend).await;
+            runs_table(&t.db).await;
+            let environments = ferry_projections::provisioning_projections()
+                .into_iter()
+                .find(|p| p.name() == "environments")
+                .unwrap();
+            ferry_projections::ProjectionRunner::live(environments)
+                .ensure_tables(&t.db)
+                .await
+                .unwrap();
+            let window = "2026-12-07T16:00Z";
+            let spec = applied_row(&t.db, "acme", "payments-dev").await;
+            let acme = TenantId::parse("acme").unwrap();
+            // An instance of the version before issue 37 reconciled this window.
+            let old = ProvisioningRunId::legacy_for_reconciliation(&acme, spec, window);
+            let by = Actor::parse("system:reconciler").unwrap();
+            let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+            let request = RunRequest {
+                provisioning_run_id: old,
+                tenant_id: acme.clone(),
+                project_id: ProjectId::parse("payments").unwrap(),
+                environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+                environment_class: None,
+                specification_id: spec,
+                specification_version: 1,
+                kind: ProvisioningKind::Reconciliation,
+                promotion_id: None,
+                approval_id: None,
+                follows_failed_apply: None,
+                requested_by: by.clone(),
+                requested_at: Utc::now(),
+            };
+            runs.execute(&acme, &old.to_string(), RunCommand::Request(Box::new(request)), &metadata(&acme, &by, old), true)
+                .await
+                .unwrap();
+            let done = reconcile(&t.db, &Scope::default(), window, &by).await.unwrap();
+            assert_eq!(done.runs.len(), 1, "{done:?}");
+            assert_eq!(done.runs[0].provisioning_run_id, old, "{backend:?}");
+            assert!(!done.runs[0].started);
+            // A window it did not reconcile gets the new name.
+            let done = reconcile(&t.db, &Scope::default(), "2026-12-07T20:00Z", &by).await.unwrap();
+            assert_eq!(
+                done.runs[0].provisioning_run_id,
+                ProvisioningRunId::for_reconciliation(&acme, spec, "2026-12-07T20:00Z")
+            );
             t.cleanup().await;
         }
     }
