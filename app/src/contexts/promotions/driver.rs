@@ -250,6 +250,10 @@ pub async fn hand_off_run_id(
     })
 }
 
+/// The driver's name among the loops whose failing items are reported
+/// (`ferry_store::items`).
+pub const LOOP: &str = "promotions";
+
 /// The driver's identity in the events it causes.
 fn actor() -> Actor {
     Actor::parse("system:promotions").unwrap_or_else(|_| unreachable!("a valid actor"))
@@ -382,8 +386,13 @@ impl Driver {
             else {
                 continue;
             };
-            let Some(view) = views::get_promotion(&self.db, &tenant, original).await? else {
-                continue;
+            let view = match views::get_promotion(&self.db, &tenant, original).await {
+                Ok(Some(view)) => view,
+                Ok(None) => continue,
+                Err(error) => {
+                    self.settle(&tenant, original, Err(error.into()));
+                    continue;
+                }
             };
             if view
                 .rollback
@@ -401,9 +410,14 @@ impl Driver {
                     at: now,
                 }
             };
-            if self.command(&tenant, original, command, None).await? {
+            if !self.due(&tenant, original) {
+                continue;
+            }
+            let ended = self.command(&tenant, original, command, None).await;
+            if let Ok(true) = ended {
                 tracing::info!(promotion_id = %original, rollback = %state, "rollback ended");
             }
+            self.settle(&tenant, original, ended.map(|_| ()));
         }
         Ok(())
     }
@@ -425,9 +439,15 @@ impl Driver {
         }))
     }
 
-    /// One pass over every promotion with something to do.
+    /// One pass over every promotion with something to do. Promotions are independent, so
+    /// each is taken on its own: one that fails is retried alone with a growing delay and
+    /// says why (its view, the log, `/readyz`, `/metrics`), while the pass goes on with every
+    /// other promotion (ARCHITECTURE.md, Invariants). Only a read of the whole list failing
+    /// ends the pass.
     pub async fn pass(&self) -> Result<(), DriverError> {
-        self.free_slots().await?;
+        if let Err(error) = self.free_slots().await {
+            tracing::warn!(%error, "freeing promotion slots failed; retrying on the next pass");
+        }
         self.reject_withdrawn().await?;
         self.follow_rollbacks().await?;
         let mut started: Vec<(String, String)> = Vec::new();
@@ -437,7 +457,10 @@ impl Driver {
             else {
                 continue;
             };
-            match state.as_str() {
+            if !self.due(&tenant, promotion) {
+                continue;
+            }
+            let step = match state.as_str() {
                 "Requested" => {
                     // Request order: the oldest queued promotion that can take the
                     // environment does; once one did, the others wait for the next pass.
@@ -445,19 +468,56 @@ impl Driver {
                     if started.contains(&slot) {
                         continue;
                     }
-                    if self.start_gates(&tenant, promotion, &environment).await? {
-                        started.push(slot);
-                    }
+                    self.start_gates(&tenant, promotion, &environment)
+                        .await
+                        .map(|took| {
+                            if took {
+                                started.push(slot);
+                            }
+                        })
                 }
-                "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await?,
-                "AwaitingApproval" => self.await_approval(&tenant, promotion).await?,
-                "Approved" => self.hand_off(&tenant, promotion).await?,
-                "Deploying" => self.follow_run(&tenant, promotion).await?,
-                "Verifying" => self.verify(&tenant, promotion).await?,
-                _ => {}
-            }
+                "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await,
+                "AwaitingApproval" => self.await_approval(&tenant, promotion).await,
+                "Approved" => self.hand_off(&tenant, promotion).await,
+                "Deploying" => self.follow_run(&tenant, promotion).await,
+                "Verifying" => self.verify(&tenant, promotion).await,
+                _ => Ok(()),
+            };
+            self.settle(&tenant, promotion, step);
         }
         Ok(())
+    }
+
+    /// Whether `promotion` may be tried now: it is not failing, or its delay has passed.
+    fn due(&self, tenant: &TenantId, promotion: PromotionId) -> bool {
+        self.db
+            .item_health()
+            .due(LOOP, tenant.as_str(), &promotion.to_string())
+    }
+
+    /// Records how a step of `promotion` went: a failure is the promotion's own (retried
+    /// alone, with a growing delay), a success clears it.
+    fn settle(&self, tenant: &TenantId, promotion: PromotionId, step: Result<(), DriverError>) {
+        let health = self.db.item_health();
+        let item = promotion.to_string();
+        match step {
+            Ok(()) => {
+                if let Some(problem) = health.succeeded(LOOP, tenant.as_str(), &item) {
+                    tracing::info!(
+                        %tenant, promotion_id = %promotion, attempts = problem.attempts,
+                        "promotion no longer fails"
+                    );
+                }
+            }
+            Err(error) => {
+                let problem = health.failed(LOOP, tenant.as_str(), &item, &error.to_string());
+                tracing::warn!(
+                    %tenant, promotion_id = %promotion, %error, attempts = problem.attempts,
+                    next_attempt_at = %problem.next_attempt_at,
+                    "promotion step failed; it alone is retried later"
+                );
+            }
+        }
     }
 
     /// Lets go of the environment slots of promotions that no longer hold them.
@@ -479,6 +539,9 @@ impl Driver {
             else {
                 continue;
             };
+            if !self.due(&tenant, promotion) {
+                continue;
+            }
             let rejected = self
                 .command(
                     &tenant,
@@ -489,10 +552,11 @@ impl Driver {
                     },
                     None,
                 )
-                .await?;
-            if rejected {
+                .await;
+            if let Ok(true) = rejected {
                 tracing::info!(promotion_id = %promotion, "promotion of a withdrawn release rejected");
             }
+            self.settle(&tenant, promotion, rejected.map(|_| ()));
         }
         Ok(())
     }

@@ -456,7 +456,7 @@ pub async fn request_promotion(
 struct PromotionBasis {
     record: ReleaseRecord,
     environment_class: EnvironmentClass,
-    basis: [Basis; 2],
+    basis: [Basis; 3],
 }
 
 /// Reads and checks the release and the environment `body` names.
@@ -504,10 +504,34 @@ async fn promotion_basis(
             format!("no environment {} is recorded", body.environment_id),
         )
     })?;
+    // The environment's Workload specification belongs to one project for its whole life;
+    // the hand-off declares the release's project there. A release of another project is
+    // refused now, not discovered by the driver (ARCHITECTURE.md, Invariants).
+    let specification = ferry_domain::SpecificationId::for_environment(
+        &caller.tenant,
+        &body.environment_id,
+        ferry_domain::SpecificationKind::Workload,
+    );
+    let (workload, specification_basis) = state
+        .repository::<ferry_domain::specification::DeploymentSpecification>()
+        .load_basis(&caller.tenant, &specification.to_string(), read)
+        .await
+        .map_err(|e| ApiError::from_command(e, |d| ApiError::WrongState(d.to_string())))?;
+    if let Some(existing) = workload.as_ref().and_then(|w| w.latest()) {
+        if existing.project_id != record.project_id {
+            return Err(ApiError::invalid_field(
+                "projectId",
+                format!(
+                    "the release belongs to project {}, but {}'s Workload specification belongs to project {}: a specification keeps its project for its whole life",
+                    record.project_id, body.environment_id, existing.project_id
+                ),
+            ));
+        }
+    }
     Ok(PromotionBasis {
         record,
         environment_class,
-        basis: [release_basis, environment_basis],
+        basis: [release_basis, environment_basis, specification_basis],
     })
 }
 
@@ -622,10 +646,15 @@ pub async fn get_promotion(
 ) -> Result<Json<PromotionView>, ApiError> {
     caller.require_scope(READ)?;
     let id = promotion_id(&raw)?;
-    views::get_promotion(state.db(), &caller.tenant, id)
+    let mut view = views::get_promotion(state.db(), &caller.tenant, id)
         .await?
-        .map(Json)
-        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    view.stuck = state
+        .db()
+        .item_health()
+        .problem(super::driver::LOOP, caller.tenant.as_str(), &id.to_string())
+        .map(views::StuckView::from);
+    Ok(Json(view))
 }
 
 /// Body of `POST /factory/delivery/promotions/{promotionId}/approval`.
