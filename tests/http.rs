@@ -1039,3 +1039,115 @@ async fn a_plan_is_decided_on_what_another_instance_recorded() {
     other.stop().await;
     s.stop().await;
 }
+
+/// Issue 37 changed how ids are named from an `Idempotency-Key`. A first request made by a
+/// version before it reserved its key for the run it made under the old name, and crashed
+/// before answering; its retry, served by this version, lands on that run (the key's record
+/// holds the id), not on a second one.
+#[allow(clippy::unwrap_used)] // a test's body, shared by its two engines
+async fn a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made(backend: Backend) {
+    use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
+    let s = TestServer::start(backend).await;
+    let alice = operator("acme", "alice");
+    let spec = declare(&s, &alice, "payments-dev", "3f2a9c1").await;
+    let body = plan_body(&spec, "Release");
+    let acme = ferry_domain::TenantId::parse("acme").unwrap();
+    let old = ferry_domain::ProvisioningRunId::legacy_for_idempotency_key(&acme, "deploy-9");
+    assert_ne!(
+        old,
+        ferry_domain::ProvisioningRunId::for_idempotency_key(&acme, "deploy-9")
+    );
+    let db = s.db.as_ref().unwrap().db.clone();
+    let reservation = ferry_api::extract::IdempotentRequest {
+        key: "deploy-9",
+        operation: "PlanProvisioning",
+        body: &body,
+        resource_id: &old.to_string(),
+        owner: "the-first-request",
+    };
+    let first = reservation
+        .reserve(&db, "acme", "/factory/provisioning/runs/")
+        .await
+        .unwrap();
+    assert!(matches!(first, ferry_api::extract::Reservation::Proceed(_)));
+    let runs: ferry_store::Repository<ProvisioningRun> = ferry_store::Repository::new(db, ());
+    let request = RunRequest {
+        provisioning_run_id: old,
+        tenant_id: acme.clone(),
+        project_id: ferry_domain::ProjectId::parse("payments").unwrap(),
+        environment_id: ferry_domain::EnvironmentId::parse("payments-dev").unwrap(),
+        environment_class: None,
+        specification_id: ferry_domain::SpecificationId::parse(
+            spec["specificationId"].as_str().unwrap(),
+        )
+        .unwrap(),
+        specification_version: 1,
+        kind: ferry_domain::ProvisioningKind::Release,
+        promotion_id: None,
+        approval_id: None,
+        follows_failed_apply: None,
+        requested_by: ferry_domain::Actor::parse("alice").unwrap(),
+        requested_at: chrono::Utc::now(),
+    };
+    let metadata = ferry_store::EventMetadata {
+        tenant_id: acme.clone(),
+        actor: ferry_domain::Actor::parse("alice").unwrap(),
+        correlation_id: old.as_uuid(),
+        causation_id: old.as_uuid(),
+        request_id: uuid::Uuid::new_v4(),
+    };
+    runs.execute(
+        &acme,
+        &old.to_string(),
+        RunCommand::Request(Box::new(request)),
+        &metadata,
+        true,
+    )
+    .await
+    .unwrap();
+
+    let (status, run, _) = plan_with_key(&s, &alice, "deploy-9", body.clone()).await;
+    assert_eq!(status, 201, "{run}");
+    assert_eq!(run["provisioningRunId"], old.to_string(), "{run}");
+    let (status, replay, replayed) = plan_with_key(&s, &alice, "deploy-9", body).await;
+    assert_eq!((status, replayed), (201, true), "{replay}");
+    assert_eq!(replay["provisioningRunId"], old.to_string());
+    let (_, page) = s.get(&alice, "/factory/provisioning/runs").await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made_on_sqlite() {
+    a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made_on_postgres() {
+    a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made(Backend::Postgres).await;
+}
+
+/// Issue 37: a tenant named `promotion` planned with `Idempotency-Key: <P>/0`, P acme's
+/// promotion id (predictable from acme's key), and its run took the name of acme's hand-off
+/// run. Its run now has a name of its own.
+#[tokio::test]
+async fn a_tenant_named_promotion_cannot_take_another_s_hand_off_run() {
+    let s = TestServer::start(Backend::Sqlite).await;
+    let acme = ferry_domain::TenantId::parse("acme").unwrap();
+    let promotion = ferry_domain::PromotionId::for_idempotency_key(&acme, "release-42");
+    let hand_off = ferry_domain::ProvisioningRunId::for_promotion(&acme, promotion, 0);
+    let mallory = operator("promotion", "mallory");
+    let spec = declare(&s, &mallory, "payments-dev", "3f2a9c1").await;
+    let key = format!("{promotion}/0");
+    let (status, run, _) = plan_with_key(&s, &mallory, &key, plan_body(&spec, "Release")).await;
+    assert_eq!(status, 201, "{run}");
+    let taken = run["provisioningRunId"].as_str().unwrap();
+    assert_ne!(taken, hand_off.to_string());
+    // Nor the name the hand-off had before issue 37 (a hand-off under way across the
+    // upgrade is found under it only when it is that promotion's own run).
+    assert_ne!(
+        taken,
+        ferry_domain::ProvisioningRunId::legacy_for_promotion(promotion, 0).to_string()
+    );
+    s.stop().await;
+}

@@ -1929,3 +1929,163 @@ async fn a_release_withdrawn_on_another_instance_is_not_promoted() {
     );
     d.s.stop().await;
 }
+
+/// A promotion of `release` (of `project`) into `environment`, recorded straight through
+/// the store as a version before the edge's project check would have recorded it (the
+/// issue 37 reproduction was made on such a version).
+async fn recorded_before_the_check(
+    d: &Delivery,
+    tenant: &str,
+    project: &str,
+    release: &str,
+    environment: &str,
+) -> String {
+    use ferry_domain::promotion::{Promotion, PromotionCommand, PromotionRequest};
+    let db = d.s.db.as_ref().unwrap().db.clone();
+    let promotions: ferry_store::Repository<Promotion> = ferry_store::Repository::new(db, ());
+    let tenant = ferry_domain::TenantId::parse(tenant).unwrap();
+    let id = ferry_domain::PromotionId::new_random();
+    let request = PromotionRequest {
+        promotion_id: id,
+        tenant_id: tenant.clone(),
+        project_id: ferry_domain::ProjectId::parse(project).unwrap(),
+        release_id: ferry_domain::ReleaseId::parse(release).unwrap(),
+        environment_id: ferry_domain::EnvironmentId::parse(environment).unwrap(),
+        environment_class: ferry_domain::EnvironmentClass::Development,
+        strategy: Default::default(),
+        run_id: None,
+        hotfix: None,
+        receipt_ref: None,
+        previous_release_id: None,
+        rollback_of: None,
+        requested_by: ferry_domain::Actor::parse("gina").unwrap(),
+        requested_at: chrono::Utc::now(),
+    };
+    let metadata = ferry_store::EventMetadata {
+        tenant_id: tenant.clone(),
+        actor: ferry_domain::Actor::parse("gina").unwrap(),
+        correlation_id: id.as_uuid(),
+        causation_id: id.as_uuid(),
+        request_id: uuid::Uuid::new_v4(),
+    };
+    promotions
+        .execute(
+            &tenant,
+            &id.to_string(),
+            PromotionCommand::Request(Box::new(request)),
+            &metadata,
+            true,
+        )
+        .await
+        .unwrap();
+    id.to_string()
+}
+
+/// Issue 37: a globex Operator declared `g-dev`'s Workload specification with
+/// `projectId: "other"` and promoted a release of project `g` there; the driver failed on it
+/// at every pass and acme's promotion into a fresh environment waited in `Requested` for as
+/// long as globex wished. The request is refused now (422 naming `projectId`); one recorded
+/// before that check fails alone, says why on itself, in `/readyz` and `/metrics`, and acme's
+/// promotion goes through.
+async fn one_tenant_s_failing_promotion_never_holds_another_s(backend: Backend) {
+    let d = start(backend, None).await;
+    let globex = admin("globex");
+    let (status, body) = d
+        .put(
+            &globex,
+            "/factory/environments/g-dev",
+            &json!({"environmentClass": "development", "healthUrl": d.health}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let mut workload = declaration("g-dev", &d.program.1);
+    workload["kind"] = json!("Workload");
+    workload["projectId"] = json!("other");
+    let (status, body) =
+        d.s.post(&globex, "/factory/provisioning/specifications", &workload)
+            .await;
+    assert_eq!(status, 201, "{body}");
+    let release = uuid::Uuid::new_v4().to_string();
+    let (status, body) = d
+        .put(
+            &globex,
+            &format!("/factory/delivery/releases/{release}"),
+            &json!({
+                "projectId": "g", "version": "1.0.0",
+                "programRef": "https://git.example.com/g.git#web",
+                "programVersion": d.program.1, "pipeline": passed()
+            }),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+
+    // Validated at the edge: refused when requested, naming the field.
+    let (status, body) =
+        d.s.post(
+            &promoter("globex", "gina"),
+            "/factory/delivery/promotions",
+            &json!({"releaseId": release, "environmentId": "g-dev"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "projectId", "{body}");
+
+    // One recorded before the check reaches the hand-off and fails there at every attempt.
+    let stuck = recorded_before_the_check(&d, "globex", "g", &release, "g-dev").await;
+    let path = format!("/factory/delivery/promotions/{stuck}");
+    let (s, path_ref) = (&d.s, &path);
+    let shown = eventually_showing(
+        "globex's promotion says why it is stuck",
+        30,
+        || async move {
+            let (_, p) = s.get(&promoter("globex", "gina"), path_ref).await;
+            if p["stuck"]["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("project"))
+            {
+                Ok(p)
+            } else {
+                Err(p.to_string())
+            }
+        },
+    )
+    .await;
+    assert_eq!(shown["state"], "Approved", "{shown}");
+
+    // Acme's promotion into a fresh environment, requested after it, goes through.
+    d.environment("payments-fresh", "development").await;
+    let acme = d.deployable("3.0.0").await;
+    let promotion = d.promote(&acme, "payments-fresh", json!({})).await;
+    let promotion = d.wait(&promotion, "Verifying").await;
+    assert!(promotion.get("stuck").is_none(), "{promotion}");
+
+    // The stuck one is counted where an operator looks, and is still retried alone.
+    let (status, ready) = response(d.s.client.get(d.s.url("/readyz")).send().await.unwrap()).await;
+    assert_eq!(status, 200, "{ready}");
+    assert_eq!(ready["status"], "degraded", "{ready}");
+    assert!(
+        ready["problems"].as_array().unwrap().iter().any(|p| p
+            .as_str()
+            .unwrap()
+            .starts_with("promotions: 1 item(s) of 1 tenant(s)")),
+        "{ready}"
+    );
+    let metrics = d.s.metrics().await;
+    assert!(
+        metrics.contains("ferry_loop_items_failing{loop=\"promotions\"} 1"),
+        "{metrics}"
+    );
+    let (_, again) = d.s.get(&promoter("globex", "gina"), &path).await;
+    assert_eq!(again["state"], "Approved", "{again}");
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn one_tenant_s_failing_promotion_never_holds_another_s_on_sqlite() {
+    one_tenant_s_failing_promotion_never_holds_another_s(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn one_tenant_s_failing_promotion_never_holds_another_s_on_postgres() {
+    one_tenant_s_failing_promotion_never_holds_another_s(Backend::Postgres).await;
+}

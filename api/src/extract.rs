@@ -331,7 +331,7 @@ pub struct IdempotentRequest<'a> {
     pub operation: &'a str,
     /// The body as parsed (a key is bound to one body).
     pub body: &'a Value,
-    /// The resource the first request creates (name-based on the key).
+    /// The resource this request creates when the key is fresh (name-based on the key).
     pub resource_id: &'a str,
     /// This request (only it may give the key back).
     pub owner: &'a str,
@@ -351,18 +351,31 @@ pub async fn give_back_key(
     Ok(())
 }
 
+/// What a reserved `Idempotency-Key` says to do.
+#[derive(Debug)]
+pub enum Reservation {
+    /// Go on, creating this resource: the one the request named when the key is fresh, else
+    /// the one the first request with the key recorded (it has not answered: it is still
+    /// running or it crashed). The recorded id wins because it is what the first request
+    /// created, whatever names the version that made it derived ids from (issue 37 changed
+    /// them; a retry across the upgrade must land on the same run or promotion).
+    Proceed(String),
+    /// The first request's stored answer, to replay.
+    Replay(Response),
+}
+
 impl IdempotentRequest<'_> {
-    /// Reserves the key. `Some(response)` is the first request's stored answer, to replay
-    /// (marked `Idempotent-Replayed: true`, with `Location: location`); `None` means go on:
-    /// the key is fresh, or the first request has not answered (it is still running or it
-    /// crashed), and the same command on the same resource id is refused by its aggregate if
-    /// it already took effect. The same key with another body or operation is a 422.
+    /// Reserves the key. [`Reservation::Replay`] is the first request's stored answer
+    /// (marked `Idempotent-Replayed: true`, with `Location: {location_prefix}{its id}`);
+    /// [`Reservation::Proceed`] means go on with the resource id it names, and the same
+    /// command on the same resource id is refused by its aggregate if it already took
+    /// effect. The same key with another body or operation is a 422.
     pub async fn reserve(
         &self,
         db: &ferry_store::Database,
         tenant: &str,
-        location: &str,
-    ) -> Result<Option<Response>, ApiError> {
+        location_prefix: &str,
+    ) -> Result<Reservation, ApiError> {
         use sha2::Digest;
         let hash = hex::encode(sha2::Sha256::digest(self.body.to_string().as_bytes()));
         match ferry_store::idempotency::reserve(
@@ -376,11 +389,16 @@ impl IdempotentRequest<'_> {
         )
         .await?
         {
-            ferry_store::idempotency::KeyState::Fresh
-            | ferry_store::idempotency::KeyState::Replay { response: None, .. } => Ok(None),
+            ferry_store::idempotency::KeyState::Fresh => {
+                Ok(Reservation::Proceed(self.resource_id.to_string()))
+            }
             ferry_store::idempotency::KeyState::Replay {
+                resource_id,
+                response: None,
+            } => Ok(Reservation::Proceed(resource_id)),
+            ferry_store::idempotency::KeyState::Replay {
+                resource_id,
                 response: Some((status, body)),
-                ..
             } => {
                 let mut response = (
                     StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
@@ -390,10 +408,10 @@ impl IdempotentRequest<'_> {
                 response
                     .headers_mut()
                     .insert("idempotent-replayed", HeaderValue::from_static("true"));
-                if let Ok(v) = HeaderValue::from_str(location) {
+                if let Ok(v) = HeaderValue::from_str(&format!("{location_prefix}{resource_id}")) {
                     response.headers_mut().insert(header::LOCATION, v);
                 }
-                Ok(Some(response))
+                Ok(Reservation::Replay(response))
             }
             ferry_store::idempotency::KeyState::Mismatch => {
                 Err(ApiError::IdempotencyMismatch(self.key.to_string()))

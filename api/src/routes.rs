@@ -316,12 +316,11 @@ pub async fn plan_provisioning(
     let tenant = caller.tenant.as_str();
     // The reservation belongs to this request: only it may give the key back.
     let owner = ids.request_id.to_string();
-    let run_id = match &key {
+    let mut run_id = match &key {
         Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k),
         None => ProvisioningRunId::new_random(),
     };
     if let Some(k) = &key {
-        let location = format!("/factory/provisioning/runs/{run_id}");
         let reservation = crate::extract::IdempotentRequest {
             key: k,
             operation: "PlanProvisioning",
@@ -329,10 +328,18 @@ pub async fn plan_provisioning(
             resource_id: &run_id.to_string(),
             owner: &owner,
         };
-        if let Some(first) = reservation.reserve(state.db(), tenant, &location).await? {
-            return Ok(first);
+        match reservation
+            .reserve(state.db(), tenant, "/factory/provisioning/runs/")
+            .await?
+        {
+            crate::extract::Reservation::Replay(first) => return Ok(first),
+            // The first request's run, made under whichever names its version derived.
+            crate::extract::Reservation::Proceed(id) => {
+                run_id = ProvisioningRunId::parse(&id).map_err(ApiError::internal)?;
+            }
         }
     }
+    let run_id = run_id;
 
     let executed = decision
         .execute(

@@ -12,6 +12,7 @@ use ferry_api::ports::{Readiness, Telemetry};
 use ferry_messaging::health::ConsumerStatuses;
 use ferry_messaging::RelayMetrics;
 use ferry_store::group::GroupStats;
+use ferry_store::items::ItemProblem;
 use ferry_store::stream::{SubscriptionProblem, SubscriptionStatus};
 use ferry_store::Database;
 use ferry_workers::metrics::Metrics;
@@ -138,6 +139,9 @@ struct SubscriptionGauges {
     stuck: IntGaugeVec,
     /// `ferry_subscription_failed_attempts{subscription}`.
     failed_attempts: IntGaugeVec,
+    /// `ferry_loop_items_failing{loop}`: the items of a shared loop (the promotions
+    /// driver, the reconciler) that keep failing, each retried alone.
+    failing_items: IntGaugeVec,
 }
 
 impl SubscriptionGauges {
@@ -165,6 +169,11 @@ impl SubscriptionGauges {
                 "Consecutive failed attempts of a stuck subscription.",
                 "subscription",
             )?,
+            failing_items: gauge(
+                "ferry_loop_items_failing",
+                "Items of a shared loop (promotions driver, reconciler) that keep failing; each is retried alone while the loop serves the others.",
+                "loop",
+            )?,
         })
     }
 
@@ -174,6 +183,7 @@ impl SubscriptionGauges {
             &self.relay_lag,
             &self.stuck,
             &self.failed_attempts,
+            &self.failing_items,
         ] {
             registry.register(Box::new(gauge.clone()))?;
         }
@@ -186,6 +196,7 @@ impl SubscriptionGauges {
         &self,
         subscriptions: Option<&[SubscriptionStatus]>,
         problems: &[SubscriptionProblem],
+        items: &[ItemProblem],
         nats: Option<&NatsHealth>,
     ) {
         for gauge in [
@@ -193,8 +204,12 @@ impl SubscriptionGauges {
             &self.relay_lag,
             &self.stuck,
             &self.failed_attempts,
+            &self.failing_items,
         ] {
             gauge.reset();
+        }
+        for item in items {
+            self.failing_items.with_label_values(&[&item.r#loop]).inc();
         }
         let subscriptions = subscriptions.unwrap_or_default();
         for s in subscriptions {
@@ -220,6 +235,27 @@ impl SubscriptionGauges {
     }
 }
 
+/// One `/readyz` line per loop with items that keep failing: how many, in how many tenants
+/// (each item names its own error: the promotion's view, the log).
+fn failing_items(items: &[ItemProblem]) -> Vec<String> {
+    let mut by_loop: std::collections::BTreeMap<&str, (usize, std::collections::BTreeSet<&str>)> =
+        std::collections::BTreeMap::new();
+    for item in items {
+        let entry = by_loop.entry(&item.r#loop).or_default();
+        entry.0 += 1;
+        entry.1.insert(&item.tenant);
+    }
+    by_loop
+        .into_iter()
+        .map(|(name, (count, tenants))| {
+            format!(
+                "{name}: {count} item(s) of {} tenant(s) keep failing; each is retried alone with a growing delay while the others go on",
+                tenants.len()
+            )
+        })
+        .collect()
+}
+
 impl Telemetry for ProcessTelemetry {
     fn run_reached(&self, tenant: &str, kind: &str, state: &str) {
         self.runs.run_reached(tenant, kind, state);
@@ -233,6 +269,7 @@ impl Telemetry for ProcessTelemetry {
         gauges.set(
             subscriptions,
             &self.db.subscription_health().problems(),
+            &self.db.item_health().problems(),
             self.nats.as_ref(),
         );
         if let Some(stats) = self.db.group_stats() {
@@ -249,10 +286,15 @@ impl Telemetry for ProcessTelemetry {
     }
 
     fn readiness(&self, subscriptions: &[SubscriptionStatus]) -> Readiness {
+        let failing = failing_items(&self.db.item_health().problems());
         let Some(n) = &self.nats else {
-            return Readiness::default();
+            return Readiness {
+                problems: failing,
+                nats: None,
+            };
         };
-        let mut problems = n.relay.problems(&n.stream);
+        let mut problems = failing;
+        problems.extend(n.relay.problems(&n.stream));
         problems.extend(n.consumers.problems());
         let mut relay = serde_json::to_value(n.relay.status()).unwrap_or_default();
         relay["stream"] = n.stream.clone().into();
@@ -304,7 +346,7 @@ mod tests {
         problems: &[SubscriptionProblem],
         nats: Option<&NatsHealth>,
     ) -> String {
-        gauges.set(subscriptions, problems, nats);
+        gauges.set(subscriptions, problems, &[], nats);
         TextEncoder::new()
             .encode_to_string(&registry.gather())
             .unwrap()

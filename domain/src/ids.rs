@@ -213,12 +213,79 @@ uuid_id!(
     FactoryRunId
 );
 
-/// Namespace for the name-based ids Ferry derives (uuid v5).
+/// Namespace of the name-based ids Ferry derived before issue 37 (uuid v5 of a `/`-joined
+/// name). Only the specification id and the `legacy_*` functions still use it.
 const FERRY_NAMESPACE: Uuid = Uuid::from_u128(0x6f1b_5c2e_7d7a_4f0e_9c3b_2a1d_0e5f_4a11);
+
+/// Root of the name-based ids: each [`IdPurpose`] has a namespace of its own under it.
+const NAMED_ID_ROOT: Uuid = Uuid::from_u128(0x3c8e_91d4_5b27_4a6f_8e10_d2c7_49b3_a605);
+
+/// What a name-based id is for. Each purpose names its ids in a namespace of its own, so no
+/// id of one purpose is ever another's, whatever its parts hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdPurpose {
+    /// A run requested with an `Idempotency-Key`.
+    IdempotentRun,
+    /// The baseline run of an environment's specification version.
+    BaselineRun,
+    /// The `Release` run a promotion hands its desired state to.
+    PromotionRun,
+    /// A `Reconciliation` run of one window.
+    ReconciliationRun,
+    /// A promotion requested with an `Idempotency-Key`.
+    IdempotentPromotion,
+    /// The promotion that rolls another back.
+    Rollback,
+}
+
+impl IdPurpose {
+    fn namespace(self) -> Uuid {
+        let label = match self {
+            Self::IdempotentRun => "run:idempotency-key",
+            Self::BaselineRun => "run:baseline",
+            Self::PromotionRun => "run:promotion",
+            Self::ReconciliationRun => "run:reconciliation",
+            Self::IdempotentPromotion => "promotion:idempotency-key",
+            Self::Rollback => "promotion:rollback",
+        };
+        Uuid::new_v5(&NAMED_ID_ROOT, label.as_bytes())
+    }
+}
+
+/// The name of `(tenant, parts)`: each part prefixed with its length in bytes (8 bytes, big
+/// endian), so the name is injective over the sequence of parts: no separator a tenant, a key
+/// or an id could hold makes one sequence read as another.
+fn encode_name(tenant: &TenantId, parts: &[&str]) -> Vec<u8> {
+    let mut name = Vec::new();
+    for part in std::iter::once(tenant.as_str()).chain(parts.iter().copied()) {
+        name.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        name.extend_from_slice(part.as_bytes());
+    }
+    name
+}
+
+/// The id of `(purpose, tenant, parts)`.
+fn name_based(purpose: IdPurpose, tenant: &TenantId, parts: &[&str]) -> Uuid {
+    Uuid::new_v5(&purpose.namespace(), &encode_name(tenant, parts))
+}
+
+/// The id made before issue 37 from a `/`-joined `name`. Ambiguous (a tenant named
+/// `promotion` with a key `<P>/0` made promotion `P`'s hand-off run), so it is only ever used
+/// to find an aggregate that already exists under it, checked to be the one wanted.
+fn legacy(name: &str) -> Uuid {
+    Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes())
+}
 
 impl SpecificationId {
     /// The one specification of `kind` for an environment of a tenant. Name-based, so that
     /// declaring again appends a version to the same specification on every instance.
+    ///
+    /// Unlike the other name-based ids, this one keeps its name from before issue 37, on
+    /// purpose: every specification's events are stored under it and every run, read model
+    /// and work item names it, so a new derivation would orphan them. The name is already
+    /// unambiguous: no other purpose's name starts with `specification/`, the tenant and the
+    /// environment are identifiers that cannot hold `/` ([`check_slug`]), and the kind is a
+    /// fixed word; ids of the other purposes now live in namespaces of their own.
     pub fn for_environment(
         tenant: &TenantId,
         environment: &EnvironmentId,
@@ -233,18 +300,54 @@ impl ProvisioningRunId {
     /// The run created by a request carrying `Idempotency-Key: key`: a retry after a crash
     /// lands on the same run instead of making a second one.
     pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
-        let name = format!("run/{tenant}/{key}");
-        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+        Self(name_based(IdPurpose::IdempotentRun, tenant, &[key]))
     }
-}
 
-impl ProvisioningRunId {
+    /// The id [`Self::for_idempotency_key`] gave before issue 37. A retry finds the run its
+    /// first request made through the key's record, which holds the id; this is for tests
+    /// and tools that reproduce what was stored then.
+    pub fn legacy_for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
+        Self(legacy(&format!("run/{tenant}/{key}")))
+    }
+
+    /// The baseline run of version `version` of an environment's specification: planned
+    /// once, however often the baseline work item runs.
+    pub fn for_baseline(tenant: &TenantId, environment: &EnvironmentId, version: u32) -> Self {
+        let version = version.to_string();
+        Self(name_based(
+            IdPurpose::BaselineRun,
+            tenant,
+            &[environment.as_str(), &version],
+        ))
+    }
+
+    /// The id [`Self::for_baseline`] gave before issue 37 (a run keyed as if requested with
+    /// `Idempotency-Key: baseline/{environment}/v{version}`): only to find a baseline run
+    /// that already exists under it.
+    pub fn legacy_for_baseline(
+        tenant: &TenantId,
+        environment: &EnvironmentId,
+        version: u32,
+    ) -> Self {
+        Self::legacy_for_idempotency_key(tenant, &format!("baseline/{environment}/v{version}"))
+    }
+
     /// The `Release` run a promotion hands its desired state to: one per promotion and
     /// attempt (a plan that went stale before its approval was used starts a new attempt),
     /// so a hand-off repeated after a crash finds the run it started.
-    pub fn for_promotion(promotion: PromotionId, attempt: u32) -> Self {
-        let name = format!("run/promotion/{promotion}/{attempt}");
-        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    pub fn for_promotion(tenant: &TenantId, promotion: PromotionId, attempt: u32) -> Self {
+        let (promotion, attempt) = (promotion.to_string(), attempt.to_string());
+        Self(name_based(
+            IdPurpose::PromotionRun,
+            tenant,
+            &[&promotion, &attempt],
+        ))
+    }
+
+    /// The id [`Self::for_promotion`] gave before issue 37: only to find a hand-off run
+    /// that already exists under it, and only if it is that promotion's run.
+    pub fn legacy_for_promotion(promotion: PromotionId, attempt: u32) -> Self {
+        Self(legacy(&format!("run/promotion/{promotion}/{attempt}")))
     }
 
     /// The `Reconciliation` run of one specification of a tenant in one window: every
@@ -255,24 +358,51 @@ impl ProvisioningRunId {
         specification: SpecificationId,
         window: &str,
     ) -> Self {
-        let name = format!("run/reconcile/{tenant}/{specification}/{window}");
-        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+        let specification = specification.to_string();
+        Self(name_based(
+            IdPurpose::ReconciliationRun,
+            tenant,
+            &[&specification, window],
+        ))
+    }
+
+    /// The id [`Self::for_reconciliation`] gave before issue 37: only to find a
+    /// reconciliation run of that window that already exists under it.
+    pub fn legacy_for_reconciliation(
+        tenant: &TenantId,
+        specification: SpecificationId,
+        window: &str,
+    ) -> Self {
+        Self(legacy(&format!(
+            "run/reconcile/{tenant}/{specification}/{window}"
+        )))
     }
 }
 
 impl PromotionId {
     /// The promotion that rolls `original` back: one per promotion, so a rollback started
     /// again after a crash finds it.
-    pub fn for_rollback(original: PromotionId) -> Self {
-        let name = format!("rollback/{original}");
-        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+    pub fn for_rollback(tenant: &TenantId, original: PromotionId) -> Self {
+        let original = original.to_string();
+        Self(name_based(IdPurpose::Rollback, tenant, &[&original]))
+    }
+
+    /// The id [`Self::for_rollback`] gave before issue 37: only to find a rollback that
+    /// already exists under it, and only if it rolls `original` back.
+    pub fn legacy_for_rollback(original: PromotionId) -> Self {
+        Self(legacy(&format!("rollback/{original}")))
     }
 
     /// The promotion created by a request carrying `Idempotency-Key: key`: a retry after a
     /// crash lands on the same promotion instead of making a second one.
     pub fn for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
-        let name = format!("promotion/{tenant}/{key}");
-        Self(Uuid::new_v5(&FERRY_NAMESPACE, name.as_bytes()))
+        Self(name_based(IdPurpose::IdempotentPromotion, tenant, &[key]))
+    }
+
+    /// The id [`Self::for_idempotency_key`] gave before issue 37 (a retry finds its first
+    /// request's promotion through the key's record, which holds the id).
+    pub fn legacy_for_idempotency_key(tenant: &TenantId, key: &str) -> Self {
+        Self(legacy(&format!("promotion/{tenant}/{key}")))
     }
 }
 
@@ -320,5 +450,147 @@ mod tests {
             SpecificationId::for_environment(&a, &env, kind),
             SpecificationId::for_environment(&b, &env, kind)
         );
+    }
+
+    fn tenant(s: &str) -> TenantId {
+        TenantId::parse(s).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_specification_keeps_the_id_its_events_are_stored_under() {
+        // Pinned: the specifications stored before issue 37 must keep resolving.
+        let env = EnvironmentId::parse("dev").unwrap_or_else(|e| panic!("{e}"));
+        let id = |kind| SpecificationId::for_environment(&tenant("acme"), &env, kind).to_string();
+        use crate::values::SpecificationKind::{Environment, Workload};
+        assert_eq!(id(Workload), "50be8324-5f83-5ab9-8f78-908dd1c4ce6e");
+        assert_eq!(id(Environment), "20c972c0-78a0-510d-b9fe-25493bd3c9aa");
+    }
+
+    #[test]
+    fn a_tenant_named_like_a_purpose_cannot_take_a_hand_off_run() {
+        // Issue 37: tenant `promotion` planned with `Idempotency-Key: <P>/0`, P acme's
+        // promotion, and took acme's hand-off run.
+        let acme = tenant("acme");
+        let p = PromotionId::for_idempotency_key(&acme, "release-42");
+        let key = format!("{p}/0");
+        // What the old names did (kept only to find what was stored under them).
+        assert_eq!(
+            ProvisioningRunId::legacy_for_idempotency_key(&tenant("promotion"), &key),
+            ProvisioningRunId::legacy_for_promotion(p, 0)
+        );
+        assert_ne!(
+            ProvisioningRunId::for_idempotency_key(&tenant("promotion"), &key),
+            ProvisioningRunId::for_promotion(&acme, p, 0)
+        );
+        // The same with a reconciliation window, through a tenant named `reconcile`.
+        let spec = SpecificationId::new_random();
+        let window = "2026-01-01T00:00Z";
+        let key = format!("acme/{spec}/{window}");
+        assert_eq!(
+            ProvisioningRunId::legacy_for_idempotency_key(&tenant("reconcile"), &key),
+            ProvisioningRunId::legacy_for_reconciliation(&acme, spec, window)
+        );
+        assert_ne!(
+            ProvisioningRunId::for_idempotency_key(&tenant("reconcile"), &key),
+            ProvisioningRunId::for_reconciliation(&acme, spec, window)
+        );
+        // And a key naming a baseline is the tenant's own run, never the baseline.
+        let env = EnvironmentId::parse("stg").unwrap_or_else(|e| panic!("{e}"));
+        assert_ne!(
+            ProvisioningRunId::for_idempotency_key(&acme, "baseline/stg/v1"),
+            ProvisioningRunId::for_baseline(&acme, &env, 1)
+        );
+    }
+
+    /// Parts chosen to break a joined name: separators at each end, empty parts, parts that
+    /// look like lengths, and the same bytes split differently.
+    fn tricky_parts() -> Vec<String> {
+        let mut parts: Vec<String> = [
+            "",
+            "/",
+            "//",
+            "a",
+            "a/",
+            "/a",
+            "a/b",
+            "ab",
+            "b",
+            ":",
+            "a:b",
+            "0",
+            "00",
+            "\0",
+            "\0a",
+            "%2F",
+            "promotion",
+            "promotion/x",
+            "x/0",
+            "\u{1}a",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        // Raw length prefixes as text, so that a part holding another's encoding is tried.
+        parts.push(String::from_utf8_lossy(&encode_name(&tenant("a"), &["b"])).into_owned());
+        parts.push("\0".repeat(8));
+        parts
+    }
+
+    #[test]
+    fn different_purposes_tenants_or_parts_never_share_a_name() {
+        use std::collections::HashMap;
+        let purposes = [
+            IdPurpose::IdempotentRun,
+            IdPurpose::BaselineRun,
+            IdPurpose::PromotionRun,
+            IdPurpose::ReconciliationRun,
+            IdPurpose::IdempotentPromotion,
+            IdPurpose::Rollback,
+        ];
+        let tenants = ["a", "ab", "b", "promotion", "reconcile", "a.b", "a:b"];
+        let parts = tricky_parts();
+        let mut lists: Vec<Vec<&str>> = vec![Vec::new()];
+        for x in &parts {
+            lists.push(vec![x]);
+            for y in &parts {
+                lists.push(vec![x, y]);
+            }
+        }
+        for x in parts.iter().take(8) {
+            for y in parts.iter().take(8) {
+                for z in parts.iter().take(8) {
+                    lists.push(vec![x, y, z]);
+                }
+            }
+        }
+        // The encoding alone is injective over (tenant, parts)...
+        let mut names: HashMap<Vec<u8>, (&str, &Vec<&str>)> = HashMap::new();
+        for t in tenants {
+            for list in &lists {
+                let name = encode_name(&tenant(t), list);
+                if let Some(other) = names.insert(name, (t, list)) {
+                    panic!("{other:?} and {:?} share a name", (t, list));
+                }
+            }
+        }
+        // ...and each purpose has a namespace of its own, so the ids differ too.
+        let mut ids: HashMap<Uuid, (IdPurpose, &str, &Vec<&str>)> = HashMap::new();
+        for purpose in purposes {
+            for t in tenants {
+                for list in lists.iter().take(200) {
+                    let id = name_based(purpose, &tenant(t), list);
+                    if let Some(other) = ids.insert(id, (purpose, t, list)) {
+                        panic!("{other:?} and {:?} share an id", (purpose, t, list));
+                    }
+                }
+            }
+        }
+        // Nor is any of them a specification's (the one name kept from before).
+        let env = EnvironmentId::parse("a").unwrap_or_else(|e| panic!("{e}"));
+        let kind = crate::values::SpecificationKind::Workload;
+        for t in tenants {
+            let spec = SpecificationId::for_environment(&tenant(t), &env, kind).as_uuid();
+            assert!(!ids.contains_key(&spec));
+        }
     }
 }

@@ -66,6 +66,7 @@ pub struct Database {
     /// Moved only by this process's own appends: what other instances are told of.
     appended: Arc<watch::Sender<u64>>,
     health: Arc<crate::stream::SubscriptionHealth>,
+    items: Arc<crate::items::ItemHealth>,
     caches: Arc<crate::cache::Caches>,
     /// Postgres: writes the events of concurrent commands in groups.
     appender: Option<Arc<crate::group::GroupAppender>>,
@@ -273,6 +274,7 @@ impl Database {
             committed: Arc::new(watch::channel(0).0),
             appended: Arc::new(watch::channel(0).0),
             health: Arc::default(),
+            items: Arc::default(),
             caches: Arc::new(crate::cache::Caches::new(DEFAULT_AGGREGATE_CACHE_EVENTS)),
         }
     }
@@ -304,6 +306,12 @@ impl Database {
     /// event they cannot handle), for readiness and metrics.
     pub fn subscription_health(&self) -> &crate::stream::SubscriptionHealth {
         &self.health
+    }
+
+    /// The items of this process's shared loops that keep failing (each retried on its
+    /// own, with a growing delay), for the items' views, readiness and metrics.
+    pub fn item_health(&self) -> &crate::items::ItemHealth {
+        &self.items
     }
 
     /// Applies the migrations of `migrations/postgres` or `migrations/sqlite`.

@@ -18,6 +18,7 @@ pub mod database;
 pub mod events;
 pub mod group;
 pub mod idempotency;
+pub mod items;
 pub mod metadata;
 pub mod repository;
 pub mod stream;

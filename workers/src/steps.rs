@@ -824,11 +824,31 @@ impl Workers {
                 }
             }
         };
-        let key = format!(
-            "baseline/{}/v{}",
-            registration.environment_id, version.version
+        // The baseline run of this version: the one a version before issue 37 named (as if
+        // requested with an `Idempotency-Key`, which a tenant could also send) when it
+        // exists and is this baseline, so a baseline under way across the upgrade is not
+        // planned twice; else the unambiguous name.
+        let legacy = ProvisioningRunId::legacy_for_baseline(
+            tenant,
+            &registration.environment_id,
+            version.version,
         );
-        let run_id = ProvisioningRunId::for_idempotency_key(tenant, &key);
+        let is_this_baseline = self
+            .runs
+            .load(tenant, &legacy.to_string())
+            .await?
+            .is_some_and(|(run, _)| {
+                run.request().is_some_and(|r| {
+                    r.kind == ProvisioningKind::Baseline
+                        && r.specification_id == spec_id
+                        && r.specification_version == version.version
+                })
+            });
+        let run_id = if is_this_baseline {
+            legacy
+        } else {
+            ProvisioningRunId::for_baseline(tenant, &registration.environment_id, version.version)
+        };
         let request = RunRequest {
             provisioning_run_id: run_id,
             tenant_id: tenant.clone(),

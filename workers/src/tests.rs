@@ -1126,7 +1126,7 @@ async fn a_new_environment_gets_its_baseline_planned() {
     )
     .await
     .unwrap();
-    let run_id = ProvisioningRunId::for_idempotency_key(&tenant(), "baseline/payments-stg/v1");
+    let run_id = ProvisioningRunId::for_baseline(&tenant(), &env, 1);
     let run = w.wait_state(run_id, ProvisioningState::Applied).await;
     assert_eq!(run.request().unwrap().kind, ProvisioningKind::Baseline);
     assert_eq!(

@@ -149,7 +149,7 @@ pub async fn start_rollback(
 ) -> Result<(), CommandError<ferry_domain::promotion::PromotionError>> {
     let tenant = &request.tenant_id;
     let original = request.promotion_id;
-    let rollback = PromotionId::for_rollback(original);
+    let rollback = rollback_id(promotions, tenant, original).await?;
     let now = Utc::now();
     let rollback_request = ferry_domain::promotion::PromotionRequest {
         promotion_id: rollback,
@@ -206,6 +206,57 @@ pub async fn start_rollback(
     tracing::info!(promotion_id = %original, rollback = %rollback, automatic, "rollback started");
     Ok(())
 }
+
+/// The rollback promotion of `original`: the one a version before issue 37 named
+/// ([`PromotionId::legacy_for_rollback`]) when it exists in this tenant and rolls `original`
+/// back (a rollback under way across the upgrade), else the unambiguous name.
+pub async fn rollback_id(
+    promotions: &Repository<Promotion>,
+    tenant: &TenantId,
+    original: PromotionId,
+) -> Result<PromotionId, CommandError<ferry_domain::promotion::PromotionError>> {
+    let legacy = PromotionId::legacy_for_rollback(original);
+    let found = promotions.load(tenant, &legacy.to_string()).await?;
+    let rolls_back_original = found.is_some_and(|(p, _)| {
+        p.request()
+            .and_then(|r| r.rollback_of.as_ref())
+            .is_some_and(|r| r.promotion_id == original)
+    });
+    Ok(if rolls_back_original {
+        legacy
+    } else {
+        PromotionId::for_rollback(tenant, original)
+    })
+}
+
+/// The hand-off run of `promotion`'s `attempt`: the one a version before issue 37 named
+/// ([`ProvisioningRunId::legacy_for_promotion`]) when it exists in this tenant and is this
+/// promotion's (a hand-off under way across the upgrade), else the unambiguous name.
+pub async fn hand_off_run_id(
+    runs: &Repository<ProvisioningRun>,
+    tenant: &TenantId,
+    promotion: PromotionId,
+    attempt: u32,
+) -> Result<ProvisioningRunId, DriverError> {
+    let legacy = ProvisioningRunId::legacy_for_promotion(promotion, attempt);
+    let found = runs
+        .load(tenant, &legacy.to_string())
+        .await
+        .map_err(command_error)?;
+    let ours = found.is_some_and(|(run, _)| {
+        run.request()
+            .is_some_and(|r| r.promotion_id == Some(promotion))
+    });
+    Ok(if ours {
+        legacy
+    } else {
+        ProvisioningRunId::for_promotion(tenant, promotion, attempt)
+    })
+}
+
+/// The driver's name among the loops whose failing items are reported
+/// (`ferry_store::items`).
+pub const LOOP: &str = "promotions";
 
 /// The driver's identity in the events it causes.
 fn actor() -> Actor {
@@ -343,8 +394,13 @@ impl Driver {
             else {
                 continue;
             };
-            let Some(view) = views::get_promotion(&self.db, &tenant, original).await? else {
-                continue;
+            let view = match views::get_promotion(&self.db, &tenant, original).await {
+                Ok(Some(view)) => view,
+                Ok(None) => continue,
+                Err(error) => {
+                    self.settle(&tenant, original, Err(error.into()));
+                    continue;
+                }
             };
             if view
                 .rollback
@@ -362,9 +418,14 @@ impl Driver {
                     at: now,
                 }
             };
-            if self.command(&tenant, original, command, None).await? {
+            if !self.due(&tenant, original) {
+                continue;
+            }
+            let ended = self.command(&tenant, original, command, None).await;
+            if let Ok(true) = ended {
                 tracing::info!(promotion_id = %original, rollback = %state, "rollback ended");
             }
+            self.settle(&tenant, original, ended.map(|_| ()));
         }
         Ok(())
     }
@@ -386,9 +447,15 @@ impl Driver {
         }))
     }
 
-    /// One pass over every promotion with something to do.
+    /// One pass over every promotion with something to do. Promotions are independent, so
+    /// each is taken on its own: one that fails is retried alone with a growing delay and
+    /// says why (its view, the log, `/readyz`, `/metrics`), while the pass goes on with every
+    /// other promotion (ARCHITECTURE.md, Invariants). Only a read of the whole list failing
+    /// ends the pass.
     pub async fn pass(&self) -> Result<(), DriverError> {
-        self.free_slots().await?;
+        if let Err(error) = self.free_slots().await {
+            tracing::warn!(%error, "freeing promotion slots failed; retrying on the next pass");
+        }
         self.reject_withdrawn().await?;
         self.follow_rollbacks().await?;
         let mut started: Vec<(String, String)> = Vec::new();
@@ -398,7 +465,10 @@ impl Driver {
             else {
                 continue;
             };
-            match state.as_str() {
+            if !self.due(&tenant, promotion) {
+                continue;
+            }
+            let step = match state.as_str() {
                 "Requested" => {
                     // Request order: the oldest queued promotion that can take the
                     // environment does; once one did, the others wait for the next pass.
@@ -406,19 +476,56 @@ impl Driver {
                     if started.contains(&slot) {
                         continue;
                     }
-                    if self.start_gates(&tenant, promotion, &environment).await? {
-                        started.push(slot);
-                    }
+                    self.start_gates(&tenant, promotion, &environment)
+                        .await
+                        .map(|took| {
+                            if took {
+                                started.push(slot);
+                            }
+                        })
                 }
-                "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await?,
-                "AwaitingApproval" => self.await_approval(&tenant, promotion).await?,
-                "Approved" => self.hand_off(&tenant, promotion).await?,
-                "Deploying" => self.follow_run(&tenant, promotion).await?,
-                "Verifying" => self.verify(&tenant, promotion).await?,
-                _ => {}
-            }
+                "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await,
+                "AwaitingApproval" => self.await_approval(&tenant, promotion).await,
+                "Approved" => self.hand_off(&tenant, promotion).await,
+                "Deploying" => self.follow_run(&tenant, promotion).await,
+                "Verifying" => self.verify(&tenant, promotion).await,
+                _ => Ok(()),
+            };
+            self.settle(&tenant, promotion, step);
         }
         Ok(())
+    }
+
+    /// Whether `promotion` may be tried now: it is not failing, or its delay has passed.
+    fn due(&self, tenant: &TenantId, promotion: PromotionId) -> bool {
+        self.db
+            .item_health()
+            .due(LOOP, tenant.as_str(), &promotion.to_string())
+    }
+
+    /// Records how a step of `promotion` went: a failure is the promotion's own (retried
+    /// alone, with a growing delay), a success clears it.
+    fn settle(&self, tenant: &TenantId, promotion: PromotionId, step: Result<(), DriverError>) {
+        let health = self.db.item_health();
+        let item = promotion.to_string();
+        match step {
+            Ok(()) => {
+                if let Some(problem) = health.succeeded(LOOP, tenant.as_str(), &item) {
+                    tracing::info!(
+                        %tenant, promotion_id = %promotion, attempts = problem.attempts,
+                        "promotion no longer fails"
+                    );
+                }
+            }
+            Err(error) => {
+                let problem = health.failed(LOOP, tenant.as_str(), &item, &error.to_string());
+                tracing::warn!(
+                    %tenant, promotion_id = %promotion, %error, attempts = problem.attempts,
+                    next_attempt_at = %problem.next_attempt_at,
+                    "promotion step failed; it alone is retried later"
+                );
+            }
+        }
     }
 
     /// Lets go of the environment slots of promotions that no longer hold them.
@@ -440,6 +547,9 @@ impl Driver {
             else {
                 continue;
             };
+            if !self.due(&tenant, promotion) {
+                continue;
+            }
             let rejected = self
                 .command(
                     &tenant,
@@ -450,10 +560,11 @@ impl Driver {
                     },
                     None,
                 )
-                .await?;
-            if rejected {
+                .await;
+            if let Ok(true) = rejected {
                 tracing::info!(promotion_id = %promotion, "promotion of a withdrawn release rejected");
             }
+            self.settle(&tenant, promotion, rejected.map(|_| ()));
         }
         Ok(())
     }
@@ -662,6 +773,15 @@ impl Driver {
             .await
             .map_err(command_error)?
         {
+            // Only this promotion's own run is ever handed its approval.
+            if run
+                .request()
+                .is_none_or(|r| r.promotion_id != Some(promotion))
+            {
+                return Err(DriverError::Command(format!(
+                    "run {run_id} is not this promotion's hand-off run"
+                )));
+            }
             let desired = run
                 .request()
                 .map(|r| format!("{}@{}", r.specification_id, r.specification_version))
@@ -759,9 +879,10 @@ impl Driver {
         let Some((aggregate, request)) = self.load(tenant, promotion).await? else {
             return Ok(());
         };
-        let run_id = aggregate
-            .provisioning_run_id()
-            .unwrap_or_else(|| ProvisioningRunId::for_promotion(promotion, aggregate.attempt()));
+        let run_id = match aggregate.provisioning_run_id() {
+            Some(run_id) => run_id,
+            None => hand_off_run_id(&self.runs, tenant, promotion, aggregate.attempt()).await?,
+        };
         let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
         else {
             return Ok(());
@@ -874,7 +995,7 @@ impl Driver {
             }
             return Ok(());
         }
-        let run_id = ProvisioningRunId::for_promotion(promotion, aggregate.attempt());
+        let run_id = hand_off_run_id(&self.runs, tenant, promotion, aggregate.attempt()).await?;
         let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
         else {
             return Ok(());
@@ -1286,5 +1407,149 @@ impl Driver {
                 },
             },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_domain::promotion::{PromotionRequest, RollbackOf};
+    use ferry_domain::{EnvironmentClass, ProjectId, ReleaseId};
+    use ferry_store::testing::TestDatabase;
+
+    fn metadata(tenant: &TenantId, id: uuid::Uuid) -> EventMetadata {
+        EventMetadata {
+            tenant_id: tenant.clone(),
+            actor: actor(),
+            correlation_id: id,
+            causation_id: id,
+            request_id: uuid::Uuid::new_v4(),
+        }
+    }
+
+    /// A `Release` run of `tenant` stored under `id`, carrying `promotion`.
+    async fn run_under(
+        runs: &Repository<ProvisioningRun>,
+        tenant: &TenantId,
+        id: ProvisioningRunId,
+        promotion: Option<PromotionId>,
+    ) {
+        let request = RunRequest {
+            provisioning_run_id: id,
+            tenant_id: tenant.clone(),
+            project_id: ProjectId::parse("payments").unwrap(),
+            environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+            environment_class: Some(EnvironmentClass::Development),
+            specification_id: SpecificationId::new_random(),
+            specification_version: 1,
+            kind: ProvisioningKind::Release,
+            promotion_id: promotion,
+            approval_id: None,
+            follows_failed_apply: None,
+            requested_by: actor(),
+            requested_at: Utc::now(),
+        };
+        runs.execute(
+            tenant,
+            &id.to_string(),
+            RunCommand::Request(Box::new(request)),
+            &metadata(tenant, id.as_uuid()),
+            true,
+        )
+        .await
+        .unwrap();
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn a_hand_off_under_way_across_the_upgrade_finds_its_old_named_run(backend) {
+            let t = TestDatabase::new(backend).await;
+            let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+            let acme = TenantId::parse("acme").unwrap();
+            let (p, q, r) = (PromotionId::new_random(), PromotionId::new_random(), PromotionId::new_random());
+            // Nothing stored under the old name: the new one.
+            assert_eq!(
+                hand_off_run_id(&runs, &acme, p, 0).await.unwrap(),
+                ProvisioningRunId::for_promotion(&acme, p, 0)
+            );
+            // The old driver made p's hand-off run: its events are found under the old id.
+            let old = ProvisioningRunId::legacy_for_promotion(p, 0);
+            run_under(&runs, &acme, old, Some(p)).await;
+            assert_eq!(hand_off_run_id(&runs, &acme, p, 0).await.unwrap(), old, "{backend:?}");
+            assert_eq!(
+                hand_off_run_id(&runs, &acme, p, 1).await.unwrap(),
+                ProvisioningRunId::for_promotion(&acme, p, 1)
+            );
+            // A run another tenant took under q's old name (tenant `promotion`, key
+            // `<q>/0`) is never acme's hand-off, nor one of acme's that is not q's.
+            let promotion = TenantId::parse("promotion").unwrap();
+            run_under(&runs, &promotion, ProvisioningRunId::legacy_for_promotion(q, 0), None).await;
+            assert_eq!(
+                hand_off_run_id(&runs, &acme, q, 0).await.unwrap(),
+                ProvisioningRunId::for_promotion(&acme, q, 0)
+            );
+            run_under(&runs, &acme, ProvisioningRunId::legacy_for_promotion(r, 0), Some(p)).await;
+            assert_eq!(
+                hand_off_run_id(&runs, &acme, r, 0).await.unwrap(),
+                ProvisioningRunId::for_promotion(&acme, r, 0)
+            );
+            t.cleanup().await;
+        }
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn a_rollback_under_way_across_the_upgrade_finds_its_old_named_promotion(backend) {
+            let t = TestDatabase::new(backend).await;
+            let promotions: Repository<Promotion> = Repository::new(t.db.clone(), ());
+            let acme = TenantId::parse("acme").unwrap();
+            let (original, other) = (PromotionId::new_random(), PromotionId::new_random());
+            assert_eq!(
+                rollback_id(&promotions, &acme, original).await.unwrap(),
+                PromotionId::for_rollback(&acme, original)
+            );
+            let old = PromotionId::legacy_for_rollback(original);
+            let request = |rolls_back: PromotionId| PromotionRequest {
+                promotion_id: old,
+                tenant_id: acme.clone(),
+                project_id: ProjectId::parse("payments").unwrap(),
+                release_id: ReleaseId::new_random(),
+                environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+                environment_class: EnvironmentClass::Development,
+                strategy: Default::default(),
+                run_id: None,
+                hotfix: None,
+                receipt_ref: None,
+                previous_release_id: None,
+                rollback_of: Some(RollbackOf {
+                    promotion_id: rolls_back,
+                    release_id: ReleaseId::new_random(),
+                    automatic: true,
+                    reason: "verification failed".to_string(),
+                }),
+                requested_by: actor(),
+                requested_at: Utc::now(),
+            };
+            promotions
+                .execute(
+                    &acme,
+                    &old.to_string(),
+                    PromotionCommand::Request(Box::new(request(original))),
+                    &metadata(&acme, old.as_uuid()),
+                    true,
+                )
+                .await
+                .unwrap();
+            assert_eq!(rollback_id(&promotions, &acme, original).await.unwrap(), old, "{backend:?}");
+            // Another tenant never finds it.
+            let globex = TenantId::parse("globex").unwrap();
+            assert_eq!(
+                rollback_id(&promotions, &globex, original).await.unwrap(),
+                PromotionId::for_rollback(&globex, original)
+            );
+            assert_eq!(
+                rollback_id(&promotions, &acme, other).await.unwrap(),
+                PromotionId::for_rollback(&acme, other)
+            );
+            t.cleanup().await;
+        }
     }
 }

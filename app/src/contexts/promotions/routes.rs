@@ -17,7 +17,7 @@ use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
 use ferry_api::basis::Decided;
 use ferry_api::extract::{
     created, enum_from_str, give_back_key, idempotency_key, IdempotentRequest, QueryParams,
-    RequestIds, ValidJson,
+    RequestIds, Reservation, ValidJson,
 };
 use ferry_api::openapi::{schema_of, Doc};
 use ferry_api::problem::{refused_references, ApiError, FieldError};
@@ -341,7 +341,7 @@ pub async fn request_promotion(
     }
     let tenant = caller.tenant.as_str();
     let owner = ids.request_id.to_string();
-    let id = match &key {
+    let mut id = match &key {
         Some(k) => PromotionId::for_idempotency_key(&caller.tenant, k),
         None => PromotionId::new_random(),
     };
@@ -353,11 +353,18 @@ pub async fn request_promotion(
             resource_id: &id.to_string(),
             owner: &owner,
         };
-        let location = format!("/factory/delivery/promotions/{id}");
-        if let Some(first) = reservation.reserve(state.db(), tenant, &location).await? {
-            return Ok(first);
+        match reservation
+            .reserve(state.db(), tenant, "/factory/delivery/promotions/")
+            .await?
+        {
+            Reservation::Replay(first) => return Ok(first),
+            // The first request's promotion, made under whichever names its version derived.
+            Reservation::Proceed(recorded) => {
+                id = PromotionId::parse(&recorded).map_err(ApiError::internal)?;
+            }
         }
     }
+    let id = id;
     let executed = decision
         .execute(
             |read| promotion_basis(&state, &caller, &body, read),
@@ -449,7 +456,7 @@ pub async fn request_promotion(
 struct PromotionBasis {
     record: ReleaseRecord,
     environment_class: EnvironmentClass,
-    basis: [Basis; 2],
+    basis: [Basis; 3],
 }
 
 /// Reads and checks the release and the environment `body` names.
@@ -497,10 +504,34 @@ async fn promotion_basis(
             format!("no environment {} is recorded", body.environment_id),
         )
     })?;
+    // The environment's Workload specification belongs to one project for its whole life;
+    // the hand-off declares the release's project there. A release of another project is
+    // refused now, not discovered by the driver (ARCHITECTURE.md, Invariants).
+    let specification = ferry_domain::SpecificationId::for_environment(
+        &caller.tenant,
+        &body.environment_id,
+        ferry_domain::SpecificationKind::Workload,
+    );
+    let (workload, specification_basis) = state
+        .repository::<ferry_domain::specification::DeploymentSpecification>()
+        .load_basis(&caller.tenant, &specification.to_string(), read)
+        .await
+        .map_err(|e| ApiError::from_command(e, |d| ApiError::WrongState(d.to_string())))?;
+    if let Some(existing) = workload.as_ref().and_then(|w| w.latest()) {
+        if existing.project_id != record.project_id {
+            return Err(ApiError::invalid_field(
+                "projectId",
+                format!(
+                    "the release belongs to project {}, but {}'s Workload specification belongs to project {}: a specification keeps its project for its whole life",
+                    record.project_id, body.environment_id, existing.project_id
+                ),
+            ));
+        }
+    }
     Ok(PromotionBasis {
         record,
         environment_class,
-        basis: [release_basis, environment_basis],
+        basis: [release_basis, environment_basis, specification_basis],
     })
 }
 
@@ -615,10 +646,15 @@ pub async fn get_promotion(
 ) -> Result<Json<PromotionView>, ApiError> {
     caller.require_scope(READ)?;
     let id = promotion_id(&raw)?;
-    views::get_promotion(state.db(), &caller.tenant, id)
+    let mut view = views::get_promotion(state.db(), &caller.tenant, id)
         .await?
-        .map(Json)
-        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    view.stuck = state
+        .db()
+        .item_health()
+        .problem(super::driver::LOOP, caller.tenant.as_str(), &id.to_string())
+        .map(views::StuckView::from);
+    Ok(Json(view))
 }
 
 /// Body of `POST /factory/delivery/promotions/{promotionId}/approval`.

@@ -208,8 +208,38 @@ pub struct PromotionView {
     /// When it completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<DateTime<Utc>>,
+    /// Why the promotions driver cannot move it on, while its steps keep failing (never
+    /// stored: the answering instance's driver says it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck: Option<StuckView>,
     /// The aggregate's sequence this view reflects.
     pub version: u64,
+}
+
+/// A promotion whose driver steps keep failing: it alone is retried, with a growing delay,
+/// while the driver goes on with every other promotion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StuckView {
+    /// The last error.
+    pub error: String,
+    /// Consecutive failed attempts.
+    pub attempts: u32,
+    /// When the first of them failed.
+    pub since: DateTime<Utc>,
+    /// When the driver tries it again.
+    pub next_attempt_at: DateTime<Utc>,
+}
+
+impl From<ferry_store::items::ItemProblem> for StuckView {
+    fn from(p: ferry_store::items::ItemProblem) -> Self {
+        Self {
+            error: p.error,
+            attempts: p.attempts,
+            since: p.since,
+            next_attempt_at: p.next_attempt_at,
+        }
+    }
 }
 
 impl PromotionView {
@@ -242,6 +272,7 @@ impl PromotionView {
             rejection: None,
             failure: None,
             completed_at: None,
+            stuck: None,
             version: 1,
         }
     }

@@ -123,6 +123,10 @@ pub fn manual_window() -> String {
     format!("manual/{}", uuid::Uuid::new_v4())
 }
 
+/// The reconciler's name among the loops whose failing items are reported
+/// (`ferry_store::items`).
+pub const LOOP: &str = "reconciler";
+
 /// Re-plans every applied specification in `scope` for `window`, as `by`.
 pub async fn reconcile(
     db: &Database,
@@ -142,90 +146,169 @@ pub async fn reconcile(
     let mut busy_before: std::collections::HashMap<(TenantId, EnvironmentId), Option<String>> =
         std::collections::HashMap::new();
     for applied in applied_specifications(db, scope).await? {
-        let tenant = &applied.tenant_id;
-        let environment = &applied.environment_id;
-        let run_id =
-            ProvisioningRunId::for_reconciliation(tenant, applied.specification_id, window);
-        let entry = |started| ReconciliationRun {
-            provisioning_run_id: run_id,
-            environment_id: environment.clone(),
-            specification_id: applied.specification_id,
-            kind: applied.kind,
-            specification_version: applied.version,
-            started,
-        };
-        // This window's run exists: another instance or an earlier attempt started it.
-        let existing = runs
-            .load(tenant, &run_id.to_string())
-            .await
-            .map_err(|e| ReconcileError::Command(e.to_string()))?;
-        if existing.is_some() {
-            done.runs.push(entry(false));
-            continue;
-        }
-        let key = (tenant.clone(), environment.clone());
-        if !busy_before.contains_key(&key) {
-            let reason = busy(db, tenant, environment).await?;
-            busy_before.insert(key.clone(), reason);
-        }
-        if let Some(reason) = busy_before.get(&key).cloned().flatten() {
-            if !done
-                .skipped
-                .iter()
-                .any(|s| &s.environment_id == environment)
-            {
-                tracing::info!(%tenant, %environment, %reason, "reconciliation skipped");
+        // Each specification on its own: one that fails (whatever its tenant holds) is
+        // named in the pass's `skipped`, the log, `/readyz` and `/metrics`, and every other
+        // is still reconciled. The next window tries it again.
+        let (tenant, item) = (
+            applied.tenant_id.clone(),
+            applied.specification_id.to_string(),
+        );
+        let health = db.item_health();
+        let one = reconcile_one(
+            db,
+            &runs,
+            &environments,
+            &applied,
+            window,
+            by,
+            &mut busy_before,
+            &mut done,
+        )
+        .await;
+        match one {
+            Ok(()) => {
+                health.succeeded(LOOP, tenant.as_str(), &item);
+            }
+            Err(error) => {
+                let problem = health.failed(LOOP, tenant.as_str(), &item, &error.to_string());
+                tracing::warn!(
+                    %tenant, environment = %applied.environment_id, specification = %item,
+                    %error, attempts = problem.attempts,
+                    "reconciling a specification failed; the others go on"
+                );
                 done.skipped.push(SkippedEnvironment {
-                    environment_id: environment.clone(),
-                    reason,
+                    environment_id: applied.environment_id.clone(),
+                    reason: format!(
+                        "its {} specification could not be reconciled: {error}",
+                        applied.kind.as_str()
+                    ),
                 });
             }
-            continue;
         }
-        let class = environments
-            .load(tenant, &Environment::aggregate_id(tenant, environment))
-            .await
-            .map_err(|e| ReconcileError::Command(e.to_string()))?
-            .and_then(|(e, _)| e.class());
-        let request = RunRequest {
-            provisioning_run_id: run_id,
-            tenant_id: tenant.clone(),
-            project_id: applied.project_id.clone(),
-            environment_id: environment.clone(),
-            // Unknown environments count as production (the domain's rule).
-            environment_class: class,
-            specification_id: applied.specification_id,
-            specification_version: applied.version,
-            kind: ProvisioningKind::Reconciliation,
-            promotion_id: None,
-            approval_id: None,
-            follows_failed_apply: last_apply_failed(db, &applied).await?,
-            requested_by: by.clone(),
-            requested_at: Utc::now(),
-        };
-        let metadata = metadata(tenant, by, run_id);
-        let started = match runs
-            .execute(
-                tenant,
-                &run_id.to_string(),
-                RunCommand::Request(Box::new(request)),
-                &metadata,
-                true,
-            )
-            .await
-        {
-            Ok(_) => true,
-            // Another instance recorded it between the look and the write.
-            Err(CommandError::Domain(RunError::AlreadyRequested) | CommandError::Conflict) => false,
-            Err(e) => return Err(ReconcileError::Command(e.to_string())),
-        };
-        tracing::info!(%tenant, %environment, run = %run_id, started, "reconciliation run");
-        if started {
-            supersede_open_proposals(&runs, db, &applied, run_id, by).await?;
-        }
-        done.runs.push(entry(started));
     }
     Ok(done)
+}
+
+/// Reconciles one applied specification in `window` (see [`reconcile`]).
+#[allow(clippy::too_many_arguments)]
+async fn reconcile_one(
+    db: &Database,
+    runs: &Repository<ProvisioningRun>,
+    environments: &Repository<Environment>,
+    applied: &Applied,
+    window: &str,
+    by: &Actor,
+    busy_before: &mut std::collections::HashMap<(TenantId, EnvironmentId), Option<String>>,
+    done: &mut Reconciliation,
+) -> Result<(), ReconcileError> {
+    let tenant = &applied.tenant_id;
+    let environment = &applied.environment_id;
+    let run_id = reconciliation_run_id(runs, applied, window).await?;
+    let entry = |started| ReconciliationRun {
+        provisioning_run_id: run_id,
+        environment_id: environment.clone(),
+        specification_id: applied.specification_id,
+        kind: applied.kind,
+        specification_version: applied.version,
+        started,
+    };
+    // This window's run exists: another instance or an earlier attempt started it.
+    let existing = runs
+        .load(tenant, &run_id.to_string())
+        .await
+        .map_err(|e| ReconcileError::Command(e.to_string()))?;
+    if existing.is_some() {
+        done.runs.push(entry(false));
+        return Ok(());
+    }
+    let key = (tenant.clone(), environment.clone());
+    if !busy_before.contains_key(&key) {
+        let reason = busy(db, tenant, environment).await?;
+        busy_before.insert(key.clone(), reason);
+    }
+    if let Some(reason) = busy_before.get(&key).cloned().flatten() {
+        if !done
+            .skipped
+            .iter()
+            .any(|s| &s.environment_id == environment)
+        {
+            tracing::info!(%tenant, %environment, %reason, "reconciliation skipped");
+            done.skipped.push(SkippedEnvironment {
+                environment_id: environment.clone(),
+                reason,
+            });
+        }
+        return Ok(());
+    }
+    let class = environments
+        .load(tenant, &Environment::aggregate_id(tenant, environment))
+        .await
+        .map_err(|e| ReconcileError::Command(e.to_string()))?
+        .and_then(|(e, _)| e.class());
+    let request = RunRequest {
+        provisioning_run_id: run_id,
+        tenant_id: tenant.clone(),
+        project_id: applied.project_id.clone(),
+        environment_id: environment.clone(),
+        // Unknown environments count as production (the domain's rule).
+        environment_class: class,
+        specification_id: applied.specification_id,
+        specification_version: applied.version,
+        kind: ProvisioningKind::Reconciliation,
+        promotion_id: None,
+        approval_id: None,
+        follows_failed_apply: last_apply_failed(db, applied).await?,
+        requested_by: by.clone(),
+        requested_at: Utc::now(),
+    };
+    let metadata = metadata(tenant, by, run_id);
+    let started = match runs
+        .execute(
+            tenant,
+            &run_id.to_string(),
+            RunCommand::Request(Box::new(request)),
+            &metadata,
+            true,
+        )
+        .await
+    {
+        Ok(_) => true,
+        // Another instance recorded it between the look and the write.
+        Err(CommandError::Domain(RunError::AlreadyRequested) | CommandError::Conflict) => false,
+        Err(e) => return Err(ReconcileError::Command(e.to_string())),
+    };
+    tracing::info!(%tenant, %environment, run = %run_id, started, "reconciliation run");
+    if started {
+        supersede_open_proposals(runs, db, applied, run_id, by).await?;
+    }
+    done.runs.push(entry(started));
+    Ok(())
+}
+
+/// The run of `applied` in `window`: the one a version before issue 37 named
+/// ([`ProvisioningRunId::legacy_for_reconciliation`]) when it exists in this tenant and
+/// reconciles that specification (an instance of the old version reconciled this window),
+/// else the unambiguous name.
+async fn reconciliation_run_id(
+    runs: &Repository<ProvisioningRun>,
+    applied: &Applied,
+    window: &str,
+) -> Result<ProvisioningRunId, ReconcileError> {
+    let tenant = &applied.tenant_id;
+    let named = ProvisioningRunId::for_reconciliation(tenant, applied.specification_id, window);
+    let legacy =
+        ProvisioningRunId::legacy_for_reconciliation(tenant, applied.specification_id, window);
+    let found = runs
+        .load(tenant, &legacy.to_string())
+        .await
+        .map_err(|e| ReconcileError::Command(e.to_string()))?;
+    let reconciles = found.is_some_and(|(run, _)| {
+        run.request().is_some_and(|r| {
+            r.kind == ProvisioningKind::Reconciliation
+                && r.specification_id == applied.specification_id
+        })
+    });
+    Ok(if reconciles { legacy } else { named })
 }
 
 /// The metadata of the events the reconciler causes: `by`, correlated with `run`.
@@ -675,6 +758,164 @@ mod tests {
             // Put right by a later apply: nothing to propose.
             run_row(&t.db, 153, infra, "Applied", Some("Succeeded")).await;
             assert_eq!(last_apply_failed(&t.db, &infra_applied).await.unwrap(), None);
+            t.cleanup().await;
+        }
+    }
+
+    /// `tenant`'s `environment` with its Environment specification applied at version 1, as
+    /// the environments projection records it; the specification.
+    async fn applied_row(db: &Database, tenant: &str, environment: &str) -> SpecificationId {
+        let (t, e) = (
+            TenantId::parse(tenant).unwrap(),
+            EnvironmentId::parse(environment).unwrap(),
+        );
+        let id = SpecificationId::for_environment(&t, &e, SpecificationKind::Environment);
+        let latest = serde_json::json!({
+            "specificationId": id, "tenantId": tenant, "projectId": "payments",
+            "environmentId": environment, "kind": "Environment", "version": 1,
+            "programRef": "https://git.example.com/infra.git#envs/dev",
+            "programVersion": "a".repeat(40), "configRefs": {}, "secretRefs": {},
+            "declaredBy": "alice", "declaredAt": Utc::now(),
+        });
+        let applied = serde_json::json!({
+            "version": 1, "provisioningRunId": ProvisioningRunId::new_random(),
+            "appliedAt": Utc::now(),
+        });
+        let sql = db.sql(
+            "INSERT INTO rm_environment_specifications
+               (tenant_id, environment_id, kind, specification_id, latest_version, latest, applied)
+             VALUES ($1, $2, 'Environment', $3, 1, $4, $5)",
+        );
+        on_pool!(db, pool => sqlx::query(&sql)
+            .bind(tenant).bind(environment).bind(id.to_string())
+            .bind(Json(latest)).bind(Json(applied)).execute(pool).await.map(|_| ()))
+        .unwrap();
+        id
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn one_tenant_s_bad_specification_never_stops_another_s_reconciliation(backend) {
+            let t = TestDatabase::new(backend).await;
+            runs_table(&t.db).await;
+            let environments = ferry_projections::provisioning_projections()
+                .into_iter()
+                .find(|p| p.name() == "environments")
+                .unwrap();
+            ferry_projections::ProjectionRunner::live(environments)
+                .ensure_tables(&t.db)
+                .await
+                .unwrap();
+            let window = "2026-12-07T12:00Z";
+            // `acme` comes first in the pass; the name of its window's run is taken by a run
+            // of another tenant (issue 37 made such a squat from a tenant's Idempotency-Key;
+            // here it is written straight to the store, as whatever else could go wrong).
+            let acme_spec = applied_row(&t.db, "acme", "payments-dev").await;
+            applied_row(&t.db, "zeta", "shop-dev").await;
+            let acme = TenantId::parse("acme").unwrap();
+            let squatted = ProvisioningRunId::for_reconciliation(&acme, acme_spec, window);
+            let squatter = TenantId::parse("squatter").unwrap();
+            let by = Actor::parse("mallory").unwrap();
+            let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+            let request = RunRequest {
+                provisioning_run_id: squatted,
+                tenant_id: squatter.clone(),
+                project_id: ProjectId::parse("payments").unwrap(),
+                environment_id: EnvironmentId::parse("mine").unwrap(),
+                environment_class: None,
+                specification_id: SpecificationId::new_random(),
+                specification_version: 1,
+                kind: ProvisioningKind::Release,
+                promotion_id: None,
+                approval_id: None,
+                follows_failed_apply: None,
+                requested_by: by.clone(),
+                requested_at: Utc::now(),
+            };
+            runs.execute(
+                &squatter,
+                &squatted.to_string(),
+                RunCommand::Request(Box::new(request)),
+                &metadata(&squatter, &by, squatted),
+                true,
+            )
+            .await
+            .unwrap();
+
+            let system = Actor::parse("system:reconciler").unwrap();
+            let done = reconcile(&t.db, &Scope::default(), window, &system)
+                .await
+                .unwrap_or_else(|e| panic!("one specification ended the pass: {e}"));
+            // Zeta's specification was reconciled all the same.
+            assert_eq!(done.runs.len(), 1, "{backend:?}: {:?}", done);
+            assert_eq!(done.runs[0].environment_id.as_str(), "shop-dev");
+            assert!(done.runs[0].started);
+            let zeta = TenantId::parse("zeta").unwrap();
+            let run = runs
+                .load(&zeta, &done.runs[0].provisioning_run_id.to_string())
+                .await
+                .unwrap();
+            assert!(run.is_some_and(|(r, _)| r.request().is_some_and(|r| r.kind == ProvisioningKind::Reconciliation)));
+            // Acme's says why, in the pass's answer and in the process's failing items.
+            assert_eq!(done.skipped.len(), 1, "{done:?}");
+            assert_eq!(done.skipped[0].environment_id.as_str(), "payments-dev");
+            assert!(
+                done.skipped[0].reason.starts_with("its Environment specification could not be reconciled"),
+                "{done:?}"
+            );
+            let failing = t.db.item_health().problems();
+            assert_eq!(failing.len(), 1, "{failing:?}");
+            assert_eq!((failing[0].r#loop.as_str(), failing[0].tenant.as_str()), (LOOP, "acme"));
+            t.cleanup().await;
+        }
+    }
+
+    ferry_store::test_on_both_engines! {
+        async fn a_window_an_old_version_reconciled_keeps_its_old_named_run(backend) {
+            let t = TestDatabase::new(backend).await;
+            runs_table(&t.db).await;
+            let environments = ferry_projections::provisioning_projections()
+                .into_iter()
+                .find(|p| p.name() == "environments")
+                .unwrap();
+            ferry_projections::ProjectionRunner::live(environments)
+                .ensure_tables(&t.db)
+                .await
+                .unwrap();
+            let window = "2026-12-07T16:00Z";
+            let spec = applied_row(&t.db, "acme", "payments-dev").await;
+            let acme = TenantId::parse("acme").unwrap();
+            // An instance of the version before issue 37 reconciled this window.
+            let old = ProvisioningRunId::legacy_for_reconciliation(&acme, spec, window);
+            let by = Actor::parse("system:reconciler").unwrap();
+            let runs: Repository<ProvisioningRun> = Repository::new(t.db.clone(), ());
+            let request = RunRequest {
+                provisioning_run_id: old,
+                tenant_id: acme.clone(),
+                project_id: ProjectId::parse("payments").unwrap(),
+                environment_id: EnvironmentId::parse("payments-dev").unwrap(),
+                environment_class: None,
+                specification_id: spec,
+                specification_version: 1,
+                kind: ProvisioningKind::Reconciliation,
+                promotion_id: None,
+                approval_id: None,
+                follows_failed_apply: None,
+                requested_by: by.clone(),
+                requested_at: Utc::now(),
+            };
+            runs.execute(&acme, &old.to_string(), RunCommand::Request(Box::new(request)), &metadata(&acme, &by, old), true)
+                .await
+                .unwrap();
+            let done = reconcile(&t.db, &Scope::default(), window, &by).await.unwrap();
+            assert_eq!(done.runs.len(), 1, "{done:?}");
+            assert_eq!(done.runs[0].provisioning_run_id, old, "{backend:?}");
+            assert!(!done.runs[0].started);
+            // A window it did not reconcile gets the new name.
+            let done = reconcile(&t.db, &Scope::default(), "2026-12-07T20:00Z", &by).await.unwrap();
+            assert_eq!(
+                done.runs[0].provisioning_run_id,
+                ProvisioningRunId::for_reconciliation(&acme, spec, "2026-12-07T20:00Z")
+            );
             t.cleanup().await;
         }
     }
