@@ -41,6 +41,7 @@ pub struct ProcessTelemetry {
     subscriptions: Mutex<SubscriptionGauges>,
     groups: GroupCounters,
     nats: Option<NatsHealth>,
+    inbound_trust: Option<serde_json::Value>,
 }
 
 impl ProcessTelemetry {
@@ -64,7 +65,14 @@ impl ProcessTelemetry {
             subscriptions: Mutex::new(subscriptions),
             groups,
             nats,
+            inbound_trust: None,
         })
+    }
+
+    /// The same, reporting `trust` as `/readyz`'s `inboundTrust`.
+    pub fn with_inbound_trust(mut self, trust: serde_json::Value) -> Self {
+        self.inbound_trust = Some(trust);
+        self
     }
 }
 
@@ -250,7 +258,10 @@ impl Telemetry for ProcessTelemetry {
 
     fn readiness(&self, subscriptions: &[SubscriptionStatus]) -> Readiness {
         let Some(n) = &self.nats else {
-            return Readiness::default();
+            return Readiness {
+                inbound_trust: self.inbound_trust.clone(),
+                ..Readiness::default()
+            };
         };
         let mut problems = n.relay.problems(&n.stream);
         problems.extend(n.consumers.problems());
@@ -263,6 +274,7 @@ impl Telemetry for ProcessTelemetry {
         Readiness {
             problems,
             nats: Some(serde_json::json!({"relay": relay, "consumers": n.consumers.snapshot()})),
+            inbound_trust: self.inbound_trust.clone(),
         }
     }
 }
