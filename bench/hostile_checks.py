@@ -634,6 +634,12 @@ def explicit(args) -> None:
     # The requester cannot approve.
     r = f.call("POST", f"/factory/provisioning/runs/{run_ops}/approval", alice, {"decision": "approve"})
     problem_row(res, "requester approves her own run → 403", r, [403])
+    # Another spelling of the requester is the requester (`ferry token` refuses a hidden
+    # character in --sub, as the API refuses such a token: tests/security.rs).
+    for sub in ["Alice", "alice ", "ＡＬＩＣＥ"]:
+        r = f.call("POST", f"/factory/provisioning/runs/{run_ops}/approval",
+                   f.token(a, sub, ["Operator"]), {"decision": "approve"})
+        problem_row(res, f"requester as {sub!r} approves her own run → 403", r, [403])
     r = f.call("POST", f"/factory/delivery/promotions/{prom['prod']}/approval", alice, {"decision": "approve"})
     problem_row(res, "requester (also a Reviewer) approves her own promotion → 403", r, [403])
     # Roles a token does not carry.

@@ -192,7 +192,13 @@ async fn only_trusted_sources_speak_for_a_service_and_lowering_a_class_is_audite
     config.trusted_sources = ferry_messaging::TrustedSources::parse(
         "environments.v1.*=urn:environments;ApprovalDecided=urn:runcontrol",
     )
-    .unwrap();
+    .unwrap()
+    .with_identities(
+        ferry_messaging::SourceIdentities::parse(
+            "urn:environments=svc-environments;urn:runcontrol=svc-runcontrol",
+        )
+        .unwrap(),
+    );
     let s = TestServer::start_with(Backend::Postgres, config, data).await;
     admin_environment(&s, "payments-prod", "production").await;
     let spec = declare(&s, "payments-prod").await;
@@ -218,7 +224,8 @@ async fn only_trusted_sources_speak_for_a_service_and_lowering_a_class_is_audite
         problem["detail"].as_str().unwrap().contains("not trusted"),
         "{problem}"
     );
-    // The trusted source may lower the class: an event of its own naming who did it.
+    // The trusted source may ask to lower the class; production holds until a second
+    // person approves, and the lowering is then an event of its own naming both.
     let (status, accepted) = post_event(
         &s,
         &svc,
@@ -226,6 +233,27 @@ async fn only_trusted_sources_speak_for_a_service_and_lowering_a_class_is_audite
     )
     .await;
     assert_eq!(status, 202, "{accepted}");
+    let (_, env) = s
+        .get(
+            &operator("acme", "alice"),
+            "/factory/environments/payments-prod",
+        )
+        .await;
+    assert_eq!(env["environmentClass"], "production", "{env}");
+    assert_eq!(
+        env["pendingClassLowering"]["requestedBy"], "svc-environments",
+        "{env}"
+    );
+    let second = token("acme", "platform-2", &[READ, APPLY], &["PlatformAdmin"]);
+    let (status, env) = s
+        .post(
+            &second,
+            "/factory/environments/payments-prod/class-lowering",
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{env}");
+    assert_eq!(env["environmentClass"], "development", "{env}");
     let db = &s.db.as_ref().unwrap().db;
     let lowered: Vec<(Value, Value)> = ferry_store::on_pool!(db, pool => sqlx::query_as(
         "SELECT payload, metadata FROM events WHERE event_type = 'EnvironmentClassLowered'"
@@ -236,7 +264,8 @@ async fn only_trusted_sources_speak_for_a_service_and_lowering_a_class_is_audite
     assert_eq!(inner["previousClass"], "production");
     assert_eq!(inner["environmentClass"], "development");
     assert_eq!(inner["loweredBy"], "svc-environments");
-    assert_eq!(metadata["actor"], "svc-environments");
+    assert_eq!(inner["approvedBy"], "platform-2");
+    assert_eq!(metadata["actor"], "platform-2");
 
     // The run requested before keeps the class it was requested under.
     let alice = operator("acme", "alice");
@@ -483,4 +512,267 @@ async fn a_repeated_decision_is_a_duplicate_and_a_late_state_report_changes_noth
         .await;
     assert_eq!(env["ready"], true, "{env}");
     s.stop().await;
+}
+
+/// Issue 37: tokens for `Alice`, `alice ` and `alice` followed by a zero-width space each
+/// approved alice's production run, and run control's event naming `decidedBy: "alice "`
+/// did as well. The person is compared, not the spelling; a hidden character is refused.
+#[tokio::test]
+async fn the_requester_cannot_approve_under_another_spelling() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let s = TestServer::start(backend).await;
+        admin_environment(&s, "payments-prod", "production").await;
+        let spec = declare(&s, "payments-prod").await;
+        let (status, run) = s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/runs",
+                &plan_body(&spec),
+            )
+            .await;
+        assert_eq!(status, 201, "{run}");
+        let id = run["provisioningRunId"].as_str().unwrap().to_string();
+        awaiting_approval(&s, &id).await;
+        let path = format!("/factory/provisioning/runs/{id}/approval");
+        let approve = json!({"decision": "approve", "reason": "looks right"});
+        for (sub, expected) in [("Alice", 403), ("alice ", 403), ("alice\u{200B}", 401)] {
+            let (status, problem) = s.post(&operator("acme", sub), &path, &approve).await;
+            assert_eq!(status, expected, "{backend:?} {sub:?}: {problem}");
+        }
+        // Run control's word for it is compared the same way, and a hidden character in
+        // the name it gives is refused.
+        let runcontrol = service("acme", "svc-runcontrol");
+        let (status, problem) = post_event(
+            &s,
+            &runcontrol,
+            &approval_decided(&id, "urn:runcontrol", "alice "),
+        )
+        .await;
+        assert_eq!(status, 422, "{backend:?}: {problem}");
+        let (status, problem) = post_event(
+            &s,
+            &runcontrol,
+            &approval_decided(&id, "urn:runcontrol", "ALICE\u{2060}"),
+        )
+        .await;
+        assert_eq!(status, 400, "{backend:?}: {problem}");
+        assert!(
+            problem["detail"].as_str().unwrap().contains("decidedBy"),
+            "{problem}"
+        );
+
+        let (_, run) = s
+            .get(
+                &operator("acme", "alice"),
+                &format!("/factory/provisioning/runs/{id}"),
+            )
+            .await;
+        assert_eq!(run["state"], "AwaitingApproval", "{backend:?}: {run}");
+        assert_eq!(
+            count(
+                &s,
+                "SELECT count(*) FROM events WHERE event_type = 'ApprovalGranted'"
+            )
+            .await,
+            0,
+            "{backend:?}"
+        );
+        s.stop().await;
+    }
+}
+
+/// Issue 37: with `FERRY_TRUSTED_SOURCES` set, a service token with `sub: svc-anything`
+/// that wrote `source: urn:runcontrol` in the body was accepted. A body never chooses its
+/// own authority: the token's subject must be bound to the source.
+#[tokio::test]
+async fn a_body_never_chooses_its_own_source() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let data = tempfile::tempdir().unwrap();
+        let mut config = config(data.path());
+        config.trusted_sources = ferry_messaging::TrustedSources::parse(
+            "ApprovalDecided=urn:runcontrol;environments.v1.*=urn:environments",
+        )
+        .unwrap()
+        .with_identities(
+            ferry_messaging::SourceIdentities::parse("urn:runcontrol=svc-runcontrol").unwrap(),
+        );
+        let s = TestServer::start_with(backend, config, data).await;
+        admin_environment(&s, "payments-prod", "production").await;
+        let spec = declare(&s, "payments-prod").await;
+        let (_, run) = s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/runs",
+                &plan_body(&spec),
+            )
+            .await;
+        let id = run["provisioningRunId"].as_str().unwrap().to_string();
+        awaiting_approval(&s, &id).await;
+
+        // Another service writes run control's source into its body.
+        let (status, problem) = post_event(
+            &s,
+            &service("acme", "svc-anything"),
+            &approval_decided(&id, "urn:runcontrol", "bob"),
+        )
+        .await;
+        assert_eq!(status, 403, "{backend:?}: {problem}");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("FERRY_SOURCE_IDENTITIES"),
+            "{problem}"
+        );
+        // A trusted source no identity is bound to speaks over NATS only.
+        let (status, problem) = post_event(
+            &s,
+            &service("acme", "svc-environments"),
+            &environment_created("payments-prod", "development", "urn:environments"),
+        )
+        .await;
+        assert_eq!(status, 403, "{backend:?}: {problem}");
+        assert_eq!(
+            count(
+                &s,
+                "SELECT count(*) FROM events WHERE event_type IN ('ApprovalGranted', 'EnvironmentUpdated', 'EnvironmentClassLowered')"
+            )
+            .await,
+            0,
+            "{backend:?}"
+        );
+        // Run control's own identity is heard.
+        let (status, accepted) = post_event(
+            &s,
+            &service("acme", "svc-runcontrol"),
+            &approval_decided(&id, "urn:runcontrol", "bob"),
+        )
+        .await;
+        assert_eq!(status, 202, "{backend:?}: {accepted}");
+        let r = s.client.get(s.url("/readyz")).send().await.unwrap();
+        let (_, ready) = response(r).await;
+        assert_eq!(ready["inboundTrust"]["mode"], "bound", "{ready}");
+        s.stop().await;
+    }
+}
+
+/// Unset, every service token may post every event: the single-team default, which
+/// `/readyz` states.
+#[tokio::test]
+async fn readyz_says_when_every_service_may_post_every_event() {
+    let s = TestServer::start(Backend::Sqlite).await;
+    let r = s.client.get(s.url("/readyz")).send().await.unwrap();
+    let (status, ready) = response(r).await;
+    assert_eq!(status, 200, "{ready}");
+    assert_eq!(ready["inboundTrust"]["mode"], "open", "{ready}");
+    assert!(
+        ready["inboundTrust"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("every service token"),
+        "{ready}"
+    );
+    s.stop().await;
+}
+
+/// Issue 37: a PlatformAdmin alone lowered `sprod` from production to development
+/// (`PUT /factory/environments/sprod`), applied without approval, and raised it back; a
+/// service token's `EnvironmentCreated` lowered it the same way. Lowering out of production
+/// waits for a second person, whichever way it arrives; meanwhile runs keep production's
+/// rules.
+#[tokio::test]
+async fn lowering_out_of_production_needs_a_second_person() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let s = TestServer::start(backend).await;
+        admin_environment(&s, "sprod", "production").await;
+        let admin = token("acme", "platform", &[READ, APPLY], &["PlatformAdmin"]);
+        let r = s
+            .client
+            .put(s.url("/factory/environments/sprod"))
+            .bearer_auth(&admin)
+            .json(&json!({"environmentClass": "development"}))
+            .send()
+            .await
+            .unwrap();
+        let (status, env) = response(r).await;
+        assert_eq!(status, 202, "{backend:?}: {env}");
+        assert_eq!(env["environmentClass"], "production", "{env}");
+        assert_eq!(
+            env["pendingClassLowering"]["environmentClass"], "development",
+            "{env}"
+        );
+
+        // A run requested meanwhile is a production run: it needs an approval.
+        let spec = declare(&s, "sprod").await;
+        let (status, run) = s
+            .post(
+                &operator("acme", "alice"),
+                "/factory/provisioning/runs",
+                &plan_body(&spec),
+            )
+            .await;
+        assert_eq!(status, 201, "{run}");
+        assert_eq!(run["environmentClass"], "production", "{backend:?}: {run}");
+
+        // Neither its requester (under any spelling) nor an Operator approves the lowering.
+        let path = "/factory/environments/sprod/class-lowering";
+        let approve = json!({"decision": "approve"});
+        for sub in ["platform", "Platform "] {
+            let me = token("acme", sub, &[READ, APPLY], &["PlatformAdmin"]);
+            let (status, problem) = s.post(&me, path, &approve).await;
+            assert_eq!(status, 403, "{backend:?} {sub:?}: {problem}");
+        }
+        let (status, _) = s.post(&operator("acme", "bob"), path, &approve).await;
+        assert_eq!(status, 403);
+        let (_, env) = s
+            .get(&operator("acme", "alice"), "/factory/environments/sprod")
+            .await;
+        assert_eq!(env["environmentClass"], "production", "{env}");
+
+        // A service's EnvironmentCreated asks the same way, and is refused the same way.
+        let r = s
+            .client
+            .put(s.url("/factory/environments/sprod"))
+            .bearer_auth(&admin)
+            .json(&json!({"environmentClass": "production"}))
+            .send()
+            .await
+            .unwrap();
+        let (status, env) = response(r).await;
+        assert_eq!(status, 200, "{env}");
+        assert!(env.get("pendingClassLowering").is_none(), "{env}");
+        let (status, accepted) = post_event(
+            &s,
+            &service("acme", "svc-environments"),
+            &environment_created("sprod", "development", "urn:environments"),
+        )
+        .await;
+        assert_eq!(status, 202, "{backend:?}: {accepted}");
+        let (_, env) = s
+            .get(&operator("acme", "alice"), "/factory/environments/sprod")
+            .await;
+        assert_eq!(env["environmentClass"], "production", "{backend:?}: {env}");
+        assert_eq!(
+            env["pendingClassLowering"]["requestedBy"], "svc-environments",
+            "{env}"
+        );
+        assert_eq!(
+            count(
+                &s,
+                "SELECT count(*) FROM events WHERE event_type = 'EnvironmentClassLowered'"
+            )
+            .await,
+            0,
+            "{backend:?}"
+        );
+
+        // A second PlatformAdmin decides.
+        let second = token("acme", "platform-2", &[READ, APPLY], &["PlatformAdmin"]);
+        let (status, env) = s.post(&second, path, &approve).await;
+        assert_eq!(status, 200, "{backend:?}: {env}");
+        assert_eq!(env["environmentClass"], "development", "{env}");
+        let (status, problem) = s.post(&second, path, &approve).await;
+        assert_eq!(status, 409, "nothing left to decide: {problem}");
+        s.stop().await;
+    }
 }

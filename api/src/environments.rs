@@ -1,6 +1,9 @@
 //! `PUT /factory/environments/{environmentId}` and `GET …`: the environments Ferry knows,
 //! recorded as events. Until the environment service's events arrive over NATS, a
 //! PlatformAdmin records them here; creating one declares and plans its baseline.
+//!
+//! Lowering a class out of production waits for a second PlatformAdmin
+//! (`POST …/class-lowering`): until then the environment stays production, for every run.
 
 use crate::auth::Caller;
 use crate::extract::{RequestIds, ValidJson};
@@ -12,7 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
 use ferry_domain::environment::{
-    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration, SloObjective,
+    BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration, PendingLowering,
+    SloObjective,
 };
 use ferry_domain::{EnvironmentClass, EnvironmentId};
 use serde::{Deserialize, Serialize};
@@ -57,6 +61,19 @@ pub struct EnvironmentView {
     /// Its service-level objective, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slo: Option<SloObjective>,
+    /// A lowering of the class out of production waiting for a second PlatformAdmin
+    /// (`POST /factory/environments/{environmentId}/class-lowering`); until then the class
+    /// above holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pending_class_lowering: Option<PendingLowering>,
+}
+
+/// Body of `POST /factory/environments/{environmentId}/class-lowering`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClassLoweringDecision {
+    /// `approve` (someone other than the requester) lowers the class; `reject` keeps it.
+    pub decision: ferry_domain::run::Decision,
 }
 
 fn view(env: &Environment) -> Option<EnvironmentView> {
@@ -69,6 +86,7 @@ fn view(env: &Environment) -> Option<EnvironmentView> {
         ready: env.is_ready(),
         baseline_program: r.baseline_program.clone(),
         slo: r.slo.clone(),
+        pending_class_lowering: env.pending_lowering().cloned(),
     })
 }
 
@@ -144,11 +162,15 @@ pub async fn put_environment(
         )
         .await?;
     let created = done.sequence == 1 && !done.events.is_empty();
+    let asked = body.environment_class;
     let body = view(&done.aggregate)
         .ok_or_else(|| ApiError::internal("environment without registration"))?;
     tracing::info!(created, class = ?body.environment_class, "environment recorded");
     let status = if created {
         StatusCode::CREATED
+    } else if body.environment_class != asked {
+        // Lowering out of production waits for a second person.
+        StatusCode::ACCEPTED
     } else {
         StatusCode::OK
     };
@@ -174,4 +196,39 @@ pub async fn get_environment(
         Some(v) => Ok(Json(v).into_response()),
         None => Err(ApiError::NotFound(format!("no environment {environment}"))),
     }
+}
+
+/// `POST /factory/environments/{environmentId}/class-lowering`: a PlatformAdmin other than
+/// the one who asked approves lowering the class out of production (or anyone allowed
+/// refuses it).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+pub async fn decide_class_lowering(
+    State(state): State<AppState>,
+    caller: Caller,
+    ids: RequestIds,
+    Path(raw): Path<String>,
+    ValidJson { value: body, .. }: ValidJson<ClassLoweringDecision>,
+) -> Result<Response, ApiError> {
+    caller.require_platform_admin()?;
+    let environment = environment_id(&raw)?;
+    let metadata = caller.metadata(ids);
+    let id = Environment::aggregate_id(&caller.tenant, &environment);
+    let done = state
+        .environments()
+        .execute(
+            &caller.tenant,
+            &id,
+            EnvironmentCommand::DecideClassLowering {
+                approve: body.decision == ferry_domain::run::Decision::Approve,
+                by: caller.actor.clone(),
+                at: Utc::now(),
+            },
+            &metadata,
+            false,
+        )
+        .await?;
+    let view = view(&done.aggregate)
+        .ok_or_else(|| ApiError::internal("environment without registration"))?;
+    tracing::info!(decision = ?body.decision, class = ?view.environment_class, "class lowering decided");
+    Ok(Json(view).into_response())
 }

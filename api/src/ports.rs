@@ -78,6 +78,9 @@ pub struct Readiness {
     pub problems: Vec<String>,
     /// The NATS relay's and inbound consumers' report, when NATS is configured.
     pub nats: Option<serde_json::Value>,
+    /// Who may post which inbound events (`inboundTrust`): open to every service token by
+    /// default, or the trusted sources and the identities bound to them.
+    pub inbound_trust: Option<serde_json::Value>,
 }
 
 /// The process's counters and the state of its background parts.

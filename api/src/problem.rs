@@ -306,8 +306,12 @@ impl From<ferry_domain::environment::EnvironmentError> for ApiError {
             ferry_domain::environment::EnvironmentError::NotRegistered => {
                 Self::NotFound(e.to_string())
             }
-            ferry_domain::environment::EnvironmentError::IdentityMismatch => {
+            ferry_domain::environment::EnvironmentError::IdentityMismatch
+            | ferry_domain::environment::EnvironmentError::NoPendingLowering => {
                 Self::WrongState(e.to_string())
+            }
+            ferry_domain::environment::EnvironmentError::LoweringApprovedByItsRequester(_) => {
+                Self::Forbidden(e.to_string())
             }
         }
     }

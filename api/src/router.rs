@@ -162,6 +162,9 @@ async fn readyz(State(state): State<AppState>) -> Response {
     if let Some(nats) = readiness.nats {
         body["nats"] = nats;
     }
+    if let Some(trust) = readiness.inbound_trust {
+        body["inboundTrust"] = trust;
+    }
     Json(body).into_response()
 }
 
@@ -353,6 +356,9 @@ pub fn provisioning_routes() -> ApiRouter<AppState> {
                     .response_with::<201, Json<environments::EnvironmentView>, _>(|r| {
                         r.description("Recorded for the first time.")
                     })
+                    .response_with::<202, Json<environments::EnvironmentView>, _>(|r| {
+                        r.description("Lowering the class out of production waits for a second PlatformAdmin (pendingClassLowering); the class is unchanged until then.")
+                    })
                     .errors(&[400, 401, 403, 409, 415, 422])
             })
             .get_with(environments::get_environment, move |op| {
@@ -366,6 +372,19 @@ pub fn provisioning_routes() -> ApiRouter<AppState> {
                     .errors(&[400, 401, 403, 404])
             }),
         )
+        .api_route(
+            "/factory/environments/{environmentId}/class-lowering",
+            post_with(environments::decide_class_lowering, move |op| {
+                op.id("DecideClassLowering")
+                    .summary("Approve or reject lowering an environment's class out of production (PlatformAdmin; never the one who asked for it).")
+                    .scope(APPLY)
+                    .path("environmentId", "The environment.", environment_id())
+                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
+                        r.description("The environment after the decision.")
+                    })
+                    .errors(&[400, 401, 403, 404, 409, 415, 422])
+            }),
+        )
 }
 
 /// The process's own routes: events in and out, metrics, health, readiness, this document.
@@ -375,7 +394,7 @@ fn process_routes() -> ApiRouter<AppState> {
             "/factory/events",
             post_with(events::post_event, |op| {
                 op.id("PostEvent")
-                    .summary("Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Only service identities (scope factory.events.publish, no human role) may post, from a source FERRY_TRUSTED_SOURCES trusts for the event. Redelivery of the same source and id has no second effect; a malformed event is dead-lettered.")
+                    .summary("Accept one CloudEvent Ferry reacts to (EnvironmentCreated, EnvironmentStateChanged, ApprovalDecided, …), for users without NATS. Only service identities (scope factory.events.publish, no human role) may post, from a source FERRY_TRUSTED_SOURCES trusts for the event and, when either is set, that FERRY_SOURCE_IDENTITIES binds to the token's sub. Redelivery of the same source and id has no second effect; a malformed event is dead-lettered.")
                     .scope(PUBLISH)
                     .response_with::<202, Json<events::EventAccepted>, _>(|r| {
                         r.description("Handled (`duplicate` true when it was already).")

@@ -113,8 +113,9 @@ pub struct Config {
     /// Run the planner and applier in this process (`FERRY_WORKERS`); API-only instances
     /// set it to false.
     pub workers: bool,
-    /// CloudEvent sources trusted per inbound event (`FERRY_TRUSTED_SOURCES`); any source
-    /// when unset.
+    /// CloudEvent sources trusted per inbound event (`FERRY_TRUSTED_SOURCES`), with the
+    /// service identities bound to each source (`FERRY_SOURCE_IDENTITIES`); any source from
+    /// any service token when both are unset.
     pub trusted_sources: ferry_messaging::TrustedSources,
     /// Postgres ends Ferry's sessions left idle inside a transaction this long
     /// (`FERRY_IDLE_IN_TRANSACTION_TIMEOUT_MS`).
@@ -434,6 +435,9 @@ settings! {
     nats_tls_required: Flag = false;
     /// CloudEvent sources trusted per inbound event (see the trust model).
     trusted_sources: String, shown "unset: any source";
+    /// Service identities (token subjects) allowed to post each CloudEvent source over HTTP,
+    /// `<source>=<identity>[,<identity>…]` `;`-separated (see the trust model).
+    source_identities: String, shown "unset: any service, unless sources are trusted";
     /// Postgres ends Ferry's sessions idle in a transaction this long (1000 to 3600000).
     idle_in_transaction_timeout_ms: Whole = 60000;
     /// How long a request waits for a store connection before 503 (100 to 120000).
@@ -1217,7 +1221,15 @@ fn convert(
                 ferry_messaging::TrustedSources::parse(&sources)
                     .map_err(|e| c.refuse(key, e.to_string()))
             })?
-            .unwrap_or_else(ferry_messaging::TrustedSources::any),
+            .unwrap_or_else(ferry_messaging::TrustedSources::any)
+            .with_identities(
+                c.opt(at!(raw.source_identities), |c, (key, bindings)| {
+                    let bindings = c.non_empty((key, bindings))?;
+                    ferry_messaging::SourceIdentities::parse(&bindings)
+                        .map_err(|e| c.refuse(key, e.to_string()))
+                })?
+                .unwrap_or_default(),
+            ),
         idle_in_transaction_timeout: c.millis(
             at!(raw.idle_in_transaction_timeout_ms),
             1_000,
@@ -1731,6 +1743,12 @@ mod tests {
         let e =
             Config::load(None, &env(&[("FERRY_TRUSTED_SOURCES", "ApprovalDecided")])).unwrap_err();
         assert_eq!(e.setting, "FERRY_TRUSTED_SOURCES");
+        let e = Config::load(
+            None,
+            &env(&[("FERRY_SOURCE_IDENTITIES", "urn:runcontrol=svc\u{200B}")]),
+        )
+        .unwrap_err();
+        assert_eq!(e.setting, "FERRY_SOURCE_IDENTITIES");
         let e = Config::load(None, &env(&[("FERRY_SQLITE_BUSY_TIMEOUT_MS", "0")])).unwrap_err();
         assert_eq!(e.setting, "FERRY_SQLITE_BUSY_TIMEOUT_MS");
         let c = Config::load(

@@ -251,6 +251,11 @@ impl Server {
             metrics.clone(),
             confinement.clone(),
         ));
+        // Who may post inbound events: the open single-team default, or sources trusted
+        // but spoken for by no service over HTTP, is worth an operator's attention.
+        for warning in config.trusted_sources.warnings() {
+            tracing::warn!(%warning, "inbound trust");
+        }
         let (inbound, nats, messaging) = match &config.nats_url {
             Some(url) => {
                 let relay_config = ferry_messaging::RelayConfig {
@@ -300,12 +305,10 @@ impl Server {
         let services = ferry_api::state::Services {
             verifier,
             read_your_writes: config.read_your_writes,
-            telemetry: std::sync::Arc::new(ProcessTelemetry::new(
-                db.clone(),
-                registry,
-                metrics,
-                nats,
-            )?),
+            telemetry: std::sync::Arc::new(
+                ProcessTelemetry::new(db.clone(), registry, metrics, nats)?
+                    .with_inbound_trust(config.trusted_sources.report()),
+            ),
             artifacts,
             intake: std::sync::Arc::new(crate::events::Intake::new(inbound)),
             feed: std::sync::Arc::new(crate::events::Feed::new(db.clone(), publishers)),

@@ -42,6 +42,7 @@ pub struct ProcessTelemetry {
     subscriptions: Mutex<SubscriptionGauges>,
     groups: GroupCounters,
     nats: Option<NatsHealth>,
+    inbound_trust: Option<serde_json::Value>,
 }
 
 impl ProcessTelemetry {
@@ -65,7 +66,14 @@ impl ProcessTelemetry {
             subscriptions: Mutex::new(subscriptions),
             groups,
             nats,
+            inbound_trust: None,
         })
+    }
+
+    /// The same, reporting `trust` as `/readyz`'s `inboundTrust`.
+    pub fn with_inbound_trust(mut self, trust: serde_json::Value) -> Self {
+        self.inbound_trust = Some(trust);
+        self
     }
 }
 
@@ -291,6 +299,7 @@ impl Telemetry for ProcessTelemetry {
             return Readiness {
                 problems: failing,
                 nats: None,
+                inbound_trust: self.inbound_trust.clone(),
             };
         };
         let mut problems = failing;
@@ -305,6 +314,7 @@ impl Telemetry for ProcessTelemetry {
         Readiness {
             problems,
             nats: Some(serde_json::json!({"relay": relay, "consumers": n.consumers.snapshot()})),
+            inbound_trust: self.inbound_trust.clone(),
         }
     }
 }

@@ -5,7 +5,12 @@
 //!
 //! Lowering an environment's class (production to staging, say) takes the production rules
 //! off every run requested after it, so it is an event of its own,
-//! `EnvironmentClassLowered`, naming who did it. Runs keep the class they were requested
+//! `EnvironmentClassLowered`, naming who did it. Lowering out of production is a change
+//! a second person decides, whichever way it arrives (`PUT /factory/environments/{id}` or
+//! an `EnvironmentCreated` event): it is recorded as requested
+//! (`EnvironmentClassLoweringRequested`) and the class stays production, with production's
+//! rules for every run, until someone other than the requester approves it
+//! ([`EnvironmentCommand::DecideClassLowering`]). Runs keep the class they were requested
 //! under. Readiness changes are ordered by the time the environment service observed them:
 //! an older report arriving late never overwrites a newer one.
 
@@ -108,12 +113,36 @@ pub struct EnvironmentRegistration {
     pub recorded_at: DateTime<Utc>,
 }
 
+/// A lowering of the class out of production, waiting for a second person.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingLowering {
+    /// The class now (production).
+    pub previous_class: EnvironmentClass,
+    /// The lower class asked for.
+    pub environment_class: EnvironmentClass,
+    /// Who asked.
+    pub requested_by: Actor,
+    /// When.
+    pub requested_at: DateTime<Utc>,
+}
+
 /// Commands of the environment aggregate.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EnvironmentCommand {
     /// Record the environment, or update its class and health URL (idempotent: the same
     /// values again change nothing).
     Register(Box<EnvironmentRegistration>),
+    /// Approve or refuse the pending lowering of the class out of production. Only
+    /// someone other than its requester approves it; anyone allowed may refuse it.
+    DecideClassLowering {
+        /// `true` to lower the class, `false` to keep production.
+        approve: bool,
+        /// Who decides.
+        by: Actor,
+        /// When.
+        at: DateTime<Utc>,
+    },
     /// The environment's readiness changed. Ignored when older than the state recorded.
     ChangeState {
         /// `true` when ready to receive changes.
@@ -166,10 +195,26 @@ pub enum EnvironmentEvent {
         /// The health URL after the change.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         health_url: Option<String>,
-        /// Who lowered it.
+        /// Who lowered it (out of production: who asked for it).
         lowered_by: Actor,
         /// When.
         lowered_at: DateTime<Utc>,
+        /// Out of production: the second person who approved it (absent on events
+        /// recorded before lowering out of production needed one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        approved_by: Option<Actor>,
+    },
+    /// Lowering the class out of production was asked for: the class stays until a second
+    /// person approves it.
+    EnvironmentClassLoweringRequested(PendingLowering),
+    /// The pending lowering was refused, or withdrawn by a registration naming the class
+    /// recorded or a higher one.
+    #[serde(rename_all = "camelCase")]
+    EnvironmentClassLoweringRefused {
+        /// Who.
+        refused_by: Actor,
+        /// When.
+        refused_at: DateTime<Utc>,
     },
     /// The service-level objective was set, changed or removed.
     #[serde(rename_all = "camelCase")]
@@ -203,6 +248,12 @@ impl EnvironmentEvent {
             Self::EnvironmentRegistered(_) => EventType::first("EnvironmentRegistered"),
             Self::EnvironmentUpdated { .. } => EventType::first("EnvironmentUpdated"),
             Self::EnvironmentClassLowered { .. } => EventType::first("EnvironmentClassLowered"),
+            Self::EnvironmentClassLoweringRequested(_) => {
+                EventType::first("EnvironmentClassLoweringRequested")
+            }
+            Self::EnvironmentClassLoweringRefused { .. } => {
+                EventType::first("EnvironmentClassLoweringRefused")
+            }
             Self::EnvironmentStateChanged { .. } => EventType::first("EnvironmentStateChanged"),
             Self::EnvironmentSloChanged { .. } => EventType::first("EnvironmentSloChanged"),
         }
@@ -227,6 +278,12 @@ pub enum EnvironmentError {
     /// The registration names another environment or tenant than the aggregate.
     #[error("registration does not match the environment record")]
     IdentityMismatch,
+    /// No lowering of the class waits for a decision.
+    #[error("no lowering of the environment's class waits for a decision")]
+    NoPendingLowering,
+    /// The person who asked to lower the class out of production tried to approve it.
+    #[error("{0} asked to lower the class out of production: a second person approves it")]
+    LoweringApprovedByItsRequester(Actor),
 }
 
 /// The environment as recorded.
@@ -236,6 +293,8 @@ pub struct Environment {
     ready: bool,
     state: Option<String>,
     state_observed_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    pending_lowering: Option<PendingLowering>,
 }
 
 impl Environment {
@@ -251,6 +310,10 @@ impl Environment {
     pub fn class(&self) -> Option<EnvironmentClass> {
         self.registration.as_ref().map(|r| r.environment_class)
     }
+    /// The lowering of the class out of production waiting for a second person, if any.
+    pub fn pending_lowering(&self) -> Option<&PendingLowering> {
+        self.pending_lowering.as_ref()
+    }
     /// Ready to receive changes.
     pub fn is_ready(&self) -> bool {
         self.ready
@@ -261,6 +324,48 @@ impl Environment {
         self.state
             .as_deref()
             .map(|state| (state, self.state_observed_at))
+    }
+}
+
+impl Environment {
+    /// A registration lowering the class out of production: the class stays, the other
+    /// changes (health URL) are recorded, and the lowering waits for a second person
+    /// (asked once: the same lowering asked again changes nothing).
+    async fn request_lowering(
+        &mut self,
+        existing: EnvironmentRegistration,
+        r: EnvironmentRegistration,
+        sink: &EventSink<Self>,
+    ) -> Result<(), EnvironmentError> {
+        if existing.health_url != r.health_url {
+            sink.write(
+                EnvironmentEvent::EnvironmentUpdated {
+                    environment_class: existing.environment_class,
+                    health_url: r.health_url.clone(),
+                    recorded_by: r.recorded_by.clone(),
+                    recorded_at: r.recorded_at,
+                },
+                self,
+            )
+            .await;
+        }
+        let asked = self
+            .pending_lowering
+            .as_ref()
+            .is_some_and(|p| p.environment_class == r.environment_class);
+        if !asked {
+            sink.write(
+                EnvironmentEvent::EnvironmentClassLoweringRequested(PendingLowering {
+                    previous_class: existing.environment_class,
+                    environment_class: r.environment_class,
+                    requested_by: r.recorded_by,
+                    requested_at: r.recorded_at,
+                }),
+                self,
+            )
+            .await;
+        }
+        Ok(())
     }
 }
 
@@ -310,6 +415,24 @@ impl Aggregate for Environment {
                         )
                         .await;
                     }
+                    let out_of_production = existing.environment_class
+                        == EnvironmentClass::Production
+                        && r.environment_class != EnvironmentClass::Production;
+                    if out_of_production {
+                        return self.request_lowering(existing, *r, sink).await;
+                    }
+                    // A registration naming the class recorded (or a higher one) withdraws
+                    // a lowering asked for before.
+                    if self.pending_lowering.is_some() {
+                        sink.write(
+                            EnvironmentEvent::EnvironmentClassLoweringRefused {
+                                refused_by: r.recorded_by.clone(),
+                                refused_at: r.recorded_at,
+                            },
+                            self,
+                        )
+                        .await;
+                    }
                     if existing.environment_class == r.environment_class
                         && existing.health_url == r.health_url
                     {
@@ -322,6 +445,7 @@ impl Aggregate for Environment {
                             health_url: r.health_url,
                             lowered_by: r.recorded_by,
                             lowered_at: r.recorded_at,
+                            approved_by: None,
                         }
                     } else {
                         EnvironmentEvent::EnvironmentUpdated {
@@ -333,6 +457,33 @@ impl Aggregate for Environment {
                     }
                 }
             },
+            EnvironmentCommand::DecideClassLowering { approve, by, at } => {
+                let pending = self
+                    .pending_lowering
+                    .clone()
+                    .ok_or(EnvironmentError::NoPendingLowering)?;
+                let registration = self
+                    .registration
+                    .as_ref()
+                    .ok_or(EnvironmentError::NotRegistered)?;
+                if !approve {
+                    EnvironmentEvent::EnvironmentClassLoweringRefused {
+                        refused_by: by,
+                        refused_at: at,
+                    }
+                } else if pending.requested_by.same_person(&by) {
+                    return Err(EnvironmentError::LoweringApprovedByItsRequester(by));
+                } else {
+                    EnvironmentEvent::EnvironmentClassLowered {
+                        previous_class: registration.environment_class,
+                        environment_class: pending.environment_class,
+                        health_url: registration.health_url.clone(),
+                        lowered_by: pending.requested_by,
+                        lowered_at: at,
+                        approved_by: Some(by),
+                    }
+                }
+            }
             EnvironmentCommand::ChangeState {
                 ready,
                 state,
@@ -363,6 +514,12 @@ impl Aggregate for Environment {
 
     fn apply(&mut self, event: Self::Event) {
         match event {
+            EnvironmentEvent::EnvironmentClassLoweringRequested(pending) => {
+                self.pending_lowering = Some(pending);
+            }
+            EnvironmentEvent::EnvironmentClassLoweringRefused { .. } => {
+                self.pending_lowering = None;
+            }
             EnvironmentEvent::EnvironmentRegistered(r) => self.registration = Some(*r),
             EnvironmentEvent::EnvironmentUpdated {
                 environment_class,
@@ -375,6 +532,9 @@ impl Aggregate for Environment {
                 ..
             } => {
                 if let Some(r) = self.registration.as_mut() {
+                    if r.environment_class != environment_class {
+                        self.pending_lowering = None;
+                    }
                     r.environment_class = environment_class;
                     r.health_url = health_url;
                 }
@@ -515,21 +675,141 @@ mod tests {
 
     #[test]
     fn lowering_the_class_is_an_audited_event_of_its_own() {
-        let prod = registration(EnvironmentClass::Production);
+        let staging = registration(EnvironmentClass::Staging);
         let mut lowered = registration(EnvironmentClass::Development);
         lowered.recorded_by = Actor::parse("svc-environments").unwrap();
         TestFramework::<Environment>::with(())
             .given(vec![EnvironmentEvent::EnvironmentRegistered(Box::new(
-                prod,
+                staging,
             ))])
             .when(EnvironmentCommand::Register(Box::new(lowered.clone())))
             .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLowered {
-                previous_class: EnvironmentClass::Production,
+                previous_class: EnvironmentClass::Staging,
                 environment_class: EnvironmentClass::Development,
                 health_url: None,
                 lowered_by: Actor::parse("svc-environments").unwrap(),
                 lowered_at: lowered.recorded_at,
+                approved_by: None,
             }]);
+    }
+
+    fn by(name: &str) -> Actor {
+        Actor::parse(name).unwrap()
+    }
+
+    fn pending(requested_by: &str) -> PendingLowering {
+        PendingLowering {
+            previous_class: EnvironmentClass::Production,
+            environment_class: EnvironmentClass::Development,
+            requested_by: by(requested_by),
+            requested_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+        }
+    }
+
+    fn decide(approve: bool, who: &str) -> EnvironmentCommand {
+        EnvironmentCommand::DecideClassLowering {
+            approve,
+            by: by(who),
+            at: DateTime::from_timestamp(1_700_000_500, 0).unwrap(),
+        }
+    }
+
+    /// Issue 37: a PlatformAdmin alone lowered production to development (and a service's
+    /// `EnvironmentCreated` did the same). Lowering out of production is asked for; the
+    /// class stays until a second person approves.
+    #[test]
+    fn lowering_out_of_production_waits_for_a_second_person() {
+        let prod = vec![EnvironmentEvent::EnvironmentRegistered(Box::new(
+            registration(EnvironmentClass::Production),
+        ))];
+        for who in ["admin", "svc-environments"] {
+            let mut lowered = registration(EnvironmentClass::Development);
+            lowered.recorded_by = by(who);
+            TestFramework::<Environment>::with(())
+                .given(prod.clone())
+                .when(EnvironmentCommand::Register(Box::new(lowered)))
+                .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLoweringRequested(
+                    pending(who),
+                )]);
+        }
+        let asked = [
+            prod.clone(),
+            vec![EnvironmentEvent::EnvironmentClassLoweringRequested(
+                pending("admin"),
+            )],
+        ]
+        .concat();
+        // The class holds meanwhile, and asking again changes nothing.
+        let mut env = Environment::default();
+        for e in asked.clone() {
+            env.apply(e);
+        }
+        assert_eq!(env.class(), Some(EnvironmentClass::Production));
+        assert_eq!(env.pending_lowering(), Some(&pending("admin")));
+        let mut again = registration(EnvironmentClass::Development);
+        again.recorded_by = by("Admin ");
+        TestFramework::<Environment>::with(())
+            .given(asked.clone())
+            .when(EnvironmentCommand::Register(Box::new(again)))
+            .then_expect_events(vec![]);
+        // Its requester, under any spelling, cannot approve it.
+        for spelling in ["admin", "ADMIN", "admin "] {
+            TestFramework::<Environment>::with(())
+                .given(asked.clone())
+                .when(decide(true, spelling))
+                .then_expect_error(EnvironmentError::LoweringApprovedByItsRequester(by(
+                    "admin",
+                )));
+        }
+        // A second person lowers it.
+        TestFramework::<Environment>::with(())
+            .given(asked.clone())
+            .when(decide(true, "carol"))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLowered {
+                previous_class: EnvironmentClass::Production,
+                environment_class: EnvironmentClass::Development,
+                health_url: None,
+                lowered_by: by("admin"),
+                lowered_at: DateTime::from_timestamp(1_700_000_500, 0).unwrap(),
+                approved_by: Some(by("carol")),
+            }]);
+        // Or refuses it (its requester may withdraw it too).
+        TestFramework::<Environment>::with(())
+            .given(asked.clone())
+            .when(decide(false, "admin"))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLoweringRefused {
+                refused_by: by("admin"),
+                refused_at: DateTime::from_timestamp(1_700_000_500, 0).unwrap(),
+            }]);
+        // Registering production again withdraws it.
+        let prod_again = registration(EnvironmentClass::Production);
+        TestFramework::<Environment>::with(())
+            .given(asked)
+            .when(EnvironmentCommand::Register(Box::new(prod_again.clone())))
+            .then_expect_events(vec![EnvironmentEvent::EnvironmentClassLoweringRefused {
+                refused_by: prod_again.recorded_by,
+                refused_at: prod_again.recorded_at,
+            }]);
+        // Nothing to decide without a request.
+        TestFramework::<Environment>::with(())
+            .given(prod)
+            .when(decide(true, "carol"))
+            .then_expect_error(EnvironmentError::NoPendingLowering);
+    }
+
+    #[test]
+    fn a_lowering_stored_before_approvals_still_loads() {
+        let stored = serde_json::json!({"EnvironmentClassLowered": {
+            "previousClass": "production", "environmentClass": "development",
+            "loweredBy": "admin", "loweredAt": "2026-12-01T10:00:00Z"}});
+        let event: EnvironmentEvent = serde_json::from_value(stored).unwrap();
+        assert!(matches!(
+            event,
+            EnvironmentEvent::EnvironmentClassLowered {
+                approved_by: None,
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -23,6 +23,13 @@ pub enum IdError {
         /// The first offending character.
         found: char,
     },
+    /// A name held a control, format (zero-width, bidirectional) or other invisible
+    /// character.
+    #[error("must not contain control, format or invisible characters (found U+{:04X})", u32::from(*found))]
+    HiddenCharacter {
+        /// The first offending character.
+        found: char,
+    },
     /// A uuid identifier did not parse.
     #[error("must be a UUID")]
     NotUuid,
@@ -108,15 +115,33 @@ text_id!(
     128
 );
 
+// Two actors are equal when they name the same person (`Actor::same_person`): after
+// Unicode compatibility normalisation and case folding, trimmed, without invisible
+// characters, so every separation of duties (the requester never approves) holds against
+// `Alice`, `alice ` or `alice` with a zero-width space. `Actor::parse`, used where a name
+// arrives (a token, an inbound event), refuses invisible, bidirectional and control
+// characters; names read back from stored events are taken as they were stored
+// (`Deserialize`, through `TryFrom<String>`), so that old events keep loading. (Not a doc
+// comment: the event schemas carry the type's doc.)
 /// The identity that issued a command: the `sub` of the caller's token, or `system:<worker>`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(try_from = "String", into = "String")]
 pub struct Actor(String);
 
 impl Actor {
-    /// Validates an actor name: non-empty, at most 256 characters, no control characters.
+    /// Validates an actor name that arrives: non-empty once trimmed, at most 256
+    /// characters, and no control, format (zero-width, bidirectional) or other hidden
+    /// characters (`crate::text::is_hidden_or_control`).
     pub fn parse(value: impl Into<String>) -> Result<Self, IdError> {
-        let value = value.into();
+        let actor = Self::stored(value.into())?;
+        if let Some(found) = crate::text::first_hidden_or_control(&actor.0) {
+            return Err(IdError::HiddenCharacter { found });
+        }
+        Ok(actor)
+    }
+    /// An actor name read back from a stored event: non-empty, at most 256 characters, no
+    /// control characters (what was refused when it was recorded).
+    fn stored(value: String) -> Result<Self, IdError> {
         if value.trim().is_empty() {
             return Err(IdError::Empty);
         }
@@ -124,19 +149,41 @@ impl Actor {
             return Err(IdError::TooLong { max: 256 });
         }
         if let Some(found) = value.chars().find(|c| c.is_control()) {
-            return Err(IdError::BadCharacter { found });
+            return Err(IdError::HiddenCharacter { found });
         }
         Ok(Self(value))
     }
-    /// The actor as text.
+    /// The actor as text, as it was given.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+    /// Whether `self` and `other` name the same person (see the type's documentation); the
+    /// comparison every separation of duties makes.
+    pub fn same_person(&self, other: &Actor) -> bool {
+        self.person_key() == other.person_key()
+    }
+    /// The name in the form two names of one person share (`crate::text::person_key`).
+    pub fn person_key(&self) -> String {
+        crate::text::person_key(&self.0)
+    }
 }
+impl PartialEq for Actor {
+    fn eq(&self, other: &Self) -> bool {
+        self.same_person(other)
+    }
+}
+impl Eq for Actor {}
+impl std::hash::Hash for Actor {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.person_key().hash(state);
+    }
+}
+/// As stored: deserialising (stored events, payloads) takes the name as it was recorded;
+/// where a name arrives, use [`Actor::parse`].
 impl TryFrom<String> for Actor {
     type Error = IdError;
     fn try_from(value: String) -> Result<Self, IdError> {
-        Self::parse(value)
+        Self::stored(value)
     }
 }
 impl From<Actor> for String {
@@ -424,6 +471,40 @@ mod tests {
         );
         let parsed: Result<TenantId, _> = serde_json::from_str("\"a/b\"");
         assert!(parsed.is_err());
+    }
+
+    #[test]
+    fn actors_are_compared_as_people_and_refused_when_hidden() {
+        let alice = Actor::parse("alice").unwrap_or_else(|e| panic!("{e}"));
+        for same in ["Alice", "alice ", "ALICE", "ａｌｉｃｅ"] {
+            let other = Actor::parse(same).unwrap_or_else(|e| panic!("{e}"));
+            assert!(alice.same_person(&other), "{same:?}");
+            assert_eq!(alice, other, "{same:?}");
+        }
+        assert_ne!(alice, Actor::parse("bob").unwrap_or_else(|e| panic!("{e}")));
+        // Arriving, a name holding hidden characters is refused ...
+        for hidden in [
+            "alice\u{200B}",
+            "\u{202E}ecila",
+            "al\u{2066}ice",
+            "alice\u{1B}[31m",
+        ] {
+            assert!(
+                matches!(Actor::parse(hidden), Err(IdError::HiddenCharacter { .. })),
+                "{hidden:?}"
+            );
+        }
+        // ... but one stored before it was refused still loads, as the same person.
+        let stored: Actor =
+            serde_json::from_str("\"alice\\u200b\"").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(stored.as_str(), "alice\u{200B}");
+        assert_eq!(stored, alice);
+        assert_eq!(
+            serde_json::to_string(&stored).ok().as_deref(),
+            Some("\"alice\u{200B}\"")
+        );
+        let control: Result<Actor, _> = serde_json::from_str("\"alice\\u001b\"");
+        assert!(control.is_err());
     }
 
     #[test]

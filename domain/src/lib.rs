@@ -17,6 +17,7 @@ pub mod receipts;
 pub mod release;
 pub mod run;
 pub mod specification;
+pub mod text;
 pub mod values;
 
 pub use event_type::{EventType, StoredAggregate};

@@ -966,7 +966,8 @@ impl Aggregate for Promotion {
                         return Err(PromotionError::ApprovalMismatch(named));
                     }
                 }
-                if self.requester() == Some(&decided_by) {
+                // Compared as people are (`Actor::same_person`): `Alice` and `alice ` are one.
+                if self.requester().is_some_and(|r| r.same_person(&decided_by)) {
                     return Err(PromotionError::SelfApproval(decided_by));
                 }
                 let approval_id = pending.approval_id;

@@ -795,7 +795,8 @@ impl Aggregate for ProvisioningRun {
                 at,
             } => {
                 let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
-                if *decision == Decision::Approve && request.requested_by == *decided_by {
+                // Compared as people are (`Actor::same_person`): `Alice` and `alice ` are one.
+                if *decision == Decision::Approve && request.requested_by.same_person(decided_by) {
                     return Err(RunError::ApproverIsRequester(decided_by.clone()));
                 }
                 // A promotion's run is approved only with the promotion's verified approval

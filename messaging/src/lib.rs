@@ -85,7 +85,7 @@ pub use cloudevent::CloudEvent;
 pub use inbound::{
     accept_cloud_event, AcceptError, Accepted, Handled, Inbound, InboundConfig, InboundContext,
     InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundMetrics, Poster,
-    TrustedSources,
+    SourceIdentities, TrustedSources,
 };
 pub use outbound::{parse_position, position_token, Outbound};
 pub use publish::{DomainEvents, EncodeError, Encoded, Message, Publisher, Publishers};

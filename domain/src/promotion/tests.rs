@@ -430,6 +430,29 @@ fn nobody_decides_before_the_plan_is_attached() {
         .then_expect_error(PromotionError::NoPendingApproval);
 }
 
+/// Issue 37: a run-control decision naming `decidedBy: "alice "` completed alice's
+/// production promotion.
+#[test]
+fn the_requester_cannot_decide_their_own_promotion_under_another_spelling() {
+    for spelling in ["alice ", "Alice", "ALICE", "ａｌｉｃｅ"] {
+        Fixture::with(())
+            .given(approval_pending())
+            .when(decide(spelling, Decision::Approve))
+            .then_expect_error(PromotionError::SelfApproval(actor("alice")));
+    }
+    // A decider named with a hidden character (as stored) is alice too.
+    Fixture::with(())
+        .given(approval_pending())
+        .when(PromotionCommand::DecideApproval {
+            approval_id: None,
+            decision: Decision::Approve,
+            decided_by: serde_json::from_str("\"alice\\u2060\"").unwrap(),
+            reason: None,
+            at: at(5),
+        })
+        .then_expect_error(PromotionError::SelfApproval(actor("alice")));
+}
+
 #[test]
 fn the_requester_cannot_decide_their_own_promotion() {
     Fixture::with(())

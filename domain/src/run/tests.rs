@@ -641,6 +641,33 @@ fn the_requester_cannot_approve() {
         .then_expect_error(RunError::ApproverIsRequester(actor("alice")));
 }
 
+/// Issue 37: tokens for `Alice`, `alice ` (and `alice` with a zero-width space, which a
+/// token can no longer carry) each approved alice's production run.
+#[test]
+fn the_requester_cannot_approve_under_another_spelling() {
+    for spelling in ["Alice", "alice ", " ALICE", "ａｌｉｃｅ"] {
+        Fixture::with(())
+            .given(history(S::AwaitingApproval))
+            .when(decide(Decision::Approve, spelling))
+            .then_expect_error(RunError::ApproverIsRequester(actor(spelling)));
+    }
+    // A requester's name stored with a hidden character (before such names were refused)
+    // is still the same person.
+    let mut dev = request(
+        Some(EnvironmentClass::Development),
+        ProvisioningKind::Release,
+    );
+    dev.requested_by = serde_json::from_str("\"alice\\u200b\"").unwrap();
+    Fixture::with(())
+        .given(vec![
+            requested(dev),
+            planned(receipt(0, None)),
+            approval_required(),
+        ])
+        .when(decide(Decision::Approve, "Alice"))
+        .then_expect_error(RunError::ApproverIsRequester(actor("alice")));
+}
+
 #[test]
 fn a_promotion_s_run_is_approved_only_with_the_promotion_s_verified_approval_of_its_plan() {
     let promotion = PromotionId::from_uuid(uuid::Uuid::from_u128(11));

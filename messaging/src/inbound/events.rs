@@ -212,6 +212,12 @@ impl InboundEvent {
             {
                 Err("EnvironmentCreated has programVersion without programRef".to_string())
             }
+            // Deserialising takes an actor's name as stored events hold it; one that
+            // arrives must not hide what it is (`Actor::parse`).
+            Self::ApprovalDecided(a) => match Actor::parse(a.decided_by.as_str()) {
+                Ok(_) => Ok(event),
+                Err(e) => Err(format!("ApprovalDecided decidedBy: {e}")),
+            },
             Self::EnvironmentStateChanged(e) if e.state.trim().is_empty() => {
                 Err("EnvironmentStateChanged has an empty state".to_string())
             }
@@ -294,6 +300,17 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.contains("neither"), "{err}");
+        // Issue 37: an approver's name that hides characters is refused when it arrives.
+        for hidden in ["alice\u{200B}", "\u{202E}ecila", "alice\u{061C}"] {
+            let err = InboundEvent::decode(
+                "ApprovalDecided",
+                json!({"approvalId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a11", "tenantId": "acme",
+                       "promotionId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a12",
+                       "decision": "approve", "decidedBy": hidden}),
+            )
+            .unwrap_err();
+            assert!(err.contains("decidedBy"), "{hidden:?}: {err}");
+        }
         let err = InboundEvent::decode("ReleaseReady", json!({"tenantId": "acme"})).unwrap_err();
         assert!(err.contains("releaseId"), "{err}");
     }

@@ -26,7 +26,7 @@ pub use events::{
     InboundEvent, ReleaseReady, ReleaseWithdrawn, INBOUND,
 };
 pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
-pub use trust::{TrustedSources, TrustedSourcesError};
+pub use trust::{SourceIdentities, SourceIdentitiesError, TrustedSources, TrustedSourcesError};
 
 use crate::cloudevent::CloudEvent;
 use crate::metrics::{Family, ScrapeCollector};
@@ -430,6 +430,13 @@ pub(crate) async fn process(
         }
         dead(subject, id, tenant, reason.clone()).await;
         return Outcome::Rejected(reason);
+    }
+    // Over HTTP the body's `source` is only a claim: the token's subject must be bound to it.
+    if let Some(p) = poster {
+        if let Err(reason) = ctx.trusted.check_poster(&event.source, &p.actor) {
+            ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
+            return Outcome::Forbidden(reason);
+        }
     }
     let typed = match InboundEvent::decode(name, event.data.clone()) {
         Ok(t) => t,
