@@ -151,7 +151,7 @@ checks seed --base "$BASE" --ferry "$FERRY_BIN" --data-dir "$DATA" \
 
 # --- 4. explicit hostile requests ------------------------------------------------------
 say "explicit checks: hostile input, tenancy, forged authority"
-checks explicit --base "$BASE" --ferry "$FERRY_BIN" --ids "$WORK/ids.json" --results "$RESULTS" ||
+checks explicit --base "$BASE" --ferry "$FERRY_BIN" --ids "$WORK/ids.json" --data-dir "$DATA" --results "$RESULTS" ||
   echo "explicit checks stopped with an error (status $?)" | tee -a "$WORK/explicit-error"
 if [ -e "$WORK/explicit-error" ]; then
   echo '{"section": "explicit", "check": "ran to the end", "ok": false, "detail": "see the output above"}' >>"$RESULTS"

@@ -192,6 +192,50 @@ def eventually(what: str, fn: Callable[[], Any], timeout: float = 90, every: flo
 # --- seed ------------------------------------------------------------------------------
 
 
+SHOP_PROGRAM = ("name: shop\nruntime: yaml\nresources:\n  site:\n    type: aws:s3/bucket:Bucket\n"
+                "    properties:\n      bucketPrefix: shop\noutputs:\n  siteId: ${site.id}\n")
+GIT_USER = ["-c", "user.name=hostile", "-c", "user.email=hostile@example.com"]
+
+
+def git(repo: pathlib.Path, *args: str, data: bytes | None = None) -> str:
+    out = subprocess.run(["git", "-C", str(repo), *GIT_USER, *args], check=True, capture_output=True, input=data)
+    return out.stdout.decode().strip()
+
+
+def program_repo(data_dir: str, tenant: str, name: str = "hostile-demo") -> tuple[str, str]:
+    """A Git repository with a Pulumi YAML program in the tenant's folder (its program
+    root): the program reference and the commit."""
+    repo = pathlib.Path(data_dir, "tenants", tenant).resolve() / name / "infra"
+    (repo / "web").mkdir(parents=True, exist_ok=True)
+    (repo / "web" / "Pulumi.yaml").write_text(SHOP_PROGRAM)
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "shop")
+    return f"{repo}#web", git(repo, "rev-parse", "HEAD")
+
+
+def crafted_repo(data_dir: str, tenant: str, name: str, entries: list[tuple[str, str, bytes]]) -> tuple[str, str]:
+    """A repository whose commit's `infra` folder is exactly `entries` (mode, name, blob
+    content), written as a raw tree object (`git hash-object -t tree --literally`), so it
+    may hold what `git add` never would: the same name twice, links leaving the folder."""
+    repo = pathlib.Path(data_dir, "tenants", tenant).resolve() / name
+    repo.mkdir(parents=True, exist_ok=True)
+    git(repo, "init", "-q")
+
+    def tree(items: list[tuple[str, str, bytes]]) -> str:
+        raw = b""
+        for mode, entry, sha in items:
+            raw += mode.encode() + b" " + entry.encode() + b"\0" + bytes.fromhex(sha.decode())
+        return git(repo, "hash-object", "-t", "tree", "--literally", "-w", "--stdin", data=raw)
+
+    blobs = [(mode, entry, git(repo, "hash-object", "-w", "--stdin", data=content).encode())
+             for mode, entry, content in entries]
+    infra = tree(blobs)
+    root = tree([("40000", "infra", infra.encode())])
+    commit = git(repo, "commit-tree", root, "-m", "crafted")
+    return f"{repo}#infra", commit
+
+
 def seed(args) -> None:
     f = Ferry(args.base, args.ferry)
     a = args.tenant_a
@@ -203,20 +247,7 @@ def seed(args) -> None:
     env = {k: f"shop{tag}-{k}" for k in ("dev", "test", "staging", "prod", "ops")}
     classes = {"dev": "development", "test": "test", "staging": "staging", "prod": "production", "ops": "production"}
 
-    # A Git repository with a Pulumi YAML program in the tenant's folder (its program root).
-    root = pathlib.Path(args.data_dir, "tenants", a).resolve()
-    repo = root / "hostile-demo" / "infra"
-    (repo / "web").mkdir(parents=True, exist_ok=True)
-    (repo / "web" / "Pulumi.yaml").write_text(
-        "name: shop\nruntime: yaml\nresources:\n  site:\n    type: aws:s3/bucket:Bucket\n"
-        "    properties:\n      bucketPrefix: shop\noutputs:\n  siteId: ${site.id}\n"
-    )
-    git = ["git", "-C", str(repo)]
-    subprocess.run(git + ["init", "-q"], check=True)
-    subprocess.run(git + ["add", "."], check=True)
-    subprocess.run(git + ["-c", "user.name=hostile", "-c", "user.email=hostile@example.com", "commit", "-qm", "shop"], check=True)
-    commit = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-    program = f"{repo}#web"
+    program, commit = program_repo(args.data_dir, a)
 
     for k, name in env.items():
         need(f.call("PUT", f"/factory/environments/{name}", admin,
@@ -725,6 +756,111 @@ def explicit(args) -> None:
         problem_row(res, f"SLO query naming another tenant's series {query} → 422", r, [422],
                     field_named("slo.query"))
 
+    # --- tenant isolation (issue 37): checkouts, ids, loops, authority, text ---------
+    res = Results(args.results, "tenant isolation")
+    iso_env = f"{env['dev']}-iso"
+    need(f.call("PUT", f"/factory/environments/{iso_env}", admin, {"environmentClass": "development"}), 200, 201)
+
+    def plan_failure(program: str, commit: str) -> dict:
+        spec = need(f.call("POST", "/factory/provisioning/specifications", alice, {
+            "environmentId": iso_env, "projectId": "shop", "kind": "Workload",
+            "programRef": program, "programVersion": commit}), 201)
+        run = need(f.call("POST", "/factory/provisioning/runs", alice, {
+            "specificationId": spec["specificationId"], "specificationVersion": spec["version"],
+            "environmentId": iso_env, "kind": "Release"}), 201)["provisioningRunId"]
+
+        def probe():
+            v = j(f.call("GET", f"/factory/provisioning/runs/{run}", alice)) or {}
+            return v.get("state") not in ("Requested", None), v
+        return eventually(f"run {run} planned or failed", probe)
+
+    # 1. A chain of links that leaves the checkout, then a name twice (a link out, then a blob).
+    sentinel = pathlib.Path(args.data_dir, "sentinel.txt")
+    sentinel.write_text("untouched")
+    link, blob = "120000", "100644"
+    chain = pathlib.Path(args.data_dir, "tenants", a).resolve() / "chain"
+    (chain / "infra" / "a" / "b" / "c" / "d").mkdir(parents=True, exist_ok=True)
+    # Each link is inside the program when read alone; followed, the second lands outside.
+    os.symlink("../../../..", chain / "infra" / "a" / "b" / "c" / "d" / "l")
+    os.symlink("a/b/c/d/l/../../../../../../../../sentinel.txt", chain / "infra" / "Pulumi.yaml")
+    git(chain, "init", "-q")
+    git(chain, "add", ".")
+    git(chain, "commit", "-qm", "chain")
+    program, commit = f"{chain}#infra", git(chain, "rev-parse", "HEAD")
+    view = plan_failure(program, commit)
+    res.row("a program whose link leaves the checkout fails naming the entry",
+            view.get("state") == "Failed" and "infra/Pulumi.yaml" in json.dumps(view), json.dumps(view)[:400])
+    program, commit = crafted_repo(args.data_dir, a, "twice", [
+        (blob, "Pulumi.yaml", SHOP_PROGRAM.encode()),
+        (link, "x", str(sentinel).encode()),
+        (blob, "x", b"PWNED"),
+    ])
+    view = plan_failure(program, commit)
+    res.row("a tree holding a name twice (link, then blob) fails naming it",
+            view.get("state") == "Failed" and "infra/x" in json.dumps(view), json.dumps(view)[:400])
+    res.row("nothing outside the checkout was written", sentinel.read_text() == "untouched", sentinel.read_text()[:80])
+
+    # 2. A tenant named like Ferry's internal names takes none of A's ids.
+    squatter = f.token("promotion", "mallory", ["PlatformAdmin", "Operator"])
+    need(f.call("PUT", "/factory/environments/p-dev", squatter, {"environmentClass": "development"}), 200, 201)
+    s_program, s_commit = program_repo(args.data_dir, "promotion", "squat")
+    s_spec = need(f.call("POST", "/factory/provisioning/specifications", squatter, {
+        "environmentId": "p-dev", "projectId": "shop", "kind": "Workload",
+        "programRef": s_program, "programVersion": s_commit}), 201)
+    before = json.dumps(j(f.call("GET", f"/factory/delivery/promotions/{prom['prod']}", alice)) or {})
+    for key in (f"{prom['prod']}/0", f"{prom['prod']}/1", f"promotion/{prom['prod']}/0"):
+        r = f.call("POST", "/factory/provisioning/runs", squatter, {
+            "specificationId": s_spec["specificationId"], "specificationVersion": s_spec["version"],
+            "environmentId": "p-dev", "kind": "Release"}, headers={"Idempotency-Key": key})
+        rid = (j(r) or {}).get("provisioningRunId", "")
+        res.row(f"tenant 'promotion' with Idempotency-Key {key!r} gets none of A's run ids",
+                r.status_code == 201 and rid and rid not in before, f"{r.status_code}: {r.text[:200]}")
+
+    # 3. A request a loop would fail on is refused when made.
+    r = f.call("POST", "/factory/provisioning/specifications", alice, {
+        "environmentId": env["dev"], "projectId": "other", "kind": "Workload",
+        "programRef": ids["program"], "programVersion": ids["commit"]})
+    problem_row(res, "re-declaring a specification under another project → 422 projectId", r, [422],
+                field_named("projectId"))
+
+    # 5. One PlatformAdmin alone cannot take production out of production.
+    r = f.call("PUT", f"/factory/environments/{env['ops']}", admin, {"environmentClass": "development"})
+    lowered = j(r) or {}
+    res.row("a lone PlatformAdmin lowering production → 202, still production",
+            r.status_code == 202 and lowered.get("environmentClass") == "production", f"{r.status_code}: {r.text[:200]}")
+    r = f.call("POST", f"/factory/environments/{env['ops']}/class-lowering", admin, {"decision": "approve"})
+    problem_row(res, "the same PlatformAdmin approving her own lowering → 403", r, [403])
+    r = f.call("POST", f"/factory/environments/{env['ops']}/class-lowering", f.token(a, "patty", ["PlatformAdmin"]),
+               {"decision": "reject"})
+    res.row("a second PlatformAdmin refuses it → 200", r.status_code == 200, f"{r.status_code}: {r.text[:200]}")
+
+    # 8. Text and links a console will render.
+    def release_with(pipeline: list, **extra) -> Any:
+        return f.call("PUT", f"/factory/delivery/releases/{uuid.uuid4()}", admin, {
+            "projectId": "shop", "version": "8.0.0", "programRef": ids["program"], "programVersion": ids["commit"],
+            "pipeline": pipeline, **extra})
+    for label, pipeline, fld in [
+        ("javascript: link", [{"name": "unit", "result": "passed", "url": "javascript:alert(1)"}], "pipeline[0].url"),
+        ("data: link", [{"name": "unit", "result": "passed", "url": "data:text/html,<script>alert(1)</script>"}], "pipeline[0].url"),
+        ("ANSI escapes in a name", [{"name": "\x1b[2J\x1b[31munit", "result": "passed"}], "pipeline[0].name"),
+        ("a right-to-left override in a name", [{"name": "unit\u202etxt.exe", "result": "passed"}], "pipeline[0].name"),
+        ("a 300-character name", [{"name": "n" * 300, "result": "passed"}], "pipeline[0].name"),
+    ]:
+        problem_row(res, f"release pipeline with {label} → 422 {fld}", release_with(pipeline), [422], field_named(fld))
+    r = release_with([{"name": "unit", "result": "passed"}], hasAgentGeneratedAssets=True,
+                     evaluationEvidence={"passed": True, "summary": "s" * 250_000})
+    problem_row(res, "a 250 KB evaluation summary → 422", r, [422], field_named("evaluationEvidence.summary"))
+    r = release_with([{"name": "<script>alert(1)</script>", "result": "passed", "url": "https://ci.example.com/1"}])
+    res.row("markup in a name is kept as text and answered as JSON",
+            r.status_code == 201 and r.headers.get("content-type", "").startswith("application/json")
+            and "<script>alert(1)</script>" in r.text, f"{r.status_code}: {r.text[:200]}")
+    r = f.call("POST", f"/factory/delivery/releases/{rel['r2Quarantined']}/quarantines/{env['dev']}/lift", bob,
+               {"reason": "r" * 250_000})
+    problem_row(res, "a 250 KB reason → 422 reason", r, [422], field_named("reason"))
+    r = f.call("POST", f"/factory/provisioning/runs/{runs['opsAwaitingApproval']}/cancel", bob,
+               {"reason": "ok\x1b]8;;https://evil.example\x07click\x1b]8;;\x07"})
+    problem_row(res, "a terminal hyperlink escape in a reason → 422 reason", r, [422], field_named("reason"))
+
     # --- 4. afterwards: nothing moved, and the rules are not merely broken -------------
     res = Results(args.results, "state after")
     run_view = j(f.call("GET", f"/factory/provisioning/runs/{run_ops}", alice)) or {}
@@ -752,6 +888,15 @@ def explicit(args) -> None:
     ok = f.call("POST", f"/factory/delivery/promotions/{prom['prod']}/approval", rita, {"decision": "approve", "reason": "control"})
     res.row("control: another Reviewer approves the promotion → 200", ok.status_code == 200
             and ((j(ok) or {}).get("approvalDecision") or {}).get("decidedBy") == "rita", f"{ok.status_code}: {ok.text[:200]}")
+
+    def handed_off():
+        p = j(f.call("GET", f"/factory/delivery/promotions/{prom['prod']}", alice)) or {}
+        return p.get("state") in ("Deploying", "Verifying", "Completed"), p
+    try:
+        eventually("A's approved production promotion hands off", handed_off, timeout=60)
+        res.row("control: A's approved production promotion hands off (its run id is its own)", True)
+    except SystemExit as e:
+        res.row("control: A's approved production promotion hands off (its run id is its own)", False, str(e)[:300])
     res.row("server still ready", f.call("GET", "/readyz").status_code == 200)
     del promo_view
 
@@ -921,6 +1066,7 @@ def main() -> None:
     e.add_argument("--base", required=True)
     e.add_argument("--ferry", required=True)
     e.add_argument("--ids", required=True)
+    e.add_argument("--data-dir", required=True)
     e.add_argument("--results", required=True)
     st = sub.add_parser("schemathesis")
     st.add_argument("--identity", required=True)

@@ -439,16 +439,9 @@ async fn gates_queue_and_reject(backend: Backend) {
         "data": {"releaseId": release, "tenantId": "acme", "projectId": "payments",
                  "reason": "licence problem"}
     });
-    let r =
-        d.s.client
-            .post(d.s.url("/factory/events"))
-            .bearer_auth(service("acme", "svc-releases"))
-            .header("content-type", "application/cloudevents+json")
-            .body(event.to_string())
-            .send()
-            .await
-            .unwrap();
-    let (status, body) = response(r).await;
+    let (status, body) =
+        d.s.post_event(&service("acme", "svc-releases"), &event)
+            .await;
     assert_eq!(status, 202, "{body}");
     let rejected = d.wait(&queued, "Rejected").await;
     assert_eq!(rejected["rejection"]["reason"], "the release was withdrawn");
@@ -574,16 +567,9 @@ async fn a_hotfix_that_policy_allows_passes_the_path_with_evidence_and_waits_for
     };
     let server = &d.s;
     let post = |event: Value| async move {
-        let r = server
-            .client
-            .post(server.url("/factory/events"))
-            .bearer_auth(service("acme", "svc-runcontrol"))
-            .header("content-type", "application/cloudevents+json")
-            .body(event.to_string())
-            .send()
+        server
+            .post_event(&service("acme", "svc-runcontrol"), &event)
             .await
-            .unwrap();
-        response(r).await
     };
     let (status, body) = post(decided(uuid::Uuid::new_v4().to_string(), "decision-1")).await;
     assert_ne!(
@@ -1126,16 +1112,9 @@ async fn a_verification_with_nothing_to_probe_is_held_for_an_operator() {
         "datacontenttype": "application/json",
         "data": {"environmentId": "payments-dev", "tenantId": "acme", "state": "Ready"}
     });
-    let r =
-        d.s.client
-            .post(d.s.url("/factory/events"))
-            .bearer_auth(service("acme", "svc-environments"))
-            .header("content-type", "application/cloudevents+json")
-            .body(event.to_string())
-            .send()
-            .await
-            .unwrap();
-    let (status, body) = response(r).await;
+    let (status, body) =
+        d.s.post_event(&service("acme", "svc-environments"), &event)
+            .await;
     assert_eq!(status, 202, "{body}");
     let release = d.deployable("3.0.0").await;
     let p = d.promote(&release, "payments-dev", json!({})).await;
@@ -2077,7 +2056,56 @@ async fn one_tenant_s_failing_promotion_never_holds_another_s(backend: Backend) 
     );
     let (_, again) = d.s.get(&promoter("globex", "gina"), &path).await;
     assert_eq!(again["state"], "Approved", "{again}");
+
+    // It ends another way (rejected by a command that is not the driver's, as another
+    // instance or a decision would): it is no longer the driver's, so nothing counts it as
+    // stuck any more (it used to stay in `/readyz` and the metric until a restart).
+    reject_outside_the_driver(&d, "globex", &stuck).await;
+    let s = &d.s;
+    eventually_showing(
+        "the ended promotion is no longer counted",
+        30,
+        || async move {
+            let (_, ready) = response(s.client.get(s.url("/readyz")).send().await.unwrap()).await;
+            let metrics = s.metrics().await;
+            let counted = ready["problems"].as_array().is_some_and(|p| {
+                p.iter()
+                    .any(|p| p.as_str().is_some_and(|p| p.starts_with("promotions:")))
+            });
+            if !counted && metrics.contains("ferry_loop_items_failing{loop=\"promotions\"} 0") {
+                Ok(())
+            } else {
+                Err(ready.to_string())
+            }
+        },
+    )
+    .await;
+    let (_, ended) = d.s.get(&promoter("globex", "gina"), &path).await;
+    assert_eq!(ended["state"], "Rejected", "{ended}");
+    assert!(ended.get("stuck").is_none(), "{ended}");
     d.s.stop().await;
+}
+
+async fn reject_outside_the_driver(d: &Delivery, tenant: &str, promotion: &str) {
+    use ferry_domain::promotion::{Promotion, PromotionCommand};
+    let db = d.s.db.as_ref().unwrap().db.clone();
+    let promotions: ferry_store::Repository<Promotion> = ferry_store::Repository::new(db, ());
+    let tenant = ferry_domain::TenantId::parse(tenant).unwrap();
+    let metadata = ferry_store::EventMetadata {
+        tenant_id: tenant.clone(),
+        actor: ferry_domain::Actor::parse("gina").unwrap(),
+        correlation_id: uuid::Uuid::new_v4(),
+        causation_id: uuid::Uuid::new_v4(),
+        request_id: uuid::Uuid::new_v4(),
+    };
+    let reject = PromotionCommand::Reject {
+        reason: "given up".to_string(),
+        at: chrono::Utc::now(),
+    };
+    promotions
+        .execute(&tenant, promotion, reject, &metadata, true)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -2088,4 +2116,147 @@ async fn one_tenant_s_failing_promotion_never_holds_another_s_on_sqlite() {
 #[tokio::test]
 async fn one_tenant_s_failing_promotion_never_holds_another_s_on_postgres() {
     one_tenant_s_failing_promotion_never_holds_another_s(Backend::Postgres).await;
+}
+
+/// Issue 37 §8: names, reasons and links come back as stored, and a console renders them.
+/// What cannot be shown faithfully (ANSI escapes, invisible characters, `javascript:`
+/// links, a 250 KB reason) is refused where it arrives, over HTTP and as an inbound event,
+/// naming the field; markup is text and comes back as the same text.
+#[tokio::test]
+async fn text_a_console_renders_is_checked_where_it_arrives() {
+    let d = start(Backend::Sqlite, None).await;
+    let acme = admin("acme");
+    let release_body = |pipeline: Value| {
+        json!({
+            "projectId": "payments", "version": "1.0.0",
+            "programRef": "https://git.example.com/payments.git#infra",
+            "programVersion": d.program.1, "pipeline": pipeline
+        })
+    };
+    for (pipeline, field) in [
+        (
+            json!([{"name": "unit", "result": "passed", "url": "javascript:alert(1)"}]),
+            "pipeline[0].url",
+        ),
+        (
+            json!([{"name": "unit", "result": "passed", "url": "data:text/html,<script>x</script>"}]),
+            "pipeline[0].url",
+        ),
+        (
+            json!([{"name": "unit", "result": "passed"},
+                   {"name": "\u{1b}[2J\u{1b}[31me2e", "result": "passed"}]),
+            "pipeline[1].name",
+        ),
+        (
+            json!([{"name": "unit\u{202E}tset", "result": "passed"}]),
+            "pipeline[0].name",
+        ),
+        (
+            json!([{"name": "n".repeat(257), "result": "passed"}]),
+            "pipeline[0].name",
+        ),
+    ] {
+        let id = uuid::Uuid::new_v4();
+        let (status, body) = d
+            .put(
+                &acme,
+                &format!("/factory/delivery/releases/{id}"),
+                &release_body(pipeline),
+            )
+            .await;
+        assert_eq!(status, 422, "{field}: {body}");
+        assert_eq!(body["errors"][0]["field"], field, "{body}");
+    }
+    let mut long_summary = release_body(passed());
+    long_summary["hasAgentGeneratedAssets"] = json!(true);
+    long_summary["evaluationEvidence"] = json!({"passed": true, "summary": "s".repeat(250_000)});
+    let (status, body) = d
+        .put(
+            &acme,
+            &format!("/factory/delivery/releases/{}", uuid::Uuid::new_v4()),
+            &long_summary,
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "evaluationEvidence.summary");
+
+    // Markup is text: kept, and answered as JSON text.
+    let markup = uuid::Uuid::new_v4();
+    let (status, body) = d
+        .put(
+            &acme,
+            &format!("/factory/delivery/releases/{markup}"),
+            &release_body(
+                json!([{"name": "<script>alert(1)</script>", "result": "passed",
+                                   "url": "https://ci.example.com/7"}]),
+            ),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert!(
+        body.to_string().contains("<script>alert(1)</script>"),
+        "{body}"
+    );
+
+    // The same refusal as an inbound event: nothing is recorded.
+    let sneaky = uuid::Uuid::new_v4();
+    let event = json!({
+        "specversion": "1.0", "id": format!("ready-{sneaky}"), "source": "urn:releases",
+        "type": "releases.releases.v1.release-ready", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"releaseId": sneaky, "tenantId": "acme", "projectId": "payments",
+                 "version": "1.0.0", "programRef": "https://git.example.com/payments.git#infra",
+                 "programVersion": d.program.1,
+                 "pipeline": [{"name": "unit", "result": "passed", "url": "JavaScript:alert(1)"}]}
+    });
+    let (status, body) =
+        d.s.post_event(&service("acme", "svc-releases"), &event)
+            .await;
+    assert_eq!(status, 422, "{body}");
+    assert!(body.to_string().contains("pipeline[0].url"), "{body}");
+    let (_, listed) =
+        d.s.get(&promoter("acme", "alice"), "/factory/delivery/releases")
+            .await;
+    assert!(
+        !listed.to_string().contains(&sneaky.to_string()),
+        "{listed}"
+    );
+
+    // Reasons are capped at 2,000 characters and refuse escapes, before anything is done.
+    let operator = token(
+        "acme",
+        "olive",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let (status, body) =
+        d.s.post(
+            &operator,
+            &format!("/factory/delivery/releases/{markup}/quarantines/payments-dev/lift"),
+            &json!({"reason": "r".repeat(2001)}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "reason", "{body}");
+    let (status, body) =
+        d.s.post(
+            &acme,
+            &format!("/factory/provisioning/runs/{}/cancel", uuid::Uuid::new_v4()),
+            &json!({"reason": "done\u{1b}]8;;https://evil.example\u{7}click\u{1b}]8;;\u{7}"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "reason", "{body}");
+
+    // Links an environment is probed at are web URLs.
+    let (status, body) = d
+        .put(
+            &acme,
+            "/factory/environments/payments-js",
+            &json!({"environmentClass": "development", "healthUrl": "javascript:alert(1)"}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "healthUrl", "{body}");
+    d.s.stop().await;
 }

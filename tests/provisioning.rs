@@ -454,16 +454,9 @@ async fn a_production_run_waits_for_another_identitys_approval() {
         "data": {"approvalId": approval_id, "tenantId": "acme", "provisioningRunId": id,
                  "decision": "approve", "decidedBy": "carol", "reason": "CAB approved"}
     });
-    let r =
-        f.s.client
-            .post(f.s.url("/factory/events"))
-            .bearer_auth(service("acme", "svc-runcontrol"))
-            .header("content-type", "application/cloudevents+json")
-            .body(event.to_string())
-            .send()
-            .await
-            .unwrap();
-    let (status, body) = response(r).await;
+    let (status, body) =
+        f.s.post_event(&service("acme", "svc-runcontrol"), &event)
+            .await;
     assert_eq!(status, 202, "{body}");
     let run = f.wait(&id, "Applied").await;
     assert_eq!(run["authorization"]["approvedBy"], "carol");

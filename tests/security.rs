@@ -41,16 +41,7 @@ fn plan_body(spec: &Value) -> Value {
 }
 
 async fn post_event(s: &TestServer, token: &str, event: &Value) -> (u16, Value) {
-    let r = s
-        .client
-        .post(s.url("/factory/events"))
-        .bearer_auth(token)
-        .header("content-type", "application/cloudevents+json")
-        .body(event.to_string())
-        .send()
-        .await
-        .unwrap();
-    response(r).await
+    s.post_event(token, event).await
 }
 
 async fn count(s: &TestServer, sql: &str) -> i64 {

@@ -124,6 +124,12 @@ impl ApiError {
         Self::Unprocessable(vec![FieldError::new(field, reason)])
     }
 
+    /// A text field a command refused (a name, reason or link a console could not render
+    /// faithfully): 422 naming the field.
+    pub fn invalid_text(invalid: ferry_domain::text::InvalidText) -> Self {
+        Self::invalid_field(&invalid.field, invalid.problem)
+    }
+
     /// Wraps an unexpected error (logged with its causes when answered).
     pub fn internal(error: impl Into<ferry_store::BoxError>) -> Self {
         Self::Internal(error.into())
@@ -284,6 +290,7 @@ impl From<RunError> for ApiError {
                 detail: e.to_string(),
                 field: None,
             },
+            RunError::InvalidText(invalid) => Self::invalid_text(invalid),
         }
     }
 }
@@ -296,6 +303,7 @@ impl From<SpecificationError> for ApiError {
                 field: Some("projectId".to_string()),
             },
             SpecificationError::IdentityMismatch(_) => Self::WrongState(e.to_string()),
+            SpecificationError::InvalidText(invalid) => Self::invalid_text(invalid),
         }
     }
 }
@@ -312,6 +320,9 @@ impl From<ferry_domain::environment::EnvironmentError> for ApiError {
             }
             ferry_domain::environment::EnvironmentError::LoweringApprovedByItsRequester(_) => {
                 Self::Forbidden(e.to_string())
+            }
+            ferry_domain::environment::EnvironmentError::InvalidText(invalid) => {
+                Self::invalid_text(invalid)
             }
         }
     }

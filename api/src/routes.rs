@@ -96,16 +96,14 @@ pub struct ApprovalRequest {
     pub reason: Option<String>,
 }
 
-const MAX_REASON: usize = 2000;
-
+/// An optional reason: blank is none; otherwise fit to show (see `ferry_domain::text`).
 fn check_reason(reason: &Option<String>) -> Result<Option<String>, ApiError> {
     match reason.as_deref().map(str::trim) {
         None | Some("") => Ok(None),
-        Some(r) if r.chars().count() > MAX_REASON => Err(ApiError::invalid_field(
-            "reason",
-            format!("must be at most {MAX_REASON} characters"),
-        )),
-        Some(r) => Ok(Some(r.to_string())),
+        Some(r) => {
+            ferry_domain::text::check_free_text("reason", r).map_err(ApiError::invalid_text)?;
+            Ok(Some(r.to_string()))
+        }
     }
 }
 
@@ -113,11 +111,13 @@ fn check_ref_keys<T>(field: &str, refs: &BTreeMap<String, T>) -> Result<(), ApiE
     for key in refs.keys() {
         if key.is_empty()
             || key.len() > 256
-            || key.chars().any(|c| c.is_whitespace() || c.is_control())
+            || key
+                .chars()
+                .any(|c| c.is_whitespace() || ferry_domain::text::is_hidden_or_control(c))
         {
             return Err(ApiError::invalid_field(
                 &format!("{field}.{key}"),
-                "names must be 1 to 256 characters without whitespace",
+                "names must be 1 to 256 characters without whitespace, control or invisible characters",
             ));
         }
     }

@@ -216,6 +216,14 @@ impl SubscriptionGauges {
         ] {
             gauge.reset();
         }
+        // Every loop shows a figure, zero included, so that an alert on it never goes
+        // quiet for want of a series.
+        for name in [
+            crate::contexts::promotions::driver::LOOP,
+            crate::contexts::provisioning::reconcile::LOOP,
+        ] {
+            self.failing_items.with_label_values(&[name]).set(0);
+        }
         for item in items {
             self.failing_items.with_label_values(&[&item.r#loop]).inc();
         }

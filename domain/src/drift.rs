@@ -24,7 +24,7 @@ use cqrs_es::{Aggregate, DomainEvent};
 use serde::{Deserialize, Serialize};
 
 /// The longest reason kept.
-pub const MAX_REASON: usize = 2000;
+pub const MAX_REASON: usize = crate::text::MAX_REASON;
 
 /// One accepted difference.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -148,6 +148,9 @@ pub enum DriftRulesError {
     /// A rule id used before.
     #[error("rule {0} exists already")]
     RuleExists(IgnoreRuleId),
+    /// A reason a console could not render faithfully (control or invisible characters).
+    #[error(transparent)]
+    InvalidText(#[from] crate::text::InvalidText),
     /// No such rule here.
     #[error("no rule {0} in this environment")]
     UnknownRule(IgnoreRuleId),
@@ -184,7 +187,7 @@ fn check_reason(reason: &str) -> Result<(), DriftRulesError> {
     if reason.trim().is_empty() || reason.chars().count() > MAX_REASON {
         return Err(DriftRulesError::Reason);
     }
-    Ok(())
+    Ok(crate::text::check_free_text("reason", reason)?)
 }
 
 impl TenantOwned for DriftIgnoreRules {

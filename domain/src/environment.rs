@@ -16,7 +16,7 @@
 
 use crate::ids::{Actor, EnvironmentId, TenantId};
 use crate::values::{EnvironmentClass, ProgramRef, ProgramVersion};
-use crate::{EventType, TenantOwned};
+use crate::{text, EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -284,6 +284,9 @@ pub enum EnvironmentError {
     /// The person who asked to lower the class out of production tried to approve it.
     #[error("{0} asked to lower the class out of production: a second person approves it")]
     LoweringApprovedByItsRequester(Actor),
+    /// A health URL or state a console could not render faithfully.
+    #[error(transparent)]
+    InvalidText(#[from] text::InvalidText),
 }
 
 /// The environment as recorded.
@@ -391,6 +394,16 @@ impl Aggregate for Environment {
         _services: &(),
         sink: &EventSink<Self>,
     ) -> Result<(), Self::Error> {
+        // What a console renders, checked when it arrives (stored events load as they are).
+        match &command {
+            EnvironmentCommand::Register(r) => {
+                if let Some(url) = &r.health_url {
+                    text::check_web_url("healthUrl", url)?;
+                }
+            }
+            EnvironmentCommand::ChangeState { state, .. } => text::check_name("state", state)?,
+            _ => {}
+        }
         let event = match command {
             // A copy: the objective's event is written (which borrows the aggregate) before
             // the rest is decided.

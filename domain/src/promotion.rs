@@ -28,7 +28,7 @@ use crate::ids::{
 };
 use crate::run::Decision;
 use crate::values::EnvironmentClass;
-use crate::{EventType, TenantOwned};
+use crate::{text, EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -714,6 +714,9 @@ pub enum PromotionError {
     /// A reason is required.
     #[error("a reason is required")]
     ReasonRequired,
+    /// A reason a caller gave that a console could not render faithfully.
+    #[error(transparent)]
+    InvalidText(#[from] text::InvalidText),
 }
 
 /// The promotion as its events made it.
@@ -838,12 +841,19 @@ impl TenantOwned for Promotion {
 /// Stored with no upcasters yet: every event type is at its first version.
 impl crate::StoredAggregate for Promotion {}
 
+/// A reason a person must give: present, and fit to show (see [`text::check_free_text`]).
 fn required(reason: &str) -> Result<(), PromotionError> {
     if reason.trim().is_empty() {
         Err(PromotionError::ReasonRequired)
     } else {
-        Ok(())
+        Ok(text::check_free_text("reason", reason)?)
     }
+}
+
+/// A reason Ferry writes from what others said (a withdrawal's reason, a run's failure):
+/// kept inert and bounded rather than refused, so that no such text can stall the driver.
+fn inert(reason: String) -> String {
+    text::inert(&reason, text::MAX_REASON)
 }
 
 impl Aggregate for Promotion {
@@ -864,6 +874,15 @@ impl Aggregate for Promotion {
             PromotionCommand::Request(request) => {
                 if self.request.is_some() {
                     return Err(PromotionError::AlreadyRequested);
+                }
+                if let Some(receipt) = &request.receipt_ref {
+                    text::check_name_within("receiptRef", receipt.as_str(), 1024)?;
+                }
+                if let Some(hotfix) = &request.hotfix {
+                    text::check_free_text("hotfix.reason", &hotfix.reason)?;
+                }
+                if let Some(rollback) = request.rollback_of.as_ref().filter(|r| !r.automatic) {
+                    text::check_free_text("reason", &rollback.reason)?;
                 }
                 vec![PromotionEvent::PromotionRequested(request)]
             }
@@ -945,7 +964,7 @@ impl Aggregate for Promotion {
                     .ok_or(PromotionError::NoPendingApproval)?;
                 vec![PromotionEvent::ApprovalVoided {
                     approval_id: approval.approval_id,
-                    reason,
+                    reason: inert(reason),
                     voided_at: at,
                 }]
             }
@@ -957,6 +976,7 @@ impl Aggregate for Promotion {
                 at,
             } => {
                 self.in_state("decide the approval of", &[S::AwaitingApproval])?;
+                text::check_optional_free_text("reason", reason.as_deref())?;
                 let pending = self
                     .approval
                     .as_ref()
@@ -1046,11 +1066,11 @@ impl Aggregate for Promotion {
                 vec![
                     PromotionEvent::DeploymentFailed {
                         provisioning_run_id,
-                        reason: reason.clone(),
+                        reason: inert(reason.clone()),
                         failed_at: at,
                     },
                     PromotionEvent::PromotionFailed {
-                        reason: format!("provisioning failed: {reason}"),
+                        reason: inert(format!("provisioning failed: {reason}")),
                         rolled_back: false,
                         failed_at: at,
                     },
@@ -1112,7 +1132,7 @@ impl Aggregate for Promotion {
                     return Err(PromotionError::Rollback("a rollback is under way"));
                 }
                 vec![PromotionEvent::PromotionFailed {
-                    reason,
+                    reason: inert(reason),
                     rolled_back: false,
                     failed_at: at,
                 }]
@@ -1122,9 +1142,12 @@ impl Aggregate for Promotion {
                 restored_release_id,
                 automatic,
                 by,
-                reason,
+                mut reason,
                 at,
             } => {
+                if automatic {
+                    reason = inert(reason);
+                }
                 required(&reason)?;
                 let state = self.in_state("roll back", &[S::Verifying, S::Failed, S::Completed])?;
                 if state == S::Verifying
@@ -1178,13 +1201,16 @@ impl Aggregate for Promotion {
                 if self.rollback_in_progress.is_none() {
                     return Err(PromotionError::Rollback("no rollback is under way"));
                 }
+                let reason = inert(reason);
                 let mut events = vec![PromotionEvent::RollbackFailed {
                     reason: reason.clone(),
                     failed_at: at,
                 }];
                 if state == S::Verifying {
                     events.push(PromotionEvent::PromotionFailed {
-                        reason: format!("verification failed and the rollback failed: {reason}"),
+                        reason: inert(format!(
+                            "verification failed and the rollback failed: {reason}"
+                        )),
                         rolled_back: false,
                         failed_at: at,
                     });
@@ -1192,7 +1218,10 @@ impl Aggregate for Promotion {
                 events
             }
             PromotionCommand::Reject { reason, at } => {
-                required(&reason)?;
+                if reason.trim().is_empty() {
+                    return Err(PromotionError::ReasonRequired);
+                }
+                let reason = inert(reason);
                 self.in_state(
                     "reject",
                     &[

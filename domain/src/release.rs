@@ -6,6 +6,7 @@
 //! same id is refused (a new build is a new release). A withdrawn release stays withdrawn.
 
 use crate::ids::{Actor, EnvironmentId, ProjectId, PromotionId, ReleaseId, TenantId};
+use crate::text::{self, InvalidText};
 use crate::values::{ProbeUrl, ProgramRef, ProgramVersion, ValueError};
 use crate::{EventType, TenantOwned};
 use chrono::{DateTime, Utc};
@@ -162,8 +163,10 @@ impl ReleaseRecord {
         }
         for (i, check) in self.smoke_checks.iter().enumerate() {
             let name = check.name.trim();
-            if name.is_empty() || name.chars().count() > 100 {
-                return Some((i, "name must be 1 to 100 characters".to_string()));
+            if let Err(e) = text::check_name_within("name", &check.name, 100)
+                .and_then(|()| text::check_web_url("url", check.url.as_str()))
+            {
+                return Some((i, e.to_string()));
             }
             if self.smoke_checks[..i].iter().any(|c| c.name.trim() == name) {
                 return Some((i, format!("name {name:?} is used twice")));
@@ -176,6 +179,27 @@ impl ReleaseRecord {
             }
         }
         None
+    }
+
+    /// The first text field a console would render that is not fit to keep.
+    fn invalid_text(&self) -> Result<(), InvalidText> {
+        text::check_name("version", self.version.as_str())?;
+        text::check_name_within("programRef", self.program_ref.as_str(), 1024)?;
+        for (i, stage) in self.pipeline.iter().enumerate() {
+            text::check_name(&format!("pipeline[{i}].name"), &stage.name)?;
+            if let Some(url) = &stage.url {
+                text::check_web_url(&format!("pipeline[{i}].url"), url)?;
+            }
+        }
+        if let Some(evidence) = &self.evaluation_evidence {
+            if let Some(reference) = &evidence.reference {
+                text::check_web_url("evaluationEvidence.reference", reference)?;
+            }
+            if let Some(summary) = &evidence.summary {
+                text::check_free_text("evaluationEvidence.summary", summary)?;
+            }
+        }
+        Ok(())
     }
 
     /// The same release, apart from who reported it and when.
@@ -298,6 +322,9 @@ pub enum ReleaseError {
     /// That rollback's quarantine was lifted already.
     #[error("the quarantine from promotion {0} was lifted already")]
     AlreadyLifted(PromotionId),
+    /// A name, reason or link that a console could not render faithfully.
+    #[error(transparent)]
+    InvalidText(#[from] InvalidText),
 }
 
 /// The release as recorded.
@@ -356,6 +383,7 @@ impl Aggregate for Release {
         let event = match command {
             ReleaseCommand::Record(record) => match &self.record {
                 None => {
+                    record.invalid_text()?;
                     if let Some((index, reason)) = record.invalid_smoke_check() {
                         return Err(ReleaseError::InvalidSmokeCheck { index, reason });
                     }
@@ -383,6 +411,8 @@ impl Aggregate for Release {
                 if self.withdrawn {
                     return Ok(());
                 }
+                // The release service may withdraw without saying why.
+                text::check_optional_free_text("reason", Some(&reason))?;
                 ReleaseEvent::ReleaseWithdrawn {
                     reason,
                     withdrawn_by: by,
@@ -402,6 +432,7 @@ impl Aggregate for Release {
                 if reason.trim().is_empty() {
                     return Err(ReleaseError::ReasonRequired);
                 }
+                text::check_free_text("reason", &reason)?;
                 if self.lifted.contains(&promotion_id) {
                     return Err(ReleaseError::AlreadyLifted(promotion_id));
                 }
@@ -613,7 +644,7 @@ mod tests {
             .when(ReleaseCommand::Record(Box::new(good.clone())))
             .then_expect_events(vec![ReleaseEvent::ReleaseRecorded(Box::new(good))]);
         for (checks, index, reason) in [
-            (vec![check(" ", 200)], 0, "name must be 1 to 100 characters"),
+            (vec![check(" ", 200)], 0, "name: must not be empty"),
             (
                 vec![check("a", 200), check("a", 204)],
                 1,
@@ -648,6 +679,90 @@ mod tests {
             panic!("a release record");
         };
         assert!(r.smoke_checks.is_empty());
+    }
+
+    #[test]
+    fn text_a_console_renders_is_refused_when_recorded_and_read_back_as_stored() {
+        let stage = |name: &str, url: Option<&str>| PipelineResult {
+            name: name.to_string(),
+            result: PipelineOutcome::Passed,
+            url: url.map(str::to_string),
+        };
+        let refused = |record: ReleaseRecord, field: &str| {
+            let error = Fixture::with(())
+                .given_no_previous_events()
+                .when(ReleaseCommand::Record(Box::new(record)))
+                .inspect_result()
+                .unwrap_err();
+            match error {
+                ReleaseError::InvalidText(InvalidText { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        };
+        let mut bad = record("system:inbound", 0);
+        bad.pipeline = vec![
+            stage("build", None),
+            stage("\u{1b}[2J\u{1b}[31mtests", None),
+        ];
+        refused(bad, "pipeline[1].name");
+        let mut bad = record("system:inbound", 0);
+        bad.pipeline = vec![stage("build", Some("javascript:alert(1)"))];
+        refused(bad, "pipeline[0].url");
+        let mut bad = record("system:inbound", 0);
+        bad.pipeline = vec![stage(&"n".repeat(257), None)];
+        refused(bad, "pipeline[0].name");
+        let mut bad = record("system:inbound", 0);
+        bad.evaluation_evidence = Some(EvaluationEvidence {
+            passed: true,
+            reference: Some("https://eval.example/1".into()),
+            summary: Some("s".repeat(250_000)),
+        });
+        refused(bad, "evaluationEvidence.summary");
+        let mut bad = record("system:inbound", 0);
+        bad.smoke_checks = vec![SmokeCheck {
+            name: "login\u{202E}".into(),
+            url: ProbeUrl::parse("https://payments.example.com/smoke").unwrap(),
+            expected_status: 200,
+        }];
+        assert!(matches!(
+            Fixture::with(())
+                .given_no_previous_events()
+                .when(ReleaseCommand::Record(Box::new(bad)))
+                .inspect_result(),
+            Err(ReleaseError::InvalidSmokeCheck { index: 0, .. })
+        ));
+        // Markup is not refused: it is text, and the console renders it as text.
+        let mut markup = record("system:inbound", 0);
+        markup.pipeline = vec![stage(
+            "<script>alert(1)</script>",
+            Some("https://ci.example/1"),
+        )];
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(ReleaseCommand::Record(Box::new(markup.clone())))
+            .then_expect_events(vec![ReleaseEvent::ReleaseRecorded(Box::new(markup))]);
+        Fixture::with(())
+            .given(vec![recorded()])
+            .when(ReleaseCommand::Withdraw {
+                reason: "r".repeat(2001),
+                by: Actor::parse("system:inbound").unwrap(),
+                at: at(5),
+            })
+            .then_expect_error(ReleaseError::InvalidText(InvalidText {
+                field: "reason".into(),
+                problem: text::TextProblem::TooLong { max: 2000 },
+            }));
+        // What was stored before these checks still loads and applies.
+        let mut old = record("system:inbound", 0);
+        old.pipeline = vec![stage("\u{1b}[31mold", Some("javascript:old()"))];
+        let mut release = Release::default();
+        release.apply(ReleaseEvent::ReleaseRecorded(Box::new(old)));
+        release.apply(ReleaseEvent::ReleaseWithdrawn {
+            reason: "w".repeat(10_000),
+            withdrawn_by: Actor::parse("system:inbound").unwrap(),
+            withdrawn_at: at(1),
+        });
+        assert!(release.is_withdrawn());
     }
 
     #[test]

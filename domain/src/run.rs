@@ -27,7 +27,7 @@ use crate::ids::{
 };
 use crate::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
 use crate::values::{is_production, EnvironmentClass, ProvisioningKind, ProvisioningState};
-use crate::{EventType, TenantOwned};
+use crate::{text, EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -500,6 +500,9 @@ pub enum RunError {
     /// Only a reconciliation whose plan changes nothing ends in sync.
     #[error("only a reconciliation whose plan changes nothing is in sync")]
     NotInSync,
+    /// A reason a caller gave that a console could not render faithfully.
+    #[error(transparent)]
+    InvalidText(#[from] crate::text::InvalidText),
 }
 
 /// The run's state, rebuilt from its events.
@@ -773,7 +776,8 @@ impl Aggregate for ProvisioningRun {
                 non_empty(reason)?;
                 RunEvent::ProvisioningFailed {
                     stage: FailureStage::Plan,
-                    reason: reason.clone(),
+                    // It may quote what the tenant's program printed.
+                    reason: text::inert(reason, text::MAX_REASON),
                     apply_receipt: None,
                     logs_ref: None,
                     failed_at: *at,
@@ -795,6 +799,7 @@ impl Aggregate for ProvisioningRun {
                 at,
             } => {
                 let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
+                text::check_optional_free_text("reason", reason.as_deref())?;
                 // Compared as people are (`Actor::same_person`): `Alice` and `alice ` are one.
                 if *decision == Decision::Approve && request.requested_by.same_person(decided_by) {
                     return Err(RunError::ApproverIsRequester(decided_by.clone()));
@@ -871,7 +876,7 @@ impl Aggregate for ProvisioningRun {
                 }
                 RunEvent::ProvisioningFailed {
                     stage: FailureStage::Apply,
-                    reason: reason.clone(),
+                    reason: text::inert(reason, text::MAX_REASON),
                     apply_receipt: Some(receipt.clone()),
                     logs_ref: logs_ref.clone(),
                     failed_at: *at,
@@ -883,6 +888,7 @@ impl Aggregate for ProvisioningRun {
                 at,
             } => {
                 self.expect_state(&command, &[S::Requested, S::Planned, S::AwaitingApproval])?;
+                text::check_optional_free_text("reason", reason.as_deref())?;
                 RunEvent::ProvisioningCancelled {
                     cancelled_by: cancelled_by.clone(),
                     reason: reason.clone(),

@@ -6,7 +6,7 @@ use crate::ids::{Actor, EnvironmentId, ProjectId, ReleaseId, SpecificationId, Te
 use crate::values::{
     ConfigRef, ProgramRef, ProgramVersion, RefMap, SecretRef, SpecificationKind, Strategy,
 };
-use crate::{EventType, TenantOwned};
+use crate::{text, EventType, TenantOwned};
 use chrono::{DateTime, Utc};
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::{Aggregate, DomainEvent};
@@ -130,6 +130,9 @@ pub enum SpecificationError {
         "declaration does not match specification {0}: tenant, environment and kind are fixed"
     )]
     IdentityMismatch(SpecificationId),
+    /// A reference a console could not render faithfully (control or invisible characters).
+    #[error(transparent)]
+    InvalidText(#[from] text::InvalidText),
 }
 
 /// The aggregate's state: the identity and every version. The versions are shared by `Arc`
@@ -207,6 +210,24 @@ impl Aggregate for DeploymentSpecification {
     ) -> Result<(), Self::Error> {
         match command {
             SpecificationCommand::Declare(d) => {
+                text::check_name_within("programRef", d.program_ref.as_str(), 1024)?;
+                if let Some(strategy) = &d.strategy {
+                    text::check_name("strategy", strategy.as_str())?;
+                }
+                for (key, reference) in &d.config_refs {
+                    text::check_name_within(
+                        &format!("configRefs.{key}"),
+                        reference.as_str(),
+                        2048,
+                    )?;
+                }
+                for (key, reference) in &d.secret_refs {
+                    text::check_name_within(
+                        &format!("secretRefs.{key}"),
+                        reference.as_str(),
+                        1024,
+                    )?;
+                }
                 let version = match self.latest() {
                     None => 1,
                     Some(latest) => {

@@ -33,7 +33,7 @@ pub enum ValueError {
     #[error("{0}")]
     MalformedReference(&'static str),
     /// A map key that is not a usable name.
-    #[error("key {key:?} must be 1 to 256 characters without whitespace")]
+    #[error("key {key:?} must be 1 to 256 characters without whitespace, control or invisible characters")]
     BadKey {
         /// The offending key.
         key: String,
@@ -436,7 +436,12 @@ pub fn parse_ref_map<T>(
 ) -> Result<RefMap<T>, ValueError> {
     raw.into_iter()
         .map(|(key, value)| {
-            if key.is_empty() || key.len() > 256 || key.chars().any(char::is_whitespace) {
+            if key.is_empty()
+                || key.len() > 256
+                || key
+                    .chars()
+                    .any(|c| c.is_whitespace() || crate::text::is_hidden_or_control(c))
+            {
                 return Err(ValueError::BadKey { key });
             }
             match parse(value) {

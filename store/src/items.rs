@@ -101,6 +101,25 @@ impl ItemHealth {
         self.lock().remove(&key(r#loop, tenant, item))
     }
 
+    /// Forgets the failing items of `loop` that are no longer `live` (`live(tenant, item)`
+    /// is false: the loop no longer has them to do, e.g. a promotion that ended another
+    /// way), so that `/readyz` and the metric count only what is still stuck; returns them.
+    pub fn retain_live(
+        &self,
+        r#loop: &str,
+        mut live: impl FnMut(&str, &str) -> bool,
+    ) -> Vec<ItemProblem> {
+        let mut gone = Vec::new();
+        self.lock().retain(|(l, tenant, item), problem| {
+            let keep = l != r#loop || live(tenant, item);
+            if !keep {
+                gone.push(problem.clone());
+            }
+            keep
+        });
+        gone
+    }
+
     /// The problem of `item`, if it is failing.
     pub fn problem(&self, r#loop: &str, tenant: &str, item: &str) -> Option<ItemProblem> {
         self.lock().get(&key(r#loop, tenant, item)).cloned()
@@ -137,5 +156,31 @@ mod tests {
         assert!(health.succeeded("promotions", "globex", "p1").is_some());
         assert!(health.due("promotions", "globex", "p1"));
         assert!(health.problems().is_empty());
+    }
+
+    #[test]
+    fn items_the_loop_no_longer_has_are_forgotten() {
+        let health = ItemHealth::default();
+        health.failed("promotions", "globex", "gone", "boom");
+        health.failed("promotions", "acme", "stuck", "boom");
+        health.failed("reconciler", "globex", "gone", "boom");
+        let gone = health.retain_live("promotions", |_, item| item == "stuck");
+        assert_eq!(gone.len(), 1);
+        assert_eq!(
+            (gone[0].tenant.as_str(), gone[0].item.as_str()),
+            ("globex", "gone")
+        );
+        let left: Vec<_> = health
+            .problems()
+            .into_iter()
+            .map(|p| (p.r#loop, p.item))
+            .collect();
+        assert_eq!(
+            left,
+            vec![
+                ("promotions".to_string(), "stuck".to_string()),
+                ("reconciler".to_string(), "gone".to_string())
+            ]
+        );
     }
 }

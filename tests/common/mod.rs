@@ -112,6 +112,20 @@ impl TestServer {
             .unwrap();
         response(r).await
     }
+
+    /// `POST /factory/events` with one structured CloudEvent.
+    pub async fn post_event(&self, token: &str, event: &Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url("/factory/events"))
+            .bearer_auth(token)
+            .header("content-type", "application/cloudevents+json")
+            .body(event.to_string())
+            .send()
+            .await
+            .unwrap();
+        response(r).await
+    }
 }
 
 pub async fn response(r: reqwest::Response) -> (u16, Value) {

@@ -951,3 +951,56 @@ fn every_command_in_a_state_it_does_not_apply_to_is_a_wrong_state() {
         }
     }
 }
+
+#[test]
+fn people_s_reasons_are_checked_and_ferry_s_own_made_inert() {
+    let mut escaped = decide("rita", Decision::Reject);
+    if let PromotionCommand::DecideApproval { reason, .. } = &mut escaped {
+        *reason = Some("no\u{202E}pe".to_string());
+    }
+    assert!(matches!(
+        Fixture::with(())
+            .given(approval_pending())
+            .when(escaped)
+            .inspect_result(),
+        Err(PromotionError::InvalidText(_))
+    ));
+    let mut long = start_rollback(false);
+    if let PromotionCommand::StartRollback { reason, .. } = &mut long {
+        *reason = "r".repeat(250_000);
+    }
+    assert!(matches!(
+        Fixture::with(())
+            .given(completed())
+            .when(long)
+            .inspect_result(),
+        Err(PromotionError::InvalidText(_))
+    ));
+    let mut hotfix = request(EnvironmentClass::Staging);
+    hotfix.hotfix = Some(Hotfix {
+        reason: "\u{1b}[2Jurgent".to_string(),
+    });
+    assert!(matches!(
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(PromotionCommand::Request(Box::new(hotfix)))
+            .inspect_result(),
+        Err(PromotionError::InvalidText(crate::text::InvalidText { ref field, .. }))
+            if field == "hotfix.reason"
+    ));
+    // A rejection quoting a withdrawal's long reason is kept, bounded, never refused: the
+    // driver writes it, and a refusal would hold the promotion for ever.
+    let events = Fixture::with(())
+        .given(requested(EnvironmentClass::Staging))
+        .when(PromotionCommand::Reject {
+            reason: format!("the release was withdrawn: {}", "w".repeat(5000)),
+            at: at(3),
+        })
+        .inspect_result()
+        .unwrap();
+    let Some(PromotionEvent::PromotionRejected { reason, .. }) = events.first() else {
+        panic!("{events:?}");
+    };
+    assert_eq!(reason.chars().count(), crate::text::MAX_REASON);
+    assert!(reason.ends_with('…'));
+}

@@ -884,6 +884,50 @@ fn reasons_are_required_where_they_are_the_record() {
         .then_expect_error(RunError::ReasonRequired);
 }
 
+#[test]
+fn a_person_s_reason_is_checked_and_a_program_s_output_made_inert() {
+    let mut escaped = cancel();
+    if let RunCommand::Cancel { reason, .. } = &mut escaped {
+        *reason = Some("ok\u{1b}[8mhidden".to_string());
+    }
+    assert!(matches!(
+        Fixture::with(())
+            .given(history(S::Requested))
+            .when(escaped)
+            .inspect_result(),
+        Err(RunError::InvalidText(crate::text::InvalidText { ref field, .. })) if field == "reason"
+    ));
+    let mut long = decide(Decision::Reject, "bob");
+    if let RunCommand::DecideApproval { reason, .. } = &mut long {
+        *reason = Some("x".repeat(250_000));
+    }
+    assert!(matches!(
+        Fixture::with(())
+            .given(history(S::AwaitingApproval))
+            .when(long)
+            .inspect_result(),
+        Err(RunError::InvalidText(_))
+    ));
+    // What the runner reports (the program's output may hold escapes and be long) is kept,
+    // inert and bounded: refusing it would leave the run planning for ever.
+    let events = Fixture::with(())
+        .given(history(S::Requested))
+        .when(RunCommand::FailPlanning {
+            reason: format!("\u{1b}[31merror\u{1b}[0m: {}", "y".repeat(5000)),
+            at: at(1),
+        })
+        .inspect_result()
+        .unwrap();
+    let Some(RunEvent::ProvisioningFailed { reason, .. }) = events.first() else {
+        panic!("{events:?}");
+    };
+    assert!(
+        reason.starts_with("\u{FFFD}[31merror\u{FFFD}[0m: yyy"),
+        "{reason}"
+    );
+    assert_eq!(reason.chars().count(), crate::text::MAX_REASON);
+}
+
 /// Every command in every state: either the one legal outcome or a typed refusal.
 #[test]
 fn every_command_in_every_state() {

@@ -254,6 +254,9 @@ pub async fn hand_off_run_id(
     })
 }
 
+/// The promotions a pass had something to do with (failing ones among them stay reported).
+type Live = std::collections::HashSet<(TenantId, PromotionId)>;
+
 /// The driver's name among the loops whose failing items are reported
 /// (`ferry_store::items`).
 pub const LOOP: &str = "promotions";
@@ -387,17 +390,22 @@ impl Driver {
     /// Tells the promotions being rolled back how their rollback ended: completed restores
     /// (the original ends rolled back), rejected or failed leaves the original failed (or,
     /// rolled back by hand, completed).
-    async fn follow_rollbacks(&self) -> Result<(), DriverError> {
+    async fn follow_rollbacks(&self, live: &mut Live) -> Result<(), DriverError> {
         for (tenant, original, state) in views::ended_rollbacks(&self.db).await? {
             let (Ok(tenant), Ok(original)) =
                 (TenantId::parse(&tenant), PromotionId::parse(&original))
             else {
                 continue;
             };
+            if !self.due(&tenant, original) {
+                live.insert((tenant, original));
+                continue;
+            }
             let view = match views::get_promotion(&self.db, &tenant, original).await {
                 Ok(Some(view)) => view,
                 Ok(None) => continue,
                 Err(error) => {
+                    live.insert((tenant.clone(), original));
                     self.settle(&tenant, original, Err(error.into()));
                     continue;
                 }
@@ -409,6 +417,7 @@ impl Driver {
             {
                 continue;
             }
+            live.insert((tenant.clone(), original));
             let now = Utc::now();
             let command = if state == "Completed" {
                 PromotionCommand::CompleteRollback { at: now }
@@ -418,9 +427,6 @@ impl Driver {
                     at: now,
                 }
             };
-            if !self.due(&tenant, original) {
-                continue;
-            }
             let ended = self.command(&tenant, original, command, None).await;
             if let Ok(true) = ended {
                 tracing::info!(promotion_id = %original, rollback = %state, "rollback ended");
@@ -456,8 +462,9 @@ impl Driver {
         if let Err(error) = self.free_slots().await {
             tracing::warn!(%error, "freeing promotion slots failed; retrying on the next pass");
         }
-        self.reject_withdrawn().await?;
-        self.follow_rollbacks().await?;
+        let mut live = Live::new();
+        self.reject_withdrawn(&mut live).await?;
+        self.follow_rollbacks(&mut live).await?;
         let mut started: Vec<(String, String)> = Vec::new();
         for (tenant, promotion, environment, state) in views::open_promotions(&self.db).await? {
             let (Ok(tenant), Ok(promotion)) =
@@ -465,6 +472,7 @@ impl Driver {
             else {
                 continue;
             };
+            live.insert((tenant.clone(), promotion));
             if !self.due(&tenant, promotion) {
                 continue;
             }
@@ -492,6 +500,20 @@ impl Driver {
                 _ => Ok(()),
             };
             self.settle(&tenant, promotion, step);
+        }
+        // A promotion that failed and then ended another way (cancelled, rejected, decided
+        // elsewhere) is no longer the driver's: it is not stuck.
+        let gone = self.db.item_health().retain_live(LOOP, |tenant, item| {
+            let (Ok(tenant), Ok(item)) = (TenantId::parse(tenant), PromotionId::parse(item)) else {
+                return false;
+            };
+            live.contains(&(tenant, item))
+        });
+        for problem in gone {
+            tracing::info!(
+                tenant = %problem.tenant, promotion_id = %problem.item, attempts = problem.attempts,
+                "promotion left the driver while failing; no longer reported as stuck"
+            );
         }
         Ok(())
     }
@@ -540,13 +562,14 @@ impl Driver {
     }
 
     /// Rejects promotions of withdrawn releases that are not deploying yet.
-    async fn reject_withdrawn(&self) -> Result<(), DriverError> {
+    async fn reject_withdrawn(&self, live: &mut Live) -> Result<(), DriverError> {
         for (tenant, promotion) in views::withdrawn_open_promotions(&self.db).await? {
             let (Ok(tenant), Ok(promotion)) =
                 (TenantId::parse(&tenant), PromotionId::parse(&promotion))
             else {
                 continue;
             };
+            live.insert((tenant.clone(), promotion));
             if !self.due(&tenant, promotion) {
                 continue;
             }

@@ -33,6 +33,7 @@ use ferry_domain::release::{
     ReleaseVersion,
 };
 use ferry_domain::run::Decision;
+use ferry_domain::text;
 use ferry_domain::{
     EnvironmentClass, EnvironmentId, FactoryRunId, ProgramRef, ProgramVersion, ProjectId,
     PromotionId, ReleaseId,
@@ -60,6 +61,7 @@ fn release_refusal(e: ReleaseError) -> ApiError {
                 ApiError::invalid_field(&format!("smokeChecks[{index}]"), reason.clone())
             }
             ReleaseError::AlreadyLifted(_) => ApiError::WrongState(e.to_string()),
+            ReleaseError::InvalidText(invalid) => ApiError::invalid_text(invalid),
         }
     }
 }
@@ -71,6 +73,7 @@ fn promotion_refusal(e: PromotionError) -> ApiError {
             PromotionError::NotRequested => ApiError::NotFound(e.to_string()),
             PromotionError::SelfApproval(_) => ApiError::Forbidden(e.to_string()),
             PromotionError::ReasonRequired => ApiError::invalid_field("reason", e.to_string()),
+            PromotionError::InvalidText(invalid) => ApiError::invalid_text(invalid),
             PromotionError::ApprovalMismatch(_) => ApiError::Rule {
                 detail: e.to_string(),
                 field: Some("approvalId".to_string()),
@@ -317,6 +320,7 @@ pub async fn request_promotion(
                 "a hotfix needs a reason",
             ));
         }
+        text::check_free_text("hotfix.reason", &hotfix.reason).map_err(ApiError::invalid_text)?;
     }
     // The release and the environment as recorded (the aggregates, not the read model,
     // which may lag): the cached copies, which the append checks (see `ferry_api::basis`).
@@ -745,6 +749,8 @@ pub async fn rollback(
             "a rollback needs a reason",
         ));
     }
+    // Checked before anything is written: a rollback is two promotions' commands.
+    text::check_free_text("reason", &body.reason).map_err(ApiError::invalid_text)?;
     let id = promotion_id(&raw)?;
     let promotions = state.repository::<Promotion>();
     let (promotion, _) = promotions
@@ -954,6 +960,7 @@ pub async fn lift_quarantine(
             "lifting a quarantine needs a reason",
         ));
     }
+    text::check_free_text("reason", &body.reason).map_err(ApiError::invalid_text)?;
     let rolled_back = views::rolled_back_in(state.db(), &caller.tenant, release, &environment)
         .await?
         .ok_or_else(|| {

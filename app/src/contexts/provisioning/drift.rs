@@ -80,6 +80,7 @@ fn environment(raw: &str) -> Result<EnvironmentId, ApiError> {
 fn refusal(e: DriftRulesError) -> ApiError {
     match e {
         DriftRulesError::Reason => ApiError::invalid_field("reason", e.to_string()),
+        DriftRulesError::InvalidText(invalid) => ApiError::invalid_text(invalid),
         DriftRulesError::UnknownRule(_) => ApiError::NotFound(e.to_string()),
         DriftRulesError::Duplicate(_)
         | DriftRulesError::RuleExists(_)
