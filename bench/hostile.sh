@@ -19,8 +19,14 @@
 #    and non-UTF-8 bodies, paths, queries and headers; tenant B's token on every path and
 #    body that takes tenant A's ids; forged authorities (actors and approvals in bodies, a
 #    requester approving her own run and promotion, roles a token lacks, another service's
-#    events from a person, forged tokens); then checks that nothing of A's moved and that the
-#    legitimate decisions still pass;
+#    events from a person, forged tokens); tenant isolation (crafted Git trees: a chain of
+#    links leaving the checkout, a name twice; a tenant named `promotion` aiming
+#    Idempotency-Keys at A's hand-off run ids; a specification re-declared under another
+#    project; a lone PlatformAdmin lowering production; ANSI, bidirectional and
+#    `javascript:` text, 250 KB reasons; probes of loopback and metadata addresses, SLO
+#    queries naming another tenant); then checks that nothing of A's moved, that nothing
+#    outside the checkout was written, and that the legitimate decisions still pass (A's
+#    approved production promotion hands off under its own run id);
 # 6. lets six clients leave the event stream after its first bytes while two others write,
 #    then checks that every write was answered and the store is still writable; checks that
 #    the server is still up, its log has no panic and no internal error;

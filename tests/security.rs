@@ -526,7 +526,16 @@ async fn the_requester_cannot_approve_under_another_spelling() {
         awaiting_approval(&s, &id).await;
         let path = format!("/factory/provisioning/runs/{id}/approval");
         let approve = json!({"decision": "approve", "reason": "looks right"});
-        for (sub, expected) in [("Alice", 403), ("alice ", 403), ("alice\u{200B}", 401)] {
+        // Ferry's own actor names are not a person's: a token or an approver spelled so
+        // would pass for Ferry in the record.
+        for (sub, expected) in [
+            ("Alice", 403),
+            ("alice ", 403),
+            ("alice\u{200B}", 401),
+            ("system:verifier", 401),
+            ("SYSTEM:reconciler", 401),
+            ("nats:urn:runcontrol", 401),
+        ] {
             let (status, problem) = s.post(&operator("acme", sub), &path, &approve).await;
             assert_eq!(status, expected, "{backend:?} {sub:?}: {problem}");
         }
@@ -547,6 +556,17 @@ async fn the_requester_cannot_approve_under_another_spelling() {
         )
         .await;
         assert_eq!(status, 400, "{backend:?}: {problem}");
+        assert!(
+            problem["detail"].as_str().unwrap().contains("decidedBy"),
+            "{problem}"
+        );
+        let (status, problem) = post_event(
+            &s,
+            &runcontrol,
+            &approval_decided(&id, "urn:runcontrol", "system:planner"),
+        )
+        .await;
+        assert_eq!(status, 422, "{backend:?}: {problem}");
         assert!(
             problem["detail"].as_str().unwrap().contains("decidedBy"),
             "{problem}"

@@ -265,6 +265,13 @@ impl Verifier {
             })?;
         let actor = Actor::parse(claims.sub.clone())
             .map_err(|e| ApiError::Unauthorized(format!("the token's sub is not valid: {e}")))?;
+        // `system:` and `nats:` name Ferry's own workers and the senders of NATS events in
+        // the record: a caller spelling itself so would pass for one of them.
+        if let Some(prefix) = actor.reserved_prefix() {
+            return Err(ApiError::Unauthorized(format!(
+                "the token's sub may not start with {prefix:?}: Ferry names its own actors so"
+            )));
+        }
         Ok(Caller {
             tenant,
             actor,

@@ -196,6 +196,11 @@ impl InboundHandler for FerryInbound {
                 }
             }
             InboundEvent::ApprovalDecided(a) => {
+                if let Some(prefix) = a.decided_by.reserved_prefix() {
+                    return Err(InboundError::Permanent(format!(
+                        "decidedBy may not start with {prefix:?}: Ferry names its own actors so"
+                    )));
+                }
                 let Some(run_id) = a.provisioning_run_id else {
                     let Some(promotion) = a.promotion_id else {
                         return Err(InboundError::Permanent(

@@ -219,6 +219,10 @@ impl Aggregate for DriftIgnoreRules {
                 rule,
             } => {
                 check_reason(&rule.reason)?;
+                crate::text::check_name_within("urn", rule.urn.as_str(), 1024)?;
+                if let Some(property) = &rule.property {
+                    crate::text::check_name("property", property.as_str())?;
+                }
                 let mine = |t: &Option<TenantId>, e: &Option<EnvironmentId>| {
                     t.as_ref().is_none_or(|t| *t == tenant_id)
                         && e.as_ref().is_none_or(|e| *e == environment_id)

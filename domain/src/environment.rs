@@ -65,6 +65,12 @@ impl SloObjective {
         if self.query.trim().is_empty() || self.query.chars().count() > 4096 {
             return Some(("slo.query", "must be 1 to 4096 characters"));
         }
+        if text::first_hidden_or_control(&self.query.replace(['\n', '\t'], " ")).is_some() {
+            return Some((
+                "slo.query",
+                "must not contain control, format or invisible characters",
+            ));
+        }
         if !self.threshold.is_finite() {
             return Some(("slo.threshold", "must be a finite number"));
         }

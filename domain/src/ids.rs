@@ -166,6 +166,16 @@ impl Actor {
     pub fn person_key(&self) -> String {
         crate::text::person_key(&self.0)
     }
+    /// The prefix of Ferry's own actor names (`system:` for its workers, `nats:` for the
+    /// sender of a NATS event) this name starts with, compared as people are. A token's
+    /// subject or an approver an event names must not: it would pass for Ferry itself in
+    /// the record.
+    pub fn reserved_prefix(&self) -> Option<&'static str> {
+        let key = self.person_key();
+        ["system:", "nats:"]
+            .into_iter()
+            .find(|prefix| key.starts_with(prefix))
+    }
 }
 impl PartialEq for Actor {
     fn eq(&self, other: &Self) -> bool {

@@ -890,8 +890,12 @@ impl Aggregate for Promotion {
                 self.in_state("start the gates of", &[S::Requested])?;
                 vec![PromotionEvent::GatesEvaluationStarted { started_at: at }]
             }
-            PromotionCommand::RecordGate(gate) => {
+            PromotionCommand::RecordGate(mut gate) => {
                 self.in_state("record a gate of", &[S::GatesEvaluating])?;
+                // Reasons may quote what a probed service or a policy answered.
+                for reason in &mut gate.reasons {
+                    *reason = text::inert(reason, text::MAX_REASON);
+                }
                 let expected = GateKind::ORDER.get(self.gates.len()).copied().ok_or(
                     PromotionError::WrongState {
                         command: "record a gate of",
@@ -918,7 +922,7 @@ impl Aggregate for Promotion {
                     let rejected_at = gate.evaluated_at;
                     events.push(PromotionEvent::GateEvaluated(gate));
                     events.push(PromotionEvent::PromotionRejected {
-                        reason,
+                        reason: inert(reason),
                         gate: Some(expected),
                         rejected_at,
                     });
@@ -1076,8 +1080,11 @@ impl Aggregate for Promotion {
                     },
                 ]
             }
-            PromotionCommand::Measure(measurement) => {
+            PromotionCommand::Measure(mut measurement) => {
                 self.in_state("measure", &[S::Verifying])?;
+                // What a probed service answered is the tenant's text.
+                measurement.name = text::inert(&measurement.name, text::MAX_URL);
+                measurement.value = text::inert(&measurement.value, text::MAX_REASON);
                 if self.verification_outcome == Some(VerificationOutcome::Failed) {
                     return Err(PromotionError::VerificationClosed);
                 }
@@ -1085,14 +1092,15 @@ impl Aggregate for Promotion {
             }
             PromotionCommand::ConcludeVerification {
                 outcome,
-                reason,
+                mut reason,
                 by,
                 at,
             } => {
                 self.in_state("conclude the verification of", &[S::Verifying])?;
                 match (self.verification_outcome, &by) {
-                    // The verifier concludes an open verification once.
-                    (None, None) => {}
+                    // The verifier concludes an open verification once (its reason may
+                    // quote what a probed service answered).
+                    (None, None) => reason = inert(reason),
                     // An Operator decides a held one, pass or fail, with a reason.
                     (
                         Some(VerificationOutcome::Inconclusive | VerificationOutcome::Error),

@@ -34,6 +34,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+/// The most of a runner's answer Ferry reads (as much as the Pulumi runner reads of its
+/// child's output).
+const MAX_RESPONSE_BYTES: u64 = crate::pulumi::MAX_STDOUT_BYTES;
+
 /// Largest program folder sent to a remote runner.
 pub const MAX_PROGRAM_BYTES: u64 = 16 * 1024 * 1024;
 const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
@@ -184,9 +188,19 @@ impl HttpRunner {
                 RunnerError::Unavailable(format!("cannot reach runner at {url}: {e}"))
             }
         };
-        let resp = req.send().await.map_err(transport)?;
+        let mut resp = req.send().await.map_err(transport)?;
         let status = resp.status();
-        let text = resp.text().await.map_err(transport)?;
+        // Read up to the limit only: a runner answering without end cannot take Ferry's memory.
+        let mut body = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(transport)? {
+            if (body.len() + chunk.len()) as u64 > MAX_RESPONSE_BYTES {
+                return Err(RunnerError::BadOutput(format!(
+                    "runner at {url} answered more than {MAX_RESPONSE_BYTES} bytes; the rest was not read"
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        let text = String::from_utf8_lossy(&body).into_owned();
         let excerpt = || {
             redact(
                 &text.chars().take(300).collect::<String>(),

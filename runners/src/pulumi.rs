@@ -61,6 +61,13 @@ use tokio::process::Command;
 /// How long `pulumi version` may take.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The most a child may write to its standard output (a preview's JSON for a plan at the
+/// resource limit fits many times over) and to its standard error: past it, the child is
+/// stopped and the run fails, so a program printing without end cannot take Ferry's memory.
+pub const MAX_STDOUT_BYTES: u64 = 256 * 1024 * 1024;
+/// See [`MAX_STDOUT_BYTES`].
+pub const MAX_STDERR_BYTES: u64 = 16 * 1024 * 1024;
+
 /// The Pulumi CLI runner.
 #[derive(Debug, Clone)]
 pub struct PulumiRunner {
@@ -69,6 +76,31 @@ pub struct PulumiRunner {
     homes: PathBuf,
     /// The variables of Ferry's environment every child gets ([`is_inherited`]).
     inherited: BTreeMap<OsString, OsString>,
+    /// The most read of the child's standard output and standard error.
+    output_limits: (u64, u64),
+}
+
+/// Reads a child's pipe to its end, or fails once it passed `limit` bytes.
+async fn read_bounded(
+    pipe: Option<impl tokio::io::AsyncRead + Unpin>,
+    limit: u64,
+    what: &str,
+) -> Result<Vec<u8>, RunnerError> {
+    use tokio::io::AsyncReadExt;
+    let mut bytes = Vec::new();
+    if let Some(pipe) = pipe {
+        pipe.take(limit.saturating_add(1))
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| RunnerError::Unavailable(format!("reading pulumi's {what}: {e}")))?;
+    }
+    if bytes.len() as u64 > limit {
+        tracing::warn!(limit, what, "pulumi wrote too much; stopping it");
+        return Err(RunnerError::BadOutput(format!(
+            "pulumi wrote more than {limit} bytes to its {what}; it was stopped"
+        )));
+    }
+    Ok(bytes)
 }
 
 /// Whether a variable of Ferry's environment is passed to the child (see the module doc):
@@ -118,7 +150,15 @@ impl PulumiRunner {
             binary: binary_path.into(),
             homes: std::path::absolute(&homes).unwrap_or(homes),
             inherited,
+            output_limits: (MAX_STDOUT_BYTES, MAX_STDERR_BYTES),
         }
+    }
+
+    /// The same runner reading at most `stdout` and `stderr` bytes of a child's output
+    /// (defaults [`MAX_STDOUT_BYTES`], [`MAX_STDERR_BYTES`]).
+    pub fn with_output_limits(mut self, stdout: u64, stderr: u64) -> Self {
+        self.output_limits = (stdout, stderr);
+        self
     }
 
     /// The home folder of a tenant's runs (or of Ferry's own `pulumi version`), made
@@ -199,23 +239,33 @@ impl PulumiRunner {
                 let _ = pipe.shutdown().await;
             });
         }
-        // On timeout, or when this future is dropped, `group` kills the process group and
-        // the dropped child is killed by kill_on_drop.
-        let output = tokio::time::timeout(timeout, child.wait_with_output())
-            .await
-            .map_err(|_| {
-                tracing::warn!(?timeout, args = ?args, "pulumi timed out; killing it");
-                RunnerError::TimedOut(timeout)
-            })?
-            .map_err(|e| {
+        // On timeout, on too much output, or when this future is dropped, `group` kills the
+        // process group and the dropped child is killed by kill_on_drop.
+        let (stdout_limit, stderr_limit) = self.output_limits;
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let finished = async {
+            let (stdout, stderr) = tokio::try_join!(
+                read_bounded(stdout, stdout_limit, "standard output"),
+                read_bounded(stderr, stderr_limit, "standard error"),
+            )?;
+            let status = child.wait().await.map_err(|e| {
                 RunnerError::Unavailable(format!("waiting for {}: {e}", self.binary.display()))
             })?;
+            Ok::<_, RunnerError>((status, stdout, stderr))
+        };
+        let (status, stdout, stderr) =
+            tokio::time::timeout(timeout, finished)
+                .await
+                .map_err(|_| {
+                    tracing::warn!(?timeout, args = ?args, "pulumi timed out; killing it");
+                    RunnerError::TimedOut(timeout)
+                })??;
         // It exited by itself: its group id may be reused from now on, never kill it.
         group.0 = None;
         Ok(Finished {
-            status: output.status,
-            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+            status,
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
         })
     }
 

@@ -674,6 +674,26 @@ async fn garbage_output_is_bad_output() {
     }
 }
 
+/// A program that prints without end is stopped at the output limit, and the run fails
+/// saying so, rather than Ferry's memory growing with it.
+#[tokio::test]
+async fn endless_output_is_stopped_at_the_limit() {
+    for script in ["cat > /dev/null; yes", "cat > /dev/null; yes >&2"] {
+        let mut fake = Fake::new(script);
+        fake.runner = fake.runner.with_output_limits(64 * 1024, 16 * 1024);
+        let started = Instant::now();
+        match fake
+            .runner
+            .preview(&fake.input(Duration::from_secs(20)))
+            .await
+        {
+            Err(RunnerError::BadOutput(r)) => assert!(r.contains("wrote more than"), "{r}"),
+            other => panic!("{script}: {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{script}");
+    }
+}
+
 #[tokio::test]
 async fn missing_binary_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
