@@ -2260,3 +2260,182 @@ async fn text_a_console_renders_is_checked_where_it_arrives() {
     assert_eq!(body["errors"][0]["field"], "healthUrl", "{body}");
     d.s.stop().await;
 }
+
+/// The path to production for `release`: development, test and staging completed, then
+/// production approved by a Reviewer who did not request it; answers the production
+/// promotion once it is `Verifying` or later.
+async fn through_to_production(d: &Delivery, release: &str) -> Value {
+    for env in ["payments-dev", "payments-test", "payments-staging"] {
+        let p = d.promote(release, env, json!({})).await;
+        d.wait(&p, "Completed").await;
+    }
+    let prod = d.promote(release, "payments-prod", json!({})).await;
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        prod["promotionId"].as_str().unwrap()
+    );
+    let (s, path_ref) = (&d.s, &path);
+    eventually_showing("the production approval with its plan", 60, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path_ref).await;
+        if p["approval"]["planInputsHash"].is_string() {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    let bob = token("acme", "bob", &[D_READ, D_PROMOTE], &["Reviewer"]);
+    let (status, body) =
+        d.s.post(
+            &bob,
+            &format!("{path}/approval"),
+            &json!({"decision": "approve", "reason": "CAB"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    d.wait_any(&prod, &["Verifying", "Completed"]).await
+}
+
+/// The run a rollback promotion applied, by the promotion's id.
+async fn rollback_run(d: &Delivery, rollback_promotion: &str) -> Value {
+    let path = format!("/factory/delivery/promotions/{rollback_promotion}");
+    let (_, rollback) = d.s.get(&promoter("acme", "alice"), &path).await;
+    assert_eq!(rollback["state"], "Completed", "{rollback}");
+    let run = rollback["provisioningRunId"].as_str().unwrap();
+    let (_, run) =
+        d.s.get(
+            &operator("acme", "alice"),
+            &format!("/factory/provisioning/runs/{run}"),
+        )
+        .await;
+    assert_eq!(run["state"], "Applied", "{run}");
+    run
+}
+
+/// Issue 38: a rollback in production stopped at its run's approval, which nobody could
+/// give. Its run now applies under the rollback's own authority (the failed verification,
+/// or the Operator by role), recorded on the run; the failed promotion ends `RolledBack`,
+/// the rollback `Completed`, the previous release current. Rolling back a rollback would
+/// bring the quarantined release back: refused.
+async fn rollbacks_in_production_restore_the_previous_release(backend: Backend) {
+    let d = start_with(backend, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(2);
+    })
+    .await;
+    for (env, class) in [
+        ("payments-dev", "development"),
+        ("payments-test", "test"),
+        ("payments-staging", "staging"),
+        ("payments-prod", "production"),
+    ] {
+        d.environment(env, class).await;
+    }
+    let good = d.deployable("1.0.0").await;
+    let first = through_to_production(&d, &good).await;
+    d.wait(&first, "Completed").await;
+
+    // Automatic: the next release fails its verification in production.
+    let bad = d.deployable("1.1.0").await;
+    let failing = through_to_production(&d, &bad).await;
+    d.status.store(503, Ordering::SeqCst);
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        failing["promotionId"].as_str().unwrap()
+    );
+    let (s, path_ref) = (&d.s, &path);
+    eventually_showing("verification failed in production", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path_ref).await;
+        if p["verification"]["outcome"] == "Failed" {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    d.status.store(200, Ordering::SeqCst);
+    let rolled = d.wait(&failing, "RolledBack").await;
+    assert_eq!(rolled["rollback"]["automatic"], true, "{rolled}");
+    assert_eq!(rolled["failure"]["rolledBack"], true, "{rolled}");
+    let run = rollback_run(
+        &d,
+        rolled["rollback"]["rollbackPromotionId"].as_str().unwrap(),
+    )
+    .await;
+    assert_eq!(run["authorization"]["type"], "rollback", "{run}");
+    assert_eq!(run["authorization"]["automatic"], true, "{run}");
+    assert_eq!(
+        run["authorization"]["rollsBack"], rolled["promotionId"],
+        "{run}"
+    );
+    let (_, current) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/environments/payments-prod/current-release",
+        )
+        .await;
+    assert_eq!(current["releaseId"], good.as_str(), "{current}");
+
+    // By hand: an Operator rolls a completed production promotion back.
+    let next = d.deployable("1.2.0").await;
+    let completed = through_to_production(&d, &next).await;
+    let completed = d.wait(&completed, "Completed").await;
+    let carol = token(
+        "acme",
+        "carol",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        completed["promotionId"].as_str().unwrap()
+    );
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!("{path}/rollback"),
+            &json!({"reason": "error budget burnt"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let rolled = d.wait(&completed, "RolledBack").await;
+    let rollback_id = rolled["rollback"]["rollbackPromotionId"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let run = rollback_run(&d, &rollback_id).await;
+    assert_eq!(run["authorization"]["type"], "rollback", "{run}");
+    assert_eq!(run["authorization"]["automatic"], false, "{run}");
+    assert_eq!(run["authorization"]["authorisedBy"], "carol", "{run}");
+    let (_, current) =
+        d.s.get(
+            &promoter("acme", "alice"),
+            "/factory/environments/payments-prod/current-release",
+        )
+        .await;
+    assert_eq!(current["releaseId"], good.as_str(), "{current}");
+
+    // Rolling the rollback back would restore the quarantined release: refused.
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!("/factory/delivery/promotions/{rollback_id}/rollback"),
+            &json!({"reason": "undo"}),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("quarantined"),
+        "{body}"
+    );
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn rollbacks_in_production_restore_the_previous_release_on_sqlite() {
+    rollbacks_in_production_restore_the_previous_release(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn rollbacks_in_production_restore_the_previous_release_on_postgres() {
+    rollbacks_in_production_restore_the_previous_release(Backend::Postgres).await;
+}

@@ -10,6 +10,7 @@ self_authorising_kinds := {"Baseline", "Reconciliation"}
 require_approval contains msg if {
 	production
 	destructive
+	not input.rollback
 	msg := sprintf(
 		"%s plan in a %s environment deletes %d and replaces %d resources: destructive production plans are never applied automatically",
 		[input.kind, class_name, input.deletes, input.replaces],
@@ -20,6 +21,7 @@ require_approval contains msg if {
 require_approval contains msg if {
 	production
 	not input.hasPromotionApproval
+	not input.rollback
 	not input.kind in self_authorising_kinds
 	msg := sprintf("%s apply in a %s environment needs the promotion's approval", [input.kind, class_name])
 }
@@ -40,5 +42,17 @@ allow contains msg if {
 	msg := sprintf(
 		"%s plan in a %s environment is non-destructive (%d adds, %d changes, no deletes or replaces)",
 		[input.kind, class_name, input.adds, input.changes],
+	)
+}
+
+# A rollback restores the release that ran before, under the rollback's own authority (an
+# Operator's by role, or the failed verification it answers), even when it deletes what the
+# failed release added. A team's own policy may still deny it.
+allow contains msg if {
+	production
+	input.rollback
+	msg := sprintf(
+		"%s apply in a %s environment restores the previous release under a rollback's authority (%d adds, %d changes, %d deletes, %d replaces)",
+		[input.kind, class_name, input.adds, input.changes, input.deletes, input.replaces],
 	)
 }

@@ -4,7 +4,7 @@
 //! the binary) plus every `.rego` file of the configured folder (not its sub-folders), in
 //! file-name order. A plan's [`PolicyInput`] is the Rego `input` (camelCase fields:
 //! `environmentId`, `environmentClass` — `null` when unknown —, `kind`,
-//! `hasPromotionApproval`, `adds`, `changes`, `deletes`, `replaces`, `resources` with
+//! `hasPromotionApproval`, `rollback`, `adds`, `changes`, `deletes`, `replaces`, `resources` with
 //! `urn`, `type`, `op`).
 //!
 //! # How policies combine
@@ -29,7 +29,8 @@
 //! * Production (and an unknown class, which counts as production): a plan with deletes or
 //!   replaces always requires approval; a release or decommission requires the promotion's
 //!   approval; with that approval, or for a baseline or reconciliation, a non-destructive
-//!   plan is allowed with evidence.
+//!   plan is allowed with evidence. A rollback's run (`rollback`: it restores the previous
+//!   release under the rollback's own authority) is allowed, deletes included.
 //! * Development, test and staging: allowed, with the plan's counts as the reason.
 //!
 //! # Promotions: `package ferry.deployment`
@@ -363,6 +364,7 @@ fn sample_input() -> PolicyInput {
         environment_class: None,
         kind: ProvisioningKind::Reconciliation,
         has_promotion_approval: false,
+        rollback: false,
         adds: 1,
         changes: 1,
         deletes: 0,
@@ -391,6 +393,7 @@ mod tests {
             environment_class: class,
             kind,
             has_promotion_approval: approved,
+            rollback: false,
             adds: 2,
             changes: 1,
             deletes: 0,
@@ -419,6 +422,37 @@ mod tests {
             rollback,
             has_agent_generated_assets: false,
         }
+    }
+
+    #[test]
+    fn a_rollback_in_production_is_allowed_under_its_authority_even_when_it_deletes() {
+        let policy = RegoPolicy::load(None).unwrap();
+        let mut rollback = input(
+            Some(EnvironmentClass::Production),
+            ProvisioningKind::Release,
+            false,
+        );
+        rollback.rollback = true;
+        rollback.deletes = 1;
+        rollback.resources[0].op = ResourceOp::Delete;
+        let d = policy.evaluate(&rollback).unwrap();
+        assert_eq!(d.decision, PolicyOutcome::Allow, "{d:?}");
+        assert!(d.evidence[0].contains("rollback's authority"), "{d:?}");
+        // Without the rollback's authority the same plan waits for a person.
+        rollback.rollback = false;
+        let d = policy.evaluate(&rollback).unwrap();
+        assert_eq!(d.decision, PolicyOutcome::RequireApproval, "{d:?}");
+        // A team's policy may still deny it.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("no_rollback_deletes.rego"),
+            "package ferry.policy\n\nimport rego.v1\n\ndeny contains \"no deletes, even in a rollback\" if {\n\tinput.rollback\n\tinput.deletes > 0\n}\n",
+        )
+        .unwrap();
+        rollback.rollback = true;
+        let team = RegoPolicy::load(Some(dir.path())).unwrap();
+        let d = team.evaluate(&rollback).unwrap();
+        assert_eq!(d.decision, PolicyOutcome::Deny, "{d:?}");
     }
 
     #[test]

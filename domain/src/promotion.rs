@@ -791,6 +791,31 @@ impl Promotion {
             approval.plan_inputs_hash.clone(),
         ))
     }
+    /// The rollback's authority as proof for the run that restores the release: only a
+    /// rollback promotion Ferry holds whose gates passed (it is `Approved` or further) can
+    /// make one.
+    pub fn verified_rollback(&self) -> Option<crate::run::VerifiedRollback> {
+        let request = self.request.as_ref()?;
+        let rollback = request.rollback_of.as_ref()?;
+        if !matches!(
+            self.state?,
+            PromotionState::Approved | PromotionState::Deploying | PromotionState::Verifying
+        ) {
+            return None;
+        }
+        Some(crate::run::VerifiedRollback::new(
+            crate::run::RollbackAuthorityRecord {
+                promotion_id: request.promotion_id,
+                rolls_back: rollback.promotion_id,
+                release_id: request.release_id,
+                tenant_id: request.tenant_id.clone(),
+                environment_id: request.environment_id.clone(),
+                automatic: rollback.automatic,
+                authorised_by: request.requested_by.clone(),
+                reason: rollback.reason.clone(),
+            },
+        ))
+    }
     /// The desired state handed over or planned for the approval.
     pub fn desired_state_ref(&self) -> Option<&str> {
         self.desired_state_ref.as_deref()

@@ -22,8 +22,8 @@
 //! a promotion's run cannot be approved as a plain run.
 
 use crate::ids::{
-    Actor, ApprovalId, EnvironmentId, ProjectId, PromotionId, ProvisioningRunId, SpecificationId,
-    TenantId,
+    Actor, ApprovalId, EnvironmentId, ProjectId, PromotionId, ProvisioningRunId, ReleaseId,
+    SpecificationId, TenantId,
 };
 use crate::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
 use crate::values::{is_production, EnvironmentClass, ProvisioningKind, ProvisioningState};
@@ -108,6 +108,50 @@ pub struct PromotionApprovalRecord {
     pub approved_at: DateTime<Utc>,
 }
 
+/// Proof that a rollback promotion Ferry holds restores a release in exactly this tenant and
+/// environment, under the rollback's own authority: an Operator's by role (a manual
+/// rollback) or the failed verification it answers (an automatic one). Only this crate
+/// constructs it (from the rollback promotion's own request, once its gates passed), so no
+/// caller can make one up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifiedRollback {
+    record: RollbackAuthorityRecord,
+}
+
+impl VerifiedRollback {
+    /// Built by the rollback promotion.
+    pub(crate) fn new(record: RollbackAuthorityRecord) -> Self {
+        Self { record }
+    }
+
+    /// What is recorded on the run.
+    pub fn record(&self) -> &RollbackAuthorityRecord {
+        &self.record
+    }
+}
+
+/// A rollback's authority as recorded on the run that restores the release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackAuthorityRecord {
+    /// The rollback promotion.
+    pub promotion_id: PromotionId,
+    /// The promotion it rolls back.
+    pub rolls_back: PromotionId,
+    /// The release it restores.
+    pub release_id: ReleaseId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// True when failed verification started it; false when an Operator did.
+    pub automatic: bool,
+    /// The Operator who asked for it (by role), or the verifier.
+    pub authorised_by: Actor,
+    /// Why.
+    pub reason: String,
+}
+
 /// A person's decision on a run awaiting approval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -150,6 +194,19 @@ pub enum ApplyAuthorization {
         /// Its approval.
         approval_id: ApprovalId,
     },
+    /// A rollback restoring the previous release, under its own authority (an Operator's
+    /// by role, or the failed verification it answers), carried by the run.
+    #[serde(rename_all = "camelCase")]
+    Rollback {
+        /// The rollback promotion.
+        promotion_id: PromotionId,
+        /// The promotion it rolls back.
+        rolls_back: PromotionId,
+        /// True when failed verification started it.
+        automatic: bool,
+        /// The Operator who asked for it, or the verifier.
+        authorised_by: Actor,
+    },
     /// Policy allowed a baseline or reconciliation apply, with this evidence.
     #[serde(rename_all = "camelCase")]
     PolicyAllow {
@@ -190,6 +247,14 @@ pub enum RunCommand {
         request: Box<RunRequest>,
         /// The proof.
         approval: Box<VerifiedPromotionApproval>,
+    },
+    /// A rollback promotion's hand-off: record the run in `Requested` with the rollback's
+    /// verified authority, which must name the request's tenant, environment and promotion.
+    RequestForRollback {
+        /// The run; its `promotion_id` must be the rollback promotion's, and no approval id.
+        request: Box<RunRequest>,
+        /// The proof.
+        authority: Box<VerifiedRollback>,
     },
     /// A promotion's approval, verified, for the plan this run awaits approval with: it
     /// covers exactly that plan (the inputs hash the approval was asked with).
@@ -299,6 +364,7 @@ impl RunCommand {
         match self {
             Self::Request(_) => "Request",
             Self::RequestForPromotion { .. } => "RequestForPromotion",
+            Self::RequestForRollback { .. } => "RequestForRollback",
             Self::ApproveForPromotion { .. } => "ApproveForPromotion",
             Self::RecordPlan { .. } => "RecordPlan",
             Self::FailPlanning { .. } => "FailPlanning",
@@ -322,6 +388,8 @@ pub enum RunEvent {
     ProvisioningRequested(Box<RunRequest>),
     /// The promotion's verified approval is attached to the run (right after the request).
     PromotionApprovalVerified(PromotionApprovalRecord),
+    /// The rollback's verified authority is attached to the run (right after the request).
+    RollbackAuthorityVerified(RollbackAuthorityRecord),
     /// The plan receipt is recorded; the run is `Planned`.
     #[serde(rename_all = "camelCase")]
     ProvisioningPlanned {
@@ -421,6 +489,7 @@ impl RunEvent {
         match self {
             Self::ProvisioningRequested(_) => EventType::first("ProvisioningRequested"),
             Self::PromotionApprovalVerified(_) => EventType::first("PromotionApprovalVerified"),
+            Self::RollbackAuthorityVerified(_) => EventType::first("RollbackAuthorityVerified"),
             Self::ProvisioningPlanned { .. } => EventType::first("ProvisioningPlanned"),
             Self::ApprovalRequired { .. } => EventType::first("ApprovalRequired"),
             Self::ApprovalGranted(_) => EventType::first("ApprovalGranted"),
@@ -510,6 +579,8 @@ pub enum RunError {
 pub struct ProvisioningRun {
     request: Option<RunRequest>,
     promotion_approval: Option<PromotionApprovalRecord>,
+    #[serde(default)]
+    rollback_authority: Option<RollbackAuthorityRecord>,
     state: Option<ProvisioningState>,
     plan_receipt: Option<PlanReceipt>,
     approval: Option<ApprovalRecord>,
@@ -533,6 +604,10 @@ impl ProvisioningRun {
     /// The promotion's verified approval, when a promotion handed the run over.
     pub fn promotion_approval(&self) -> Option<&PromotionApprovalRecord> {
         self.promotion_approval.as_ref()
+    }
+    /// The rollback's verified authority, when a rollback promotion handed the run over.
+    pub fn rollback_authority(&self) -> Option<&RollbackAuthorityRecord> {
+        self.rollback_authority.as_ref()
     }
     /// The approval decision, if any.
     pub fn approval(&self) -> Option<&ApprovalRecord> {
@@ -588,6 +663,19 @@ impl ProvisioningRun {
                 return Ok(ApplyAuthorization::PromotionApproval {
                     promotion_id: verified.promotion_id,
                     approval_id: verified.approval_id,
+                });
+            }
+        }
+        // A rollback restores what ran before under its own authority, even when its plan
+        // deletes what the failed release added: waiting for a person here would hold the
+        // environment on the release that failed. Policy may still deny it (above).
+        if let Some(rollback) = &self.rollback_authority {
+            if request.kind == ProvisioningKind::Release {
+                return Ok(ApplyAuthorization::Rollback {
+                    promotion_id: rollback.promotion_id,
+                    rolls_back: rollback.rolls_back,
+                    automatic: rollback.automatic,
+                    authorised_by: rollback.authorised_by.clone(),
                 });
             }
         }
@@ -714,6 +802,31 @@ impl Aggregate for ProvisioningRun {
                 sink.write(RunEvent::ProvisioningRequested(request.clone()), self)
                     .await;
                 RunEvent::PromotionApprovalVerified(record.clone())
+            }
+            RunCommand::RequestForRollback { request, authority } => {
+                if self.request.is_some() {
+                    return Err(RunError::AlreadyRequested);
+                }
+                let record = authority.record();
+                let mismatch = if record.tenant_id != request.tenant_id {
+                    Some("tenant")
+                } else if record.environment_id != request.environment_id {
+                    Some("environment")
+                } else if request.promotion_id != Some(record.promotion_id) {
+                    Some("promotion")
+                } else if request.approval_id.is_some() {
+                    Some("approval (a rollback carries none)")
+                } else if request.kind != ProvisioningKind::Release {
+                    Some("kind (a rollback hands over a Release)")
+                } else {
+                    None
+                };
+                if let Some(what) = mismatch {
+                    return Err(RunError::PromotionApprovalMismatch(what));
+                }
+                sink.write(RunEvent::ProvisioningRequested(request.clone()), self)
+                    .await;
+                RunEvent::RollbackAuthorityVerified(record.clone())
             }
             RunCommand::ApproveForPromotion {
                 approval,
@@ -936,6 +1049,7 @@ impl Aggregate for ProvisioningRun {
                 self.state = Some(S::Requested);
             }
             RunEvent::PromotionApprovalVerified(record) => self.promotion_approval = Some(record),
+            RunEvent::RollbackAuthorityVerified(record) => self.rollback_authority = Some(record),
             RunEvent::ProvisioningPlanned { plan_receipt, .. } => {
                 self.plan_receipt = Some(*plan_receipt);
                 self.state = Some(S::Planned);

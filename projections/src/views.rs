@@ -73,6 +73,9 @@ pub struct RunView {
     /// The promotion's approval as Ferry verified it, when a promotion handed the run over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub promotion_approval: Option<ferry_domain::run::PromotionApprovalRecord>,
+    /// The rollback's verified authority, when a rollback promotion handed the run over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_authority: Option<ferry_domain::run::RollbackAuthorityRecord>,
     /// The state.
     pub state: ProvisioningState,
     /// The plan receipt, once planned.
@@ -130,6 +133,7 @@ impl RunView {
             promotion_id: r.promotion_id,
             approval_id: r.approval_id,
             promotion_approval: None,
+            rollback_authority: None,
             state: ProvisioningState::Requested,
             plan_receipt: None,
             approval: None,
@@ -164,6 +168,10 @@ impl RunView {
             RunEvent::ProvisioningRequested(r) => r.requested_at,
             RunEvent::PromotionApprovalVerified(record) => {
                 self.promotion_approval = Some(record.clone());
+                self.updated_at
+            }
+            RunEvent::RollbackAuthorityVerified(record) => {
+                self.rollback_authority = Some(record.clone());
                 self.updated_at
             }
             RunEvent::ProvisioningPlanned {

@@ -264,6 +264,7 @@ impl Workers {
             kind: request.kind,
             // Only an approval Ferry verified counts (ids in the request grant nothing).
             has_promotion_approval: run.promotion_approval().is_some(),
+            rollback: run.rollback_authority().is_some(),
             adds: plan.adds,
             changes: plan.changes,
             deletes: plan.deletes,

@@ -166,6 +166,8 @@ pub struct PolicyInput {
     pub kind: ProvisioningKind,
     /// Whether the run carries the promotion's approval.
     pub has_promotion_approval: bool,
+    /// Whether the run restores the previous release under a rollback's authority.
+    pub rollback: bool,
     /// Plan counts.
     pub adds: u32,
     /// Plan counts.

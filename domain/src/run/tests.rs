@@ -524,6 +524,94 @@ fn a_promotions_hand_off_records_its_verified_approval() {
     }
 }
 
+fn rollback_authority(request: &RunRequest) -> RollbackAuthorityRecord {
+    RollbackAuthorityRecord {
+        promotion_id: request.promotion_id.unwrap(),
+        rolls_back: PromotionId::from_uuid(uuid::Uuid::from_u128(41)),
+        release_id: ReleaseId::from_uuid(uuid::Uuid::from_u128(42)),
+        tenant_id: request.tenant_id.clone(),
+        environment_id: request.environment_id.clone(),
+        automatic: true,
+        authorised_by: actor("system:verifier"),
+        reason: "verification failed".to_string(),
+    }
+}
+
+#[test]
+fn a_rollback_applies_in_production_under_its_own_authority_unless_policy_denies() {
+    let mut run = prod_release();
+    run.promotion_id = Some(PromotionId::from_uuid(uuid::Uuid::from_u128(40)));
+    let record = rollback_authority(&run);
+    Fixture::with(())
+        .given_no_previous_events()
+        .when(RunCommand::RequestForRollback {
+            request: Box::new(run.clone()),
+            authority: Box::new(VerifiedRollback::new(record.clone())),
+        })
+        .then_expect_events(vec![
+            requested(run.clone()),
+            RunEvent::RollbackAuthorityVerified(record.clone()),
+        ]);
+    // Deleting what the failed release added, with policy asking for a person: it applies.
+    let wants_approval = Some(PolicyDecision {
+        decision: PolicyOutcome::RequireApproval,
+        evidence: vec!["require_approval: destructive".to_string()],
+    });
+    Fixture::with(())
+        .given(vec![
+            requested(run.clone()),
+            RunEvent::RollbackAuthorityVerified(record.clone()),
+            planned(receipt(1, wants_approval)),
+        ])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_events(vec![RunEvent::ApplyStarted {
+            authorization: ApplyAuthorization::Rollback {
+                promotion_id: record.promotion_id,
+                rolls_back: record.rolls_back,
+                automatic: true,
+                authorised_by: actor("system:verifier"),
+            },
+            started_at: at(3),
+        }]);
+    // A team's policy may still deny it.
+    let denied = Some(PolicyDecision {
+        decision: PolicyOutcome::Deny,
+        evidence: vec!["deny: no deletes".to_string()],
+    });
+    Fixture::with(())
+        .given(vec![
+            requested(run.clone()),
+            RunEvent::RollbackAuthorityVerified(record.clone()),
+            planned(receipt(1, denied)),
+        ])
+        .when(RunCommand::StartApply { at: at(3) })
+        .then_expect_error(RunError::PolicyDenied("deny: no deletes".to_string()));
+    // The authority names exactly this tenant, environment and promotion.
+    type Change = fn(&mut RollbackAuthorityRecord);
+    let cases: [(&str, Change); 3] = [
+        ("tenant", |r| {
+            r.tenant_id = TenantId::parse("globex").unwrap()
+        }),
+        ("environment", |r| {
+            r.environment_id = EnvironmentId::parse("other-prod").unwrap()
+        }),
+        ("promotion", |r| {
+            r.promotion_id = PromotionId::from_uuid(uuid::Uuid::from_u128(99))
+        }),
+    ];
+    for (what, change) in cases {
+        let mut other = record.clone();
+        change(&mut other);
+        Fixture::with(())
+            .given_no_previous_events()
+            .when(RunCommand::RequestForRollback {
+                request: Box::new(run.clone()),
+                authority: Box::new(VerifiedRollback::new(other)),
+            })
+            .then_expect_error(RunError::PromotionApprovalMismatch(what));
+    }
+}
+
 #[test]
 fn an_unknown_environment_class_is_production() {
     let unknown = request(None, ProvisioningKind::Release);

@@ -789,6 +789,7 @@ impl Driver {
         promotion: PromotionId,
         request: &ferry_domain::promotion::PromotionRequest,
         run_id: ProvisioningRunId,
+        rollback: Option<ferry_domain::run::VerifiedRollback>,
     ) -> Result<Option<(ProvisioningRun, String)>, DriverError> {
         if let Some((run, _)) = self
             .runs
@@ -872,15 +873,18 @@ impl Driver {
             requested_by: actor(),
             requested_at: Utc::now(),
         };
+        // A rollback's run carries the rollback's own authority, so that it applies in
+        // production without an approval nobody could give.
+        let command = match rollback {
+            Some(authority) => RunCommand::RequestForRollback {
+                request: Box::new(run),
+                authority: Box::new(authority),
+            },
+            None => RunCommand::Request(Box::new(run)),
+        };
         match self
             .runs
-            .execute(
-                tenant,
-                &run_id.to_string(),
-                RunCommand::Request(Box::new(run)),
-                &metadata,
-                true,
-            )
+            .execute(tenant, &run_id.to_string(), command, &metadata, true)
             .await
         {
             Ok(done) => Ok(Some((
@@ -906,7 +910,15 @@ impl Driver {
             Some(run_id) => run_id,
             None => hand_off_run_id(&self.runs, tenant, promotion, aggregate.attempt()).await?,
         };
-        let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
+        let Some((run, desired)) = self
+            .ensure_run(
+                tenant,
+                promotion,
+                &request,
+                run_id,
+                aggregate.verified_rollback(),
+            )
+            .await?
         else {
             return Ok(());
         };
@@ -1019,7 +1031,9 @@ impl Driver {
             return Ok(());
         }
         let run_id = hand_off_run_id(&self.runs, tenant, promotion, aggregate.attempt()).await?;
-        let Some((run, desired)) = self.ensure_run(tenant, promotion, &request, run_id).await?
+        let Some((run, desired)) = self
+            .ensure_run(tenant, promotion, &request, run_id, None)
+            .await?
         else {
             return Ok(());
         };

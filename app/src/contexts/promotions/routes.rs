@@ -784,6 +784,21 @@ pub async fn rollback(
             request.environment_id
         ))
     })?;
+    // Quarantine holds on every path into an environment: rolling back a rollback would
+    // bring back the release it rolled back.
+    if let Some(rolled_back) = views::rolled_back_in(
+        state.db(),
+        &caller.tenant,
+        previous,
+        &request.environment_id,
+    )
+    .await?
+    {
+        return Err(ApiError::WrongState(format!(
+            "release {previous} was rolled back in {} (promotion {rolled_back}): it is quarantined there; lift the quarantine before restoring it",
+            request.environment_id
+        )));
+    }
     super::driver::start_rollback(
         &promotions,
         &caller.metadata(ids),
