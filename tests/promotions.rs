@@ -1089,8 +1089,9 @@ async fn a_production_approval_left_undecided_expires_and_rejects_the_promotion(
     let p = d.wait(&p, "Rejected").await;
     let reason = p["rejection"]["reason"].as_str().unwrap();
     assert!(reason.contains("expired"), "{reason}");
-    // It was asked with its plan before it expired.
+    // It was asked with its plan before it expired, and says it expired.
     assert!(p["approval"]["planInputsHash"].is_string(), "{p}");
+    assert_eq!(p["approvalStatus"], "Expired", "{p}");
     d.s.stop().await;
 }
 
@@ -2274,17 +2275,51 @@ async fn through_to_production(d: &Delivery, release: &str) -> Value {
         "/factory/delivery/promotions/{}",
         prod["promotionId"].as_str().unwrap()
     );
-    let (s, path_ref) = (&d.s, &path);
-    eventually_showing("the production approval with its plan", 60, || async move {
-        let (_, p) = s.get(&promoter("acme", "alice"), path_ref).await;
-        if p["approval"]["planInputsHash"].is_string() {
+    // A Reviewer holding only the delivery scopes reads the plan the approval covers.
+    let bob = token("acme", "bob", &[D_READ, D_PROMOTE], &["Reviewer"]);
+    let (s, path_ref, bob_ref) = (&d.s, &path, &bob);
+    let pending = eventually_showing("the production approval with its plan", 60, || async move {
+        let (_, p) = s.get(bob_ref, path_ref).await;
+        if p["approvalStatus"] == "Pending" && p["approvalPlan"].is_object() {
             Ok(p)
         } else {
             Err(p.to_string())
         }
     })
     .await;
-    let bob = token("acme", "bob", &[D_READ, D_PROMOTE], &["Reviewer"]);
+    let plan = &pending["approvalPlan"];
+    assert_eq!(
+        plan["inputsHash"], pending["approval"]["planInputsHash"],
+        "{pending}"
+    );
+    assert_eq!(
+        plan["provisioningRunId"],
+        pending["approval"]["provisioningRunId"]
+    );
+    assert!(plan["programVersion"].is_string(), "{plan}");
+    let resources = plan["resources"].as_array().unwrap();
+    assert!(!resources.is_empty(), "{plan}");
+    assert!(
+        resources
+            .iter()
+            .all(|r| r["urn"].is_string() && r["op"].is_string()),
+        "{plan}"
+    );
+    assert!(plan["adds"].is_u64() && plan["deletes"].is_u64(), "{plan}");
+    assert_eq!(
+        pending["approvableBy"]["roles"],
+        json!(["Reviewer", "PlatformAdmin"])
+    );
+    assert_eq!(pending["approvableBy"]["except"], json!(["alice"]));
+    let log =
+        d.s.client
+            .get(d.s.url(plan["log"].as_str().unwrap()))
+            .bearer_auth(&bob)
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(log.status(), 200);
+    assert!(!log.text().await.unwrap().is_empty());
     let (status, body) =
         d.s.post(
             &bob,
@@ -2293,6 +2328,11 @@ async fn through_to_production(d: &Delivery, release: &str) -> Value {
         )
         .await;
     assert_eq!(status, 200, "{body}");
+    assert_eq!(body["approvalStatus"], "Approved", "{body}");
+    assert_eq!(
+        body["approvalPlan"]["inputsHash"], plan["inputsHash"],
+        "{body}"
+    );
     d.wait_any(&prod, &["Verifying", "Completed"]).await
 }
 

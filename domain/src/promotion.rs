@@ -190,6 +190,55 @@ pub struct GateResult {
     pub evaluated_at: DateTime<Utc>,
 }
 
+/// Where a promotion's approval stands, so that a person or a program knows when a decision
+/// can be made: `Planning` until the plan it will cover is attached, then `Pending`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum ApprovalStatus {
+    /// Needed; Ferry is planning the run the approval will cover: not decidable yet.
+    Planning,
+    /// Asked for, bound to its plan: a Reviewer or PlatformAdmin other than the requester
+    /// may decide it.
+    Pending,
+    /// Granted.
+    Approved,
+    /// Refused.
+    Rejected,
+    /// Not decided in time.
+    Expired,
+    /// The plan it covered went stale; a new plan asks anew.
+    Voided,
+}
+
+impl ApprovalStatus {
+    /// Its name, as serialized.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Planning => "Planning",
+            Self::Pending => "Pending",
+            Self::Approved => "Approved",
+            Self::Rejected => "Rejected",
+            Self::Expired => "Expired",
+            Self::Voided => "Voided",
+        }
+    }
+
+    /// The status after `event`, from `self` (none before an approval is needed).
+    pub fn after(status: Option<Self>, event: &PromotionEvent) -> Option<Self> {
+        match event {
+            PromotionEvent::GatesPassed {
+                approval_required: true,
+                ..
+            } => Some(Self::Planning),
+            PromotionEvent::ApprovalRequested(_) => Some(Self::Pending),
+            PromotionEvent::ApprovalVoided { .. } => Some(Self::Voided),
+            PromotionEvent::ApprovalGranted { .. } => Some(Self::Approved),
+            PromotionEvent::ApprovalRejected { .. } => Some(Self::Rejected),
+            PromotionEvent::ApprovalExpired { .. } => Some(Self::Expired),
+            _ => status,
+        }
+    }
+}
+
 /// A hotfix request: may skip the prior-environment gate when policy allows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -502,6 +551,15 @@ pub enum PromotionEvent {
         /// When.
         decided_at: DateTime<Utc>,
     },
+    /// The approval was not decided in time (the promotion is rejected with it).
+    #[serde(rename_all = "camelCase")]
+    ApprovalExpired {
+        /// The approval, once one was asked for with its plan.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        approval_id: Option<ApprovalId>,
+        /// When.
+        expired_at: DateTime<Utc>,
+    },
     /// The approval was refused.
     #[serde(rename_all = "camelCase")]
     ApprovalRejected {
@@ -639,6 +697,7 @@ impl PromotionEvent {
             Self::ApprovalGranted { .. } => "ApprovalGranted",
             Self::ApprovalRejected { .. } => "ApprovalRejected",
             Self::PromotionRejected { .. } => "PromotionRejected",
+            Self::ApprovalExpired { .. } => "ApprovalExpired",
             Self::PromotionApproved { .. } => "PromotionApproved",
             Self::DeploymentApplied { .. } => "DeploymentApplied",
             Self::DeploymentFailed { .. } => "DeploymentFailed",
@@ -696,6 +755,10 @@ pub enum PromotionError {
     /// No approval is pending (none asked yet, or it was voided).
     #[error("no approval is pending for this promotion")]
     NoPendingApproval,
+    /// The approval cannot be decided in its status (`Planning` or `Voided`: the plan it
+    /// will cover is not attached yet).
+    #[error("the approval is {}: the plan it will cover is not attached yet; decide it once it is Pending", .0.as_str())]
+    ApprovalNotPending(ApprovalStatus),
     /// A decision names another approval than the pending one.
     #[error("approval {0} is not this promotion's pending approval")]
     ApprovalMismatch(ApprovalId),
@@ -733,6 +796,8 @@ pub struct Promotion {
     rollback_in_progress: Option<(PromotionId, ReleaseId)>,
     approvals_voided: u32,
     approved_by: Option<(Actor, Option<String>, DateTime<Utc>)>,
+    #[serde(default)]
+    approval_status: Option<ApprovalStatus>,
 }
 
 impl Promotion {
@@ -747,6 +812,10 @@ impl Promotion {
     /// The gates recorded so far, in order.
     pub fn gates(&self) -> &[GateResult] {
         &self.gates
+    }
+    /// Where its approval stands (none while no approval is needed).
+    pub fn approval_status(&self) -> Option<ApprovalStatus> {
+        self.approval_status
     }
     /// The approval asked for and still pending or granted.
     pub fn approval(&self) -> Option<&ApprovalRequest> {
@@ -1006,10 +1075,12 @@ impl Aggregate for Promotion {
             } => {
                 self.in_state("decide the approval of", &[S::AwaitingApproval])?;
                 text::check_optional_free_text("reason", reason.as_deref())?;
-                let pending = self
-                    .approval
-                    .as_ref()
-                    .ok_or(PromotionError::NoPendingApproval)?;
+                let pending = self.approval.as_ref().ok_or(match self.approval_status {
+                    Some(status @ (ApprovalStatus::Planning | ApprovalStatus::Voided)) => {
+                        PromotionError::ApprovalNotPending(status)
+                    }
+                    _ => PromotionError::NoPendingApproval,
+                })?;
                 if let Some(named) = approval_id {
                     if named != pending.approval_id {
                         return Err(PromotionError::ApprovalMismatch(named));
@@ -1047,11 +1118,17 @@ impl Aggregate for Promotion {
             }
             PromotionCommand::ExpireApproval { at } => {
                 self.in_state("expire the approval of", &[S::AwaitingApproval])?;
-                vec![PromotionEvent::PromotionRejected {
-                    reason: "the approval expired undecided".to_string(),
-                    gate: None,
-                    rejected_at: at,
-                }]
+                vec![
+                    PromotionEvent::ApprovalExpired {
+                        approval_id: self.approval.as_ref().map(|a| a.approval_id),
+                        expired_at: at,
+                    },
+                    PromotionEvent::PromotionRejected {
+                        reason: "the approval expired undecided".to_string(),
+                        gate: None,
+                        rejected_at: at,
+                    },
+                ]
             }
             PromotionCommand::HandOff {
                 desired_state_ref,
@@ -1278,6 +1355,7 @@ impl Aggregate for Promotion {
     }
 
     fn apply(&mut self, event: Self::Event) {
+        self.approval_status = ApprovalStatus::after(self.approval_status, &event);
         use PromotionState as S;
         match event {
             PromotionEvent::PromotionRequested(request) => {
@@ -1320,7 +1398,7 @@ impl Aggregate for Promotion {
                 self.approved_by = Some((decided_by, reason, decided_at));
                 self.state = Some(S::Approved);
             }
-            PromotionEvent::ApprovalRejected { .. } => {}
+            PromotionEvent::ApprovalRejected { .. } | PromotionEvent::ApprovalExpired { .. } => {}
             PromotionEvent::PromotionRejected { .. } => self.state = Some(S::Rejected),
             PromotionEvent::PromotionApproved {
                 desired_state_ref,

@@ -427,7 +427,49 @@ fn nobody_decides_before_the_plan_is_attached() {
     Fixture::with(())
         .given(awaiting())
         .when(decide("bob", Decision::Approve))
-        .then_expect_error(PromotionError::NoPendingApproval);
+        .then_expect_error(PromotionError::ApprovalNotPending(ApprovalStatus::Planning));
+    let error = PromotionError::ApprovalNotPending(ApprovalStatus::Planning).to_string();
+    assert!(error.starts_with("the approval is Planning"), "{error}");
+}
+
+#[test]
+fn the_approval_says_where_it_stands() {
+    let status = |events: Vec<PromotionEvent>| {
+        let mut promotion = Promotion::default();
+        for e in events {
+            promotion.apply(e);
+        }
+        promotion.approval_status()
+    };
+    assert_eq!(status(requested(EnvironmentClass::Production)), None);
+    assert_eq!(status(awaiting()), Some(ApprovalStatus::Planning));
+    assert_eq!(status(approval_pending()), Some(ApprovalStatus::Pending));
+    assert_eq!(
+        status(approved_production()),
+        Some(ApprovalStatus::Approved)
+    );
+    let mut expired = approval_pending();
+    expired.push(PromotionEvent::ApprovalExpired {
+        approval_id: Some(approval_id(4)),
+        expired_at: at(9),
+    });
+    assert_eq!(status(expired), Some(ApprovalStatus::Expired));
+    let mut voided = approval_pending();
+    voided.push(PromotionEvent::ApprovalVoided {
+        approval_id: approval_id(4),
+        reason: "stale".to_string(),
+        voided_at: at(9),
+    });
+    assert_eq!(status(voided.clone()), Some(ApprovalStatus::Voided));
+    assert!(matches!(
+        Fixture::with(())
+            .given(voided)
+            .when(decide("bob", Decision::Approve))
+            .inspect_result(),
+        Err(PromotionError::ApprovalNotPending(ApprovalStatus::Voided))
+    ));
+    // Outside production no approval is needed: no status.
+    assert_eq!(status(approved_staging()), None);
 }
 
 /// Issue 37: a run-control decision naming `decidedBy: "alice "` completed alice's
@@ -517,11 +559,17 @@ fn a_rejection_or_an_expiry_rejects_the_promotion() {
     Fixture::with(())
         .given(approval_pending())
         .when(PromotionCommand::ExpireApproval { at: at(9999) })
-        .then_expect_events(vec![PromotionEvent::PromotionRejected {
-            reason: "the approval expired undecided".to_string(),
-            gate: None,
-            rejected_at: at(9999),
-        }]);
+        .then_expect_events(vec![
+            PromotionEvent::ApprovalExpired {
+                approval_id: Some(approval_id(4)),
+                expired_at: at(9999),
+            },
+            PromotionEvent::PromotionRejected {
+                reason: "the approval expired undecided".to_string(),
+                gate: None,
+                rejected_at: at(9999),
+            },
+        ]);
 }
 
 #[test]
@@ -548,7 +596,7 @@ fn a_stale_plan_voids_the_approval_and_a_new_plan_asks_anew() {
     Fixture::with(())
         .given(given.clone())
         .when(decide("bob", Decision::Approve))
-        .then_expect_error(PromotionError::NoPendingApproval);
+        .then_expect_error(PromotionError::ApprovalNotPending(ApprovalStatus::Voided));
     let fresh = ApprovalRequest {
         approval_id: approval_id(6),
         provisioning_run_id: run(7),

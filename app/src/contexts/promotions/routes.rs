@@ -9,7 +9,7 @@ use super::{OPERATE, PROMOTE, READ};
 use aide::axum::routing::{get_with, post_with, put_with};
 use aide::axum::ApiRouter;
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
@@ -658,7 +658,71 @@ pub async fn get_promotion(
         .item_health()
         .problem(super::driver::LOOP, caller.tenant.as_str(), &id.to_string())
         .map(views::StuckView::from);
-    Ok(Json(view))
+    Ok(Json(with_approval_plan(&state, &caller, view).await?))
+}
+
+/// `view` with the plan its approval covers, read from the run that planned it: only when
+/// that run's plan is exactly the one the approval was asked for (its inputs hash).
+async fn with_approval_plan(
+    state: &AppState,
+    caller: &Caller,
+    mut view: PromotionView,
+) -> Result<PromotionView, ApiError> {
+    let Some(approval) = &view.approval else {
+        return Ok(view);
+    };
+    let run = state
+        .reads()
+        .get_run(&caller.tenant, approval.provisioning_run_id)
+        .await?;
+    view.approval_plan = run.and_then(|run| {
+        let plan = run.plan_receipt?;
+        (plan.inputs_hash == approval.plan_inputs_hash).then(|| views::ApprovalPlan {
+            provisioning_run_id: run.provisioning_run_id,
+            log: format!(
+                "/factory/delivery/promotions/{}/approval/plan-log",
+                view.promotion_id
+            ),
+            inputs_hash: plan.inputs_hash,
+            program_version: plan.program_version,
+            adds: plan.adds,
+            changes: plan.changes,
+            deletes: plan.deletes,
+            replaces: plan.replaces,
+            resources: plan.resources,
+        })
+    });
+    Ok(view)
+}
+
+/// `GET /factory/delivery/promotions/{promotionId}/approval/plan-log`: the log of the plan
+/// the promotion's approval covers, for those who decide it (`factory.delivery.read`, which
+/// does not reach the run itself).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %raw))]
+pub async fn approval_plan_log(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    caller.require_scope(READ)?;
+    let id = promotion_id(&raw)?;
+    let view = views::get_promotion(state.db(), &caller.tenant, id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    let approval = view
+        .approval
+        .as_ref()
+        .ok_or_else(|| ApiError::NotFound(format!("promotion {id} has no approval with a plan")))?;
+    let reference = format!("artifacts:runs/{}/plan.log", approval.provisioning_run_id);
+    let bytes =
+        state.artifacts().get(&reference).await.map_err(|_| {
+            ApiError::NotFound(format!("the plan of promotion {id} has no log yet"))
+        })?;
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+        .into_response())
 }
 
 /// Body of `POST /factory/delivery/promotions/{promotionId}/approval`.
@@ -713,7 +777,12 @@ pub async fn decide_approval(
     observe(&done.aggregate, &done.events);
     tracing::info!(decision = ?body.decision, "promotion approval decided");
     Ok(Json(
-        wait_for_promotion(&state, &caller, id, done.sequence as u64, done.position).await?,
+        with_approval_plan(
+            &state,
+            &caller,
+            wait_for_promotion(&state, &caller, id, done.sequence as u64, done.position).await?,
+        )
+        .await?,
     ))
 }
 
@@ -1138,6 +1207,17 @@ pub fn routes() -> ApiRouter<AppState> {
                         r.description("The promotion after the decision.")
                     })
                     .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/delivery/promotions/{promotionId}/approval/plan-log",
+            get_with(approval_plan_log, move |op| {
+                op.id("GetPromotionApprovalPlanLog")
+                    .summary("The log of the plan the promotion's approval covers, as text (secrets redacted before storage), for those who decide it.")
+                    .scope(READ)
+                    .path("promotionId", "The promotion.", promotion_path())
+                    .text(200, "The plan log.", "text/plain")
+                    .errors(&[401, 403, 404])
             }),
         )
         .api_route(

@@ -5,8 +5,8 @@
 use chrono::{DateTime, Utc};
 use ferry_domain::promotion::gates::Completion;
 use ferry_domain::promotion::{
-    ApprovalRequest, GateKind, GateResult, Hotfix, Measurement, Promotion, PromotionEvent,
-    PromotionRequest, PromotionState, RollbackOf, Strategy, VerificationOutcome,
+    ApprovalRequest, ApprovalStatus, GateKind, GateResult, Hotfix, Measurement, Promotion,
+    PromotionEvent, PromotionRequest, PromotionState, RollbackOf, Strategy, VerificationOutcome,
 };
 use ferry_domain::release::{Release, ReleaseEvent, ReleaseRecord};
 use ferry_domain::{
@@ -182,9 +182,23 @@ pub struct PromotionView {
     /// Whether an approval is needed (once the gates passed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_required: Option<bool>,
+    /// Where the approval stands: `Planning` until the plan it will cover is attached
+    /// (not decidable yet), then `Pending`; `Approved`, `Rejected`, `Expired` or `Voided`
+    /// (a stale plan: a new one asks anew). Absent while no approval is needed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_status: Option<ApprovalStatus>,
+    /// Who may decide it: a Reviewer or PlatformAdmin other than the requester.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approvable_by: Option<ApprovableBy>,
     /// The approval asked for, bound to its plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<ApprovalRequest>,
+    /// The plan the approval covers, as its run planned it: each resource with its
+    /// operation and changed properties, the totals, the inputs hash, the program version
+    /// and where its log is (readable with `factory.delivery.read`). Never stored: read
+    /// from the run when the promotion is answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_plan: Option<ApprovalPlan>,
     /// Its decision.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_decision: Option<ApprovalDecisionView>,
@@ -214,6 +228,40 @@ pub struct PromotionView {
     pub stuck: Option<StuckView>,
     /// The aggregate's sequence this view reflects.
     pub version: u64,
+}
+
+/// Who may decide a promotion's approval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovableBy {
+    /// The roles that may decide it.
+    pub roles: Vec<String>,
+    /// Who may not, whatever their roles (the requester).
+    pub except: Vec<Actor>,
+}
+
+/// The plan a promotion's approval covers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalPlan {
+    /// The run that planned it.
+    pub provisioning_run_id: ProvisioningRunId,
+    /// The plan's inputs hash (the approval's `planInputsHash`).
+    pub inputs_hash: String,
+    /// The program's commit.
+    pub program_version: String,
+    /// Resources created.
+    pub adds: u32,
+    /// Resources changed in place.
+    pub changes: u32,
+    /// Resources deleted.
+    pub deletes: u32,
+    /// Resources replaced.
+    pub replaces: u32,
+    /// Each resource with its operation and changed properties.
+    pub resources: Vec<ferry_domain::receipts::PlannedResource>,
+    /// The plan log (`GET` it with `factory.delivery.read`).
+    pub log: String,
 }
 
 /// A promotion whose driver steps keep failing: it alone is retried, with a growing delay,
@@ -263,7 +311,10 @@ impl PromotionView {
             state: PromotionState::Requested,
             gates: Vec::new(),
             approval_required: None,
+            approval_status: None,
+            approvable_by: None,
             approval: None,
+            approval_plan: None,
             approval_decision: None,
             desired_state_ref: None,
             provisioning_run_id: None,
@@ -293,8 +344,16 @@ impl PromotionView {
     pub fn apply(&mut self, event: &PromotionEvent, sequence: u64) {
         use PromotionEvent as E;
         self.version = sequence;
+        self.approval_status = ApprovalStatus::after(self.approval_status, event);
+        if self.approval_status.is_some() && self.approvable_by.is_none() {
+            self.approvable_by = Some(ApprovableBy {
+                roles: vec!["Reviewer".to_string(), "PlatformAdmin".to_string()],
+                except: vec![self.requested_by.clone()],
+            });
+        }
         match event {
             E::PromotionRequested(request) => *self = Self::start(request),
+            E::ApprovalExpired { .. } => {}
             E::GatesEvaluationStarted { .. } => self.state = PromotionState::GatesEvaluating,
             E::GateEvaluated(gate) => self.gates.push((**gate).clone()),
             E::GatesPassed {
