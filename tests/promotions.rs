@@ -2479,3 +2479,139 @@ async fn rollbacks_in_production_restore_the_previous_release_on_sqlite() {
 async fn rollbacks_in_production_restore_the_previous_release_on_postgres() {
     rollbacks_in_production_restore_the_previous_release(Backend::Postgres).await;
 }
+
+/// Issue 38: a folder or commit typo was accepted and failed only at plan time; a release
+/// naming a missing commit was recorded `Ready`; a specification for an environment Ferry
+/// never heard of silently became production. Caught where they are made now.
+#[tokio::test]
+async fn mistakes_are_caught_when_they_are_made() {
+    let d = start(Backend::Sqlite, None).await;
+    d.environment("payments-dev", "development").await;
+    let alice = operator("acme", "alice");
+    let (repo, _) = d.program.0.split_once('#').unwrap();
+    let declare = |program_ref: String, commit: String, env: &str| {
+        json!({"environmentId": env, "projectId": "payments", "kind": "Workload",
+               "programRef": program_ref, "programVersion": commit})
+    };
+    let missing = "0123456789abcdef0123456789abcdef01234567".to_string();
+    let (status, body) =
+        d.s.post(
+            &alice,
+            "/factory/provisioning/specifications",
+            &declare(
+                format!("{repo}#stacks/wbe"),
+                d.program.1.clone(),
+                "payments-dev",
+            ),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "programRef", "{body}");
+    assert!(body.to_string().contains("stacks/wbe"), "{body}");
+    let (status, body) =
+        d.s.post(
+            &alice,
+            "/factory/provisioning/specifications",
+            &declare(d.program.0.clone(), missing.clone(), "payments-dev"),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "programVersion", "{body}");
+
+    // A release recorded over HTTP with a commit its repository does not hold: 422.
+    let (status, body) = d
+        .put(
+            &admin("acme"),
+            &format!("/factory/delivery/releases/{}", uuid::Uuid::new_v4()),
+            &json!({"projectId": "payments", "version": "9.9.9",
+                    "programRef": d.program.0, "programVersion": missing,
+                    "pipeline": passed()}),
+        )
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["errors"][0]["field"], "programVersion", "{body}");
+
+    // The release service's report is kept, with the problem; it is not promotable.
+    let release = uuid::Uuid::new_v4();
+    let event = json!({
+        "specversion": "1.0", "id": format!("ready-{release}"), "source": "urn:releases",
+        "type": "releases.releases.v1.release-ready", "tenantid": "acme",
+        "datacontenttype": "application/json",
+        "data": {"releaseId": release, "tenantId": "acme", "projectId": "payments",
+                 "version": "9.9.9", "programRef": d.program.0, "programVersion": missing,
+                 "pipeline": [{"name": "unit", "result": "passed"}]}
+    });
+    let (status, body) =
+        d.s.post_event(&service("acme", "svc-releases"), &event)
+            .await;
+    assert_eq!(status, 202, "{body}");
+    let p = d
+        .promote(&release.to_string(), "payments-dev", json!({}))
+        .await;
+    let p = d.wait(&p, "Rejected").await;
+    assert_eq!(p["rejection"]["gate"], "PipelineResults", "{p}");
+    assert!(
+        p["rejection"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&missing),
+        "{p}"
+    );
+
+    // An environment Ferry has not heard of: accepted, treated as production, and said so.
+    let (status, spec) =
+        d.s.post(
+            &alice,
+            "/factory/provisioning/specifications",
+            &declare(d.program.0.clone(), d.program.1.clone(), "paymnets-dev"),
+        )
+        .await;
+    assert_eq!(status, 201, "{spec}");
+    assert!(
+        spec["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("paymnets-dev"),
+        "{spec}"
+    );
+    let (status, known) =
+        d.s.post(
+            &alice,
+            "/factory/provisioning/specifications",
+            &declare(d.program.0.clone(), d.program.1.clone(), "payments-dev"),
+        )
+        .await;
+    assert_eq!(status, 201, "{known}");
+    assert!(known.get("warnings").is_none(), "{known}");
+    let (status, run) =
+        d.s.post(
+            &alice,
+            "/factory/provisioning/runs",
+            &json!({"specificationId": spec["specificationId"],
+                    "specificationVersion": spec["version"],
+                    "environmentId": "paymnets-dev", "kind": "Release"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{run}");
+    let path = format!(
+        "/factory/provisioning/runs/{}",
+        run["provisioningRunId"].as_str().unwrap()
+    );
+    let (s, path) = (&d.s, &path);
+    let waiting = eventually_showing("the run awaiting approval", 30, || async move {
+        let (_, run) = s.get(&operator("acme", "alice"), path).await;
+        if run["state"] == "AwaitingApproval" {
+            Ok(run)
+        } else {
+            Err(run.to_string())
+        }
+    })
+    .await;
+    let reason = waiting["approval"]["requiredReason"].as_str().unwrap();
+    assert!(
+        reason.contains("paymnets-dev is not recorded")
+            && reason.contains("PUT /factory/environments/paymnets-dev"),
+        "{reason}"
+    );
+    d.s.stop().await;
+}

@@ -587,15 +587,26 @@ async fn over_nats_only_run_controls_user_approves_a_production_run() {
 }
 
 #[tokio::test]
-async fn a_wrong_commit_fails_naming_it_and_a_failing_program_names_the_resource() {
+async fn a_wrong_commit_is_refused_naming_it_and_a_failing_program_names_the_resource() {
     let f = start(Backend::Sqlite).await;
     f.environment("payments-dev", "development").await;
+    // A commit the repository does not hold is refused when declared, naming it (planning
+    // checks again: the workers' tests fail a plan on a commit that is gone).
     let wrong = "0123456789abcdef0123456789abcdef01234567";
-    let id = f.run("payments-dev", wrong).await;
-    let run = f.wait(&id, "Failed").await;
-    let reason = run["failure"]["reason"].as_str().unwrap();
-    assert!(reason.contains(wrong), "{reason}");
-    assert_eq!(run["failure"]["stage"], "plan");
+    let body = json!({
+        "environmentId": "payments-dev", "projectId": "payments", "kind": "Workload",
+        "programRef": format!("{}#stacks/web", f.repo), "programVersion": wrong,
+    });
+    let (status, problem) =
+        f.s.post(
+            &operator("acme", "alice"),
+            "/factory/provisioning/specifications",
+            &body,
+        )
+        .await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["errors"][0]["field"], "programVersion", "{problem}");
+    assert!(problem.to_string().contains(wrong), "{problem}");
 
     let id = f.run("payments-dev", &f.failing).await;
     let run = f.wait(&id, "Failed").await;

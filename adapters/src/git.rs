@@ -61,6 +61,15 @@ enum Location {
     Remote(String),
 }
 
+/// A program's tree, found.
+struct Found<'r, 'a> {
+    repo: &'r gix::Repository,
+    tree: &'r gix::Tree<'r>,
+    folder: &'a str,
+    commit_hex: &'a str,
+    repository: &'a str,
+}
+
 impl GitProgramSource {
     /// A source that clones remote repositories into `cache_dir` (created when needed);
     /// `confinement` says what each tenant may reach.
@@ -86,6 +95,53 @@ impl GitProgramSource {
         version: &ProgramVersion,
         into: &Path,
     ) -> Result<Checkout, SourceError> {
+        self.with_tree(tenant, program, version, true, |found| {
+            let Found {
+                repo,
+                tree,
+                folder,
+                commit_hex,
+                repository,
+            } = found;
+            let repo_err = |reason: String| SourceError::Repository {
+                repository: repository.to_string(),
+                reason,
+            };
+            prepare_target(into).map_err(repo_err)?;
+            checkout::materialise(repo, tree, folder, into).map_err(|e| {
+                tracing::warn!(repository, commit = %commit_hex, entry = %e.entry, reason = %e.reason, "checkout refused");
+                SourceError::Entry {
+                    repository: repository.to_string(),
+                    commit: commit_hex.to_string(),
+                    entry: e.entry,
+                    reason: e.reason,
+                }
+            })?;
+            tracing::info!(
+                repository,
+                folder = %folder,
+                commit = %commit_hex,
+                into = %into.display(),
+                "program checked out"
+            );
+            Ok(Checkout {
+                program_dir: into.to_path_buf(),
+                commit: commit_hex.to_string(),
+            })
+        })
+    }
+
+    /// Finds the tree of `version` (the folder of `program`) as a checkout would, and hands
+    /// it to `then`. Without `fetch`, a remote repository is read only from the cache, and a
+    /// commit not there yet is not known to be missing (a `Repository` error).
+    fn with_tree<T>(
+        &self,
+        tenant: &TenantId,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+        fetch: bool,
+        then: impl FnOnce(Found<'_, '_>) -> Result<T, SourceError>,
+    ) -> Result<T, SourceError> {
         let refused = |refusal: Refusal| {
             tracing::warn!(%tenant, program = program.as_str(), %refusal, "program refused");
             SourceError::Refused {
@@ -141,7 +197,18 @@ impl GitProgramSource {
                 }
                 repo
             }
-            Location::Remote(url) => self.remote_with_commit(tenant, &url, version)?,
+            Location::Remote(url) if fetch => self.remote_with_commit(tenant, &url, version)?,
+            Location::Remote(url) => {
+                let cached = open_local(&self.cache_path(tenant, &url)).map_err(|_| {
+                    repo_err("not in the cache, and not fetched to look it up".to_string())
+                })?;
+                if resolve_commit(&cached, version).is_none() {
+                    return Err(repo_err(format!(
+                        "commit {version} is not in the cache, and it was not fetched to look it up"
+                    )));
+                }
+                cached
+            }
         };
 
         let commit = resolve_commit(&repo, version).ok_or_else(|| SourceError::CommitNotFound {
@@ -173,26 +240,12 @@ impl GitProgramSource {
                 .map_err(|e| repo_err(format!("cannot read folder {folder}: {e}")))?
         };
 
-        prepare_target(into).map_err(repo_err)?;
-        checkout::materialise(&repo, &tree, &folder, into).map_err(|e| {
-            tracing::warn!(repository, commit = %commit_hex, entry = %e.entry, reason = %e.reason, "checkout refused");
-            SourceError::Entry {
-                repository: repository.to_string(),
-                commit: commit_hex.clone(),
-                entry: e.entry,
-                reason: e.reason,
-            }
-        })?;
-        tracing::info!(
+        then(Found {
+            repo: &repo,
+            tree: &tree,
+            folder: &folder,
+            commit_hex: &commit_hex,
             repository,
-            folder = %folder,
-            commit = %commit_hex,
-            into = %into.display(),
-            "program checked out"
-        );
-        Ok(Checkout {
-            program_dir: into.to_path_buf(),
-            commit: commit_hex,
         })
     }
 
@@ -268,6 +321,27 @@ impl ProgramSource for GitProgramSource {
         .map_err(|e| SourceError::Repository {
             repository,
             reason: format!("the checkout task failed: {e}"),
+        })?
+    }
+
+    async fn locate(
+        &self,
+        tenant: &TenantId,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+    ) -> Result<(), SourceError> {
+        let this = self.clone();
+        let tenant = tenant.clone();
+        let program = program.clone();
+        let version = version.clone();
+        let repository = split_program_ref(program.as_str()).0.to_string();
+        tokio::task::spawn_blocking(move || {
+            this.with_tree(&tenant, &program, &version, false, |_| Ok(()))
+        })
+        .await
+        .map_err(|e| SourceError::Repository {
+            repository,
+            reason: format!("the lookup task failed: {e}"),
         })?
     }
 }

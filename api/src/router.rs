@@ -256,8 +256,8 @@ pub fn provisioning_routes() -> ApiRouter<AppState> {
                 op.id("DeclareSpecification")
                     .summary("Declare a new immutable version of an environment's desired state.")
                     .scope(APPLY)
-                    .response_with::<201, Json<SpecificationVersion>, _>(|r| {
-                        r.description("The new version.")
+                    .response_with::<201, Json<routes::DeclaredSpecification>, _>(|r| {
+                        r.description("The new version, with warnings (e.g. an environment not recorded, treated as production).")
                     })
                     .errors(&[400, 401, 403, 409, 415, 422])
             }),

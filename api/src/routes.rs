@@ -14,13 +14,14 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::Utc;
+use ferry_domain::environment::Environment;
 use ferry_domain::run::{Decision, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
 use ferry_projections::queries::{RunFilter, SpecificationFilter};
 use ferry_projections::RunView;
 use ferry_store::{idempotency, Basis, Read};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
 /// Body of `POST /factory/provisioning/specifications`.
@@ -187,6 +188,25 @@ pub async fn declare_specification(
             &body.secret_refs,
         )
         .map_err(crate::problem::refused_references)?;
+    // A typo in the folder or the commit is caught now, not at plan time.
+    check_program_found(&state, &caller, &body.program_ref, &body.program_version).await?;
+    // An environment Ferry has not heard of counts as production: say so now.
+    let known = state
+        .environments()
+        .load(
+            &caller.tenant,
+            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
+        )
+        .await?
+        .is_some_and(|(env, _)| env.registration().is_some());
+    let warnings = if known {
+        Vec::new()
+    } else {
+        vec![format!(
+            "environment {} is not recorded: its runs are treated as production (an approval for every apply) until it is recorded with PUT /factory/environments/{} or the environment service's EnvironmentCreated",
+            body.environment_id, body.environment_id
+        )]
+    };
     let id = SpecificationId::for_environment(&caller.tenant, &body.environment_id, body.kind);
     let declaration = Declaration {
         specification_id: id,
@@ -228,9 +248,53 @@ pub async fn declare_specification(
             state.read_your_writes(),
         )
         .await?;
-    tracing::info!(specification_id = %id, version = version.version, "specification declared");
+    tracing::info!(specification_id = %id, version = version.version, ?warnings, "specification declared");
     let location = format!("/factory/provisioning/specifications?specificationId={id}");
-    Ok(created(&location, &version))
+    Ok(created(
+        &location,
+        &DeclaredSpecification { version, warnings },
+    ))
+}
+
+/// The answer to a declaration: the new version, and what the caller should know about it.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeclaredSpecification {
+    /// The new version.
+    #[serde(flatten)]
+    pub version: SpecificationVersion,
+    /// E.g. that its environment is not recorded and is treated as production.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// Looks a declared program up where its repository can be reached: a commit or folder it
+/// does not hold is a 422 naming `programVersion` or `programRef` and what is missing. A
+/// repository that cannot be reached now is left to plan time, which checks again.
+pub async fn check_program_found(
+    state: &AppState,
+    caller: &Caller,
+    program: &ferry_domain::ProgramRef,
+    version: &ferry_domain::ProgramVersion,
+) -> Result<(), ApiError> {
+    use ferry_domain::ports::sources::SourceError;
+    match state
+        .programs()
+        .locate(&caller.tenant, program, version)
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(e @ SourceError::CommitNotFound { .. }) => {
+            Err(ApiError::invalid_field("programVersion", e))
+        }
+        Err(e @ SourceError::FolderNotFound { .. }) => {
+            Err(ApiError::invalid_field("programRef", e))
+        }
+        Err(e) => {
+            tracing::info!(error = %e, "program not looked up at declaration; planning checks it");
+            Ok(())
+        }
+    }
 }
 
 /// `GET /factory/provisioning/runs`

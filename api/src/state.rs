@@ -5,7 +5,7 @@ use crate::auth::Verifier;
 use crate::ports::{EventFeed, EventIntake, Telemetry};
 use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::Environment;
-use ferry_domain::ports::sources::ArtifactStore;
+use ferry_domain::ports::sources::{ArtifactStore, ProgramSource};
 use ferry_domain::run::ProvisioningRun;
 use ferry_domain::specification::DeploymentSpecification;
 use ferry_domain::{StoredAggregate, TenantOwned};
@@ -47,6 +47,8 @@ pub struct Services {
     pub stream_hold_warn: Duration,
     /// What each tenant's references may reach.
     pub confinement: Arc<Confinement>,
+    /// Where programs are read, to check a declared program exists when it is declared.
+    pub programs: Arc<dyn ProgramSource>,
 }
 
 impl AppState {
@@ -121,6 +123,10 @@ impl AppState {
     /// A transaction holding the global stream back longer than this is reported.
     pub fn stream_hold_warn(&self) -> Duration {
         self.inner.services.stream_hold_warn
+    }
+    /// Where programs are read (a declared program is looked up when it is declared).
+    pub fn programs(&self) -> &dyn ProgramSource {
+        self.inner.services.programs.as_ref()
     }
     /// The rules confining each tenant's references (checked at declaration).
     pub fn confinement(&self) -> &Confinement {

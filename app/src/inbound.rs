@@ -5,7 +5,7 @@
 //! | `EnvironmentCreated` | records the environment (class, health URL, baseline program): its baseline is planned |
 //! | `EnvironmentStateChanged` | records its readiness |
 //! | `ApprovalDecided` | decides the named promotion's pending approval (it must name that approval), or approves or rejects the named run awaiting approval (expired = rejected); a promotion's run is decided only through its promotion |
-//! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable) |
+//! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable; a commit or folder its repository does not hold is recorded as the release's problem, and its promotions are rejected at the pipeline gate) |
 //! | `ReleaseWithdrawn` | withdraws the release: promotions of it not yet deploying are rejected |
 //! | `ProvisioningApplied`, `ProvisioningFailed` | logged only: Ferry's promotions follow their runs in process (the promotions driver) |
 //!
@@ -22,6 +22,7 @@ use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
+use ferry_domain::ports::sources::{ProgramSource, SourceError};
 use ferry_domain::promotion::{Promotion, PromotionCommand};
 use ferry_domain::release::{Release, ReleaseCommand, ReleaseRecord, ReleaseVersion};
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
@@ -41,14 +42,17 @@ pub struct FerryInbound {
     runs: Repository<ProvisioningRun>,
     metrics: Arc<Metrics>,
     confinement: Arc<Confinement>,
+    programs: Arc<dyn ProgramSource>,
 }
 
 impl FerryInbound {
-    /// A handler over `db`; baseline programs an event names must pass `confinement`.
+    /// A handler over `db`; programs an event names must pass `confinement`, and a
+    /// release's program is looked up in `programs`.
     pub fn new(
         db: ferry_store::Database,
         metrics: Arc<Metrics>,
         confinement: Arc<Confinement>,
+        programs: Arc<dyn ProgramSource>,
     ) -> Self {
         Self {
             environments: Repository::new(db.clone(), ()),
@@ -57,6 +61,7 @@ impl FerryInbound {
             runs: Repository::new(db, ()),
             metrics,
             confinement,
+            programs,
         }
     }
 }
@@ -338,7 +343,24 @@ impl InboundHandler for FerryInbound {
                 self.confinement
                     .check_program(&tenant, program_ref, program_version)
                     .map_err(|refusal| InboundError::Permanent(format!("programRef: {refusal}")))?;
+                // A program that is not what the release says is recorded with the problem
+                // (the release service's report is kept), and the release is not promotable.
+                let program_problem = match self
+                    .programs
+                    .locate(&tenant, program_ref, program_version)
+                    .await
+                {
+                    Err(
+                        e @ (SourceError::CommitNotFound { .. }
+                        | SourceError::FolderNotFound { .. }),
+                    ) => {
+                        tracing::warn!(release_id = %r.release_id, error = %e, "release recorded with a program that does not exist");
+                        Some(e.to_string())
+                    }
+                    _ => None,
+                };
                 let record = ReleaseRecord {
+                    program_problem,
                     release_id: r.release_id,
                     tenant_id: tenant.clone(),
                     project_id: r.project_id.clone(),

@@ -250,6 +250,7 @@ impl Server {
             db.clone(),
             metrics.clone(),
             confinement.clone(),
+            ports.programs.clone(),
         ));
         // Who may post inbound events: the open single-team default, or sources trusted
         // but spoken for by no service over HTTP, is worth an operator's attention.
@@ -314,6 +315,7 @@ impl Server {
             feed: std::sync::Arc::new(crate::events::Feed::new(db.clone(), publishers)),
             stream_hold_warn,
             confinement,
+            programs: ports.programs.clone(),
         };
         let state = AppState::new(db.clone(), reads, services);
         let listener = tokio::net::TcpListener::bind(config.http_addr)

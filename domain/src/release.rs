@@ -125,6 +125,12 @@ pub struct ReleaseRecord {
     /// an optional field added after the first events, which read as none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub smoke_checks: Vec<SmokeCheck>,
+    /// Why the release's program cannot be what it says (its commit or folder does not
+    /// exist in its repository), found when it was reported: it is recorded, and its
+    /// promotions are rejected at the pipeline gate naming this (absent on releases whose
+    /// program was found, or that were recorded before the check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_problem: Option<String>,
     /// Who recorded it (a token's subject, or `system:inbound`).
     pub recorded_by: Actor,
     /// When.
@@ -207,6 +213,8 @@ impl ReleaseRecord {
         let mut this = self.clone();
         this.recorded_by = other.recorded_by.clone();
         this.recorded_at = other.recorded_at;
+        // Found when reported, not reported: a report again is the same release.
+        this.program_problem = other.program_problem.clone();
         this == *other
     }
 }
@@ -488,6 +496,7 @@ mod tests {
             has_agent_generated_assets: false,
             evaluation_evidence: None,
             smoke_checks: Vec::new(),
+            program_problem: None,
             recorded_by: Actor::parse(by).unwrap(),
             recorded_at: at(seconds),
         }

@@ -643,6 +643,22 @@ impl ProvisioningRun {
     /// Decides whether a planned run may apply without a person's approval, and on what
     /// grounds. `Err(ApprovalRequired)` means it must wait in `AwaitingApproval`.
     pub fn authorize_apply(&self) -> Result<ApplyAuthorization, RunError> {
+        // An environment Ferry has not heard of counts as production; the reason says so,
+        // and how to record it, so that nobody waits for an approval by mistake.
+        self.authorize_apply_by_class().map_err(|e| match (e, &self.request) {
+            (RunError::ApprovalRequired(reason), Some(request))
+                if request.environment_class.is_none() =>
+            {
+                RunError::ApprovalRequired(format!(
+                    "environment {env} is not recorded, so it is treated as production (record it with PUT /factory/environments/{env} or the environment service's EnvironmentCreated): {reason}",
+                    env = request.environment_id
+                ))
+            }
+            (e, _) => e,
+        })
+    }
+
+    fn authorize_apply_by_class(&self) -> Result<ApplyAuthorization, RunError> {
         let request = self.request.as_ref().ok_or(RunError::NotRequested)?;
         let plan = self
             .plan_receipt

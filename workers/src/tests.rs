@@ -71,6 +71,21 @@ impl ProgramSource for Programs {
             commit: format!("{}{}", version, "0".repeat(40 - version.as_str().len())),
         })
     }
+
+    async fn locate(
+        &self,
+        _tenant: &TenantId,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+    ) -> Result<(), SourceError> {
+        if version.as_str() == "deadbeef" {
+            return Err(SourceError::CommitNotFound {
+                repository: program.to_string(),
+                commit: version.to_string(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A check run when an apply starts.

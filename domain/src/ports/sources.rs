@@ -86,6 +86,17 @@ pub trait ProgramSource: Send + Sync {
         version: &ProgramVersion,
         into: &Path,
     ) -> Result<Checkout, SourceError>;
+
+    /// Whether `version` exists and holds the folder of `program`, found as a checkout
+    /// would find it, without writing or fetching anything: `CommitNotFound` or
+    /// `FolderNotFound` when it does not, `Repository` when that cannot be told here (a
+    /// remote repository not cached, or a commit not fetched yet).
+    async fn locate(
+        &self,
+        tenant: &TenantId,
+        program: &ProgramRef,
+        version: &ProgramVersion,
+    ) -> Result<(), SourceError>;
 }
 
 /// A secret, resolved, with a version that changes when the secret does but reveals

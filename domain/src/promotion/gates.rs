@@ -133,7 +133,14 @@ pub fn pipeline_results(record: &ReleaseRecord, withdrawn: bool, at: DateTime<Ut
     if !failed.is_empty() {
         reasons.push(format!("pipeline stages failed: {}", failed.join(", ")));
     }
-    let evidence = json!({"pipeline": record.pipeline, "withdrawn": withdrawn});
+    if let Some(problem) = &record.program_problem {
+        reasons.push(format!(
+            "release {}'s program cannot be deployed: {problem}",
+            record.version
+        ));
+    }
+    let evidence = json!({"pipeline": record.pipeline, "withdrawn": withdrawn,
+                          "programProblem": record.program_problem});
     if reasons.is_empty() {
         let passed = vec![format!(
             "all {} pipeline stages passed",
@@ -439,6 +446,7 @@ mod tests {
             has_agent_generated_assets: false,
             evaluation_evidence: None,
             smoke_checks: Vec::new(),
+            program_problem: None,
             recorded_by: Actor::parse("ci").unwrap(),
             recorded_at: at(),
         }

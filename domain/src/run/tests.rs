@@ -613,13 +613,13 @@ fn a_rollback_applies_in_production_under_its_own_authority_unless_policy_denies
 }
 
 #[test]
-fn an_unknown_environment_class_is_production() {
+fn an_unknown_environment_class_is_production_and_the_reason_says_so() {
     let unknown = request(None, ProvisioningKind::Release);
     Fixture::with(())
         .given(vec![requested(unknown), planned(receipt(0, None))])
         .when(RunCommand::StartApply { at: at(3) })
         .then_expect_error(RunError::ApprovalRequired(
-            "a production release apply needs the promotion's approval".to_string(),
+            "environment payments-prod is not recorded, so it is treated as production (record it with PUT /factory/environments/payments-prod or the environment service's EnvironmentCreated): a production release apply needs the promotion's approval".to_string(),
         ));
 }
 

@@ -167,7 +167,16 @@ pub async fn put_release(
                 ApiError::invalid_field(&format!("smokeChecks[{i}].url"), refusal)
             })?;
     }
+    // A commit or folder the repository does not hold is a typo, caught now.
+    ferry_api::routes::check_program_found(
+        &state,
+        &caller,
+        &body.program_ref,
+        &body.program_version,
+    )
+    .await?;
     let record = ReleaseRecord {
+        program_problem: None,
         release_id: id,
         tenant_id: caller.tenant.clone(),
         project_id: body.project_id,
