@@ -2615,3 +2615,154 @@ async fn mistakes_are_caught_when_they_are_made() {
     );
     d.s.stop().await;
 }
+
+/// Issue 38: "what runs where" was one request per environment. `GET /factory/environments`
+/// answers it, with filters and paging, and `GET /factory/delivery/releases` finds
+/// `payments@1.1.0`.
+async fn environments_are_listed_with_what_runs_there(backend: Backend) {
+    let d = start_with(backend, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(1);
+    })
+    .await;
+    for (env, class) in [
+        ("payments-dev", "development"),
+        ("payments-test", "test"),
+        ("payments-staging", "staging"),
+        ("payments-prod", "production"),
+    ] {
+        d.environment(env, class).await;
+    }
+    let good = d.deployable("1.0.0").await;
+    for env in ["payments-dev", "payments-test", "payments-staging"] {
+        let p = d.promote(&good, env, json!({})).await;
+        d.wait(&p, "Completed").await;
+    }
+    let waiting = d.promote(&good, "payments-prod", json!({})).await;
+    d.wait(&waiting, "AwaitingApproval").await;
+    // A newer release in development, rolled back by hand: quarantined there.
+    let bad = d.deployable("1.1.0").await;
+    let p = d.promote(&bad, "payments-dev", json!({})).await;
+    let p = d.wait(&p, "Completed").await;
+    let carol = token(
+        "acme",
+        "carol",
+        &[D_READ, "factory.delivery.operate"],
+        &["Operator"],
+    );
+    let (status, body) =
+        d.s.post(
+            &carol,
+            &format!(
+                "/factory/delivery/promotions/{}/rollback",
+                p["promotionId"].as_str().unwrap()
+            ),
+            &json!({"reason": "bad"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    d.wait(&p, "RolledBack").await;
+
+    let reader = token("acme", "rita", &[D_READ], &["Reviewer"]);
+    let (status, page) = d.s.get(&reader, "/factory/environments").await;
+    assert_eq!(status, 200, "{page}");
+    let items = page["items"].as_array().unwrap();
+    let ids: Vec<&str> = items
+        .iter()
+        .map(|e| e["environmentId"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "payments-prod",
+            "payments-staging",
+            "payments-test",
+            "payments-dev"
+        ],
+        "newest first: {page}"
+    );
+    let dev = &items[3];
+    assert_eq!(dev["environmentClass"], "development", "{dev}");
+    assert_eq!(dev["currentReleases"][0]["projectId"], "payments", "{dev}");
+    assert_eq!(
+        dev["currentReleases"][0]["releaseId"],
+        good.as_str(),
+        "{dev}"
+    );
+    assert_eq!(dev["quarantines"][0]["releaseId"], bad.as_str(), "{dev}");
+    assert_eq!(dev["openDriftProposals"], 0, "{dev}");
+    assert!(
+        dev["appliedSpecifications"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["kind"] == "Workload" && s["version"].as_u64() >= Some(1)),
+        "{dev}"
+    );
+    let prod = &items[0];
+    assert_eq!(
+        prod["promotionsInFlight"][0]["state"], "AwaitingApproval",
+        "{prod}"
+    );
+    assert_eq!(prod["promotionsInFlight"][0]["releaseId"], good.as_str());
+    assert!(
+        prod["currentReleases"].as_array().unwrap().is_empty(),
+        "{prod}"
+    );
+
+    // Filters and paging.
+    let (_, only) =
+        d.s.get(&reader, "/factory/environments?environmentClass=production")
+            .await;
+    let only: Vec<&str> = only["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["environmentId"].as_str().unwrap())
+        .collect();
+    assert_eq!(only, ["payments-prod"]);
+    let (_, first) = d.s.get(&reader, "/factory/environments?limit=3").await;
+    assert_eq!(first["items"].as_array().unwrap().len(), 3, "{first}");
+    let cursor = first["nextCursor"].as_str().unwrap();
+    let (_, rest) =
+        d.s.get(
+            &reader,
+            &format!("/factory/environments?limit=3&cursor={cursor}"),
+        )
+        .await;
+    assert_eq!(rest["items"][0]["environmentId"], "payments-dev", "{rest}");
+    assert!(rest.get("nextCursor").is_none(), "{rest}");
+    let (status, problem) =
+        d.s.get(&reader, "/factory/environments?environmentClass=prod")
+            .await;
+    assert_eq!(status, 400, "{problem}");
+    // Another tenant sees none of them.
+    let (_, theirs) =
+        d.s.get(
+            &token("globex", "gina", &[D_READ], &[]),
+            "/factory/environments",
+        )
+        .await;
+    assert!(theirs["items"].as_array().unwrap().is_empty(), "{theirs}");
+
+    // A release found by project and version.
+    let (_, found) =
+        d.s.get(
+            &reader,
+            "/factory/delivery/releases?projectId=payments&version=1.1.0",
+        )
+        .await;
+    let found = found["items"].as_array().unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0]["releaseId"], bad.as_str());
+    d.s.stop().await;
+}
+
+#[tokio::test]
+async fn environments_are_listed_with_what_runs_there_on_sqlite() {
+    environments_are_listed_with_what_runs_there(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn environments_are_listed_with_what_runs_there_on_postgres() {
+    environments_are_listed_with_what_runs_there(Backend::Postgres).await;
+}

@@ -9,11 +9,13 @@
 //! * [`metrics`]: the promotion counters and lead-time histogram;
 //! * [`verification`]: the health, smoke and SLO checks after an apply;
 //! * [`probe`]: the client those checks probe tenants' URLs with (public addresses only);
+//! * [`environments`]: `GET /factory/environments`, what runs where;
 //! * [`driver`]: the worker that queues promotions per environment and evaluates their
 //!   gates.
 //!
 
 pub mod driver;
+pub mod environments;
 pub mod events;
 pub mod metrics;
 pub mod probe;

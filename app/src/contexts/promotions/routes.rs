@@ -242,9 +242,14 @@ pub async fn list_releases(
     Query(raw): Query<HashMap<String, String>>,
 ) -> Result<Json<ferry_projections::Page<ReleaseView>>, ApiError> {
     caller.require_scope(READ)?;
-    let q = QueryParams::new(raw, &["projectId", "state", "limit", "cursor"])?;
+    let q = QueryParams::new(raw, &["projectId", "version", "state", "limit", "cursor"])?;
     let filter = ReleaseFilter {
         project_id: q.parse("projectId", |v| ProjectId::parse(v).ok(), "a project id")?,
+        version: q.parse(
+            "version",
+            |v| ReleaseVersion::parse(v).ok(),
+            "a release version",
+        )?,
         state: q.parse("state", enum_from_str, "Ready or Withdrawn")?,
     };
     let (limit, cursor) = q.page()?;
@@ -1124,6 +1129,7 @@ pub fn routes() -> ApiRouter<AppState> {
                     .summary("Releases Ferry may promote, newest first, each with the environments it completed in.")
                     .scope(READ)
                     .query("projectId", "Only this project's.", json!({"type": "string"}))
+                    .query("version", "Only this version (with projectId: one release, e.g. shop@4.2.0).", json!({"type": "string"}))
                     .query("state", "Only in this state.", schema_of::<ReleaseState>())
                     .paging()
                     .response_with::<200, Json<ferry_projections::Page<ReleaseView>>, _>(|r| {
@@ -1216,6 +1222,20 @@ pub fn routes() -> ApiRouter<AppState> {
                         r.description("The promotion after the decision.")
                     })
                     .errors(&[401, 403, 404, 409, 415, 422])
+            }),
+        )
+        .api_route(
+            "/factory/environments",
+            get_with(super::environments::list_environments, |op| {
+                op.id("ListEnvironments")
+                    .summary("The tenant's environments, newest first, each with its class, readiness, the release current there per project, the promotions in flight, the last applied specification versions, open drift proposals and quarantines.")
+                    .scope(READ)
+                    .query("environmentClass", "Only this class.", schema_of::<EnvironmentClass>())
+                    .paging()
+                    .response_with::<200, Json<ferry_projections::Page<super::environments::EnvironmentSummary>>, _>(|r| {
+                        r.description("A page of environments.")
+                    })
+                    .errors(&[400, 401, 403])
             }),
         )
         .api_route(

@@ -8,7 +8,7 @@ use ferry_domain::promotion::{
     ApprovalRequest, ApprovalStatus, GateKind, GateResult, Hotfix, Measurement, Promotion,
     PromotionEvent, PromotionRequest, PromotionState, RollbackOf, Strategy, VerificationOutcome,
 };
-use ferry_domain::release::{Release, ReleaseEvent, ReleaseRecord};
+use ferry_domain::release::{Release, ReleaseEvent, ReleaseRecord, ReleaseVersion};
 use ferry_domain::{
     Actor, ApprovalId, EnvironmentClass, EnvironmentId, FactoryRunId, ProjectId, PromotionId,
     ProvisioningRunId, ReleaseId, TenantId,
@@ -938,6 +938,8 @@ impl Subscriber<Promotion> for PromotionRows {
 pub struct ReleaseFilter {
     /// Only this project's.
     pub project_id: Option<ProjectId>,
+    /// Only this version (`shop@4.2.0` is `projectId=shop&version=4.2.0`).
+    pub version: Option<ReleaseVersion>,
     /// Only in this state.
     pub state: Option<ReleaseState>,
 }
@@ -977,6 +979,15 @@ pub async fn list_releases(
     if let Some(state) = &filter.state {
         params.push(text(state_name(state)));
         clauses.push(format!("state = ${}", params.len()));
+    }
+    if let Some(version) = &filter.version {
+        params.push(text(version));
+        // The version is in the document only (the table keeps no column for it).
+        let field = match db.backend() {
+            ferry_store::database::Backend::Postgres => "document->>'version'",
+            ferry_store::database::Backend::Sqlite => "json_extract(document, '$.version')",
+        };
+        clauses.push(format!("{field} = ${}", params.len()));
     }
     let (docs, next_cursor) = page(db, "rm_releases", clauses, params, limit, cursor).await?;
     let mut items = Vec::with_capacity(docs.len());
