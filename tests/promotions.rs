@@ -2262,6 +2262,24 @@ async fn text_a_console_renders_is_checked_where_it_arrives() {
     d.s.stop().await;
 }
 
+/// A Ferry with the promotion path's four environments recorded and a verification window
+/// of `window` seconds.
+async fn with_the_path(backend: Backend, window: u64) -> Delivery {
+    let d = start_with(backend, None, |c| {
+        c.verification_window = std::time::Duration::from_secs(window);
+    })
+    .await;
+    for (env, class) in [
+        ("payments-dev", "development"),
+        ("payments-test", "test"),
+        ("payments-staging", "staging"),
+        ("payments-prod", "production"),
+    ] {
+        d.environment(env, class).await;
+    }
+    d
+}
+
 /// The path to production for `release`: development, test and staging completed, then
 /// production approved by a Reviewer who did not request it; answers the production
 /// promotion once it is `Verifying` or later.
@@ -2358,18 +2376,7 @@ async fn rollback_run(d: &Delivery, rollback_promotion: &str) -> Value {
 /// the rollback `Completed`, the previous release current. Rolling back a rollback would
 /// bring the quarantined release back: refused.
 async fn rollbacks_in_production_restore_the_previous_release(backend: Backend) {
-    let d = start_with(backend, None, |c| {
-        c.verification_window = std::time::Duration::from_secs(2);
-    })
-    .await;
-    for (env, class) in [
-        ("payments-dev", "development"),
-        ("payments-test", "test"),
-        ("payments-staging", "staging"),
-        ("payments-prod", "production"),
-    ] {
-        d.environment(env, class).await;
-    }
+    let d = with_the_path(backend, 2).await;
     let good = d.deployable("1.0.0").await;
     let first = through_to_production(&d, &good).await;
     d.wait(&first, "Completed").await;
@@ -2620,18 +2627,7 @@ async fn mistakes_are_caught_when_they_are_made() {
 /// answers it, with filters and paging, and `GET /factory/delivery/releases` finds
 /// `payments@1.1.0`.
 async fn environments_are_listed_with_what_runs_there(backend: Backend) {
-    let d = start_with(backend, None, |c| {
-        c.verification_window = std::time::Duration::from_secs(1);
-    })
-    .await;
-    for (env, class) in [
-        ("payments-dev", "development"),
-        ("payments-test", "test"),
-        ("payments-staging", "staging"),
-        ("payments-prod", "production"),
-    ] {
-        d.environment(env, class).await;
-    }
+    let d = with_the_path(backend, 1).await;
     let good = d.deployable("1.0.0").await;
     for env in ["payments-dev", "payments-test", "payments-staging"] {
         let p = d.promote(&good, env, json!({})).await;
@@ -2765,4 +2761,74 @@ async fn environments_are_listed_with_what_runs_there_on_sqlite() {
 #[tokio::test]
 async fn environments_are_listed_with_what_runs_there_on_postgres() {
     environments_are_listed_with_what_runs_there(Backend::Postgres).await;
+}
+
+/// Issue 38: the promotion showed `AwaitingApproval` before its plan existed, and approving
+/// then answered a bare 409. The approval says `Planning` until its plan is attached, and a
+/// decision meanwhile is refused naming that status. (The runner here never answers, so
+/// the plan never comes.)
+#[tokio::test]
+async fn an_approval_is_planning_until_its_plan_is_attached() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let runner_url = format!("http://{}", silent.local_addr().unwrap());
+    // Accepts every connection and answers none (until the test ends).
+    let listening = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let policy = "package ferry.deployment\n\nimport rego.v1\n\nhotfix contains \"hotfixes may skip the path\" if input.hotfix\n";
+    let d = start_with(Backend::Sqlite, Some(policy), |c| {
+        c.runner = ferry_app::config::RunnerKind::Http;
+        c.runner_url = Some(runner_url);
+        c.runner_shared_identity = Some(ferry_domain::ports::identity::RunnerIdentity::new(
+            Default::default(),
+        ));
+    })
+    .await;
+    d.environment("payments-prod", "production").await;
+    let release = d.deployable("1.0.0").await;
+    // A hotfix skips the path where policy allows it; production still needs its approval.
+    let p = d
+        .promote(
+            &release,
+            "payments-prod",
+            json!({"hotfix": {"reason": "CVE-2026-3"}}),
+        )
+        .await;
+    let path = format!(
+        "/factory/delivery/promotions/{}",
+        p["promotionId"].as_str().unwrap()
+    );
+    let (s, path_ref) = (&d.s, &path);
+    let planning = eventually_showing("the approval planning", 30, || async move {
+        let (_, p) = s.get(&promoter("acme", "alice"), path_ref).await;
+        if p["approvalStatus"] == "Planning" {
+            Ok(p)
+        } else {
+            Err(p.to_string())
+        }
+    })
+    .await;
+    assert_eq!(planning["state"], "AwaitingApproval", "{planning}");
+    assert!(planning.get("approvalPlan").is_none(), "{planning}");
+    let bob = token("acme", "bob", &[D_READ, D_PROMOTE], &["Reviewer"]);
+    let (status, problem) =
+        d.s.post(
+            &bob,
+            &format!("{path}/approval"),
+            &json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("the approval is Planning"),
+        "{problem}"
+    );
+    listening.abort();
+    d.s.stop().await;
 }
