@@ -760,6 +760,26 @@ impl TenantOwned for ProvisioningRun {
 
 use ProvisioningState as S;
 
+/// What of a promotion's hand-off `request` does not match the tenant, environment and
+/// promotion its proof (an approval, a rollback's authority) names, if anything; a
+/// promotion hands over a `Release` run only.
+fn hand_off_mismatch(
+    request: &RunRequest,
+    (tenant, environment, promotion): (&TenantId, &EnvironmentId, PromotionId),
+) -> Option<&'static str> {
+    if *tenant != request.tenant_id {
+        Some("tenant")
+    } else if *environment != request.environment_id {
+        Some("environment")
+    } else if request.promotion_id != Some(promotion) {
+        Some("promotion")
+    } else if request.kind != ProvisioningKind::Release {
+        Some("kind (a promotion hands over a Release)")
+    } else {
+        None
+    }
+}
+
 fn non_empty(reason: &str) -> Result<(), RunError> {
     if reason.trim().is_empty() {
         Err(RunError::ReasonRequired)
@@ -799,19 +819,15 @@ impl Aggregate for ProvisioningRun {
                     return Err(RunError::AlreadyRequested);
                 }
                 let record = approval.record();
-                let mismatch = if record.tenant_id != request.tenant_id {
-                    Some("tenant")
-                } else if record.environment_id != request.environment_id {
-                    Some("environment")
-                } else if request.promotion_id != Some(record.promotion_id) {
-                    Some("promotion")
-                } else if request.approval_id != Some(record.approval_id) {
-                    Some("approval")
-                } else if request.kind != ProvisioningKind::Release {
-                    Some("kind (a promotion hands over a Release)")
-                } else {
-                    None
-                };
+                let mismatch = hand_off_mismatch(
+                    request,
+                    (
+                        &record.tenant_id,
+                        &record.environment_id,
+                        record.promotion_id,
+                    ),
+                )
+                .or((request.approval_id != Some(record.approval_id)).then_some("approval"));
                 if let Some(what) = mismatch {
                     return Err(RunError::PromotionApprovalMismatch(what));
                 }
@@ -824,19 +840,18 @@ impl Aggregate for ProvisioningRun {
                     return Err(RunError::AlreadyRequested);
                 }
                 let record = authority.record();
-                let mismatch = if record.tenant_id != request.tenant_id {
-                    Some("tenant")
-                } else if record.environment_id != request.environment_id {
-                    Some("environment")
-                } else if request.promotion_id != Some(record.promotion_id) {
-                    Some("promotion")
-                } else if request.approval_id.is_some() {
-                    Some("approval (a rollback carries none)")
-                } else if request.kind != ProvisioningKind::Release {
-                    Some("kind (a rollback hands over a Release)")
-                } else {
-                    None
-                };
+                let mismatch = hand_off_mismatch(
+                    request,
+                    (
+                        &record.tenant_id,
+                        &record.environment_id,
+                        record.promotion_id,
+                    ),
+                )
+                .or(request
+                    .approval_id
+                    .is_some()
+                    .then_some("approval (a rollback carries none)"));
                 if let Some(what) = mismatch {
                     return Err(RunError::PromotionApprovalMismatch(what));
                 }

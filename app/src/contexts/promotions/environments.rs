@@ -11,7 +11,7 @@ use ferry_api::auth::Caller;
 use ferry_api::extract::QueryParams;
 use ferry_api::problem::ApiError;
 use ferry_api::state::AppState;
-use ferry_domain::environment::{Environment, PendingLowering};
+use ferry_domain::environment::{Environment, EnvironmentRegistration, PendingLowering};
 use ferry_domain::{
     EnvironmentClass, EnvironmentId, ProjectId, PromotionId, ReleaseId, SpecificationKind, TenantId,
 };
@@ -129,15 +129,7 @@ pub async fn list_environments(
             next_cursor = Some(encode_cursor(first + 1));
             break;
         }
-        items.push(
-            summary(
-                &state,
-                &caller.tenant,
-                &environment,
-                registration.environment_id.clone(),
-            )
-            .await?,
-        );
+        items.push(summary(&state, &caller.tenant, &environment, registration).await?);
     }
     Ok(Json(Page { items, next_cursor }))
 }
@@ -165,12 +157,10 @@ async fn summary(
     state: &AppState,
     tenant: &TenantId,
     environment: &Environment,
-    id: EnvironmentId,
+    registration: &EnvironmentRegistration,
 ) -> Result<EnvironmentSummary, ApiError> {
     let db = state.db();
-    let registration = environment
-        .registration()
-        .ok_or_else(|| ApiError::internal("environment without registration"))?;
+    let id = registration.environment_id.clone();
     let current = db.sql(
         "SELECT project_id, release_id, promotion_id FROM (
            SELECT r.project_id, c.release_id, c.promotion_id,

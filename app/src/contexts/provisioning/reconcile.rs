@@ -714,11 +714,16 @@ mod tests {
     }
 
     async fn runs_table(db: &Database) {
-        let runs = ferry_projections::provisioning_projections()
+        projection_tables(db, "runs").await;
+    }
+
+    /// The tables of the provisioning projection `name`.
+    async fn projection_tables(db: &Database, name: &str) {
+        let projection = ferry_projections::provisioning_projections()
             .into_iter()
-            .find(|p| p.name() == "runs")
+            .find(|p| p.name() == name)
             .unwrap();
-        ferry_projections::ProjectionRunner::live(runs)
+        ferry_projections::ProjectionRunner::live(projection)
             .ensure_tables(db)
             .await
             .unwrap();
@@ -797,14 +802,7 @@ mod tests {
         async fn one_tenant_s_bad_specification_never_stops_another_s_reconciliation(backend) {
             let t = TestDatabase::new(backend).await;
             runs_table(&t.db).await;
-            let environments = ferry_projections::provisioning_projections()
-                .into_iter()
-                .find(|p| p.name() == "environments")
-                .unwrap();
-            ferry_projections::ProjectionRunner::live(environments)
-                .ensure_tables(&t.db)
-                .await
-                .unwrap();
+            projection_tables(&t.db, "environments").await;
             let window = "2026-12-07T12:00Z";
             // `acme` comes first in the pass; the name of its window's run is taken by a run
             // of another tenant (issue 37 made such a squat from a tenant's Idempotency-Key;
@@ -873,14 +871,7 @@ mod tests {
         async fn a_window_an_old_version_reconciled_keeps_its_old_named_run(backend) {
             let t = TestDatabase::new(backend).await;
             runs_table(&t.db).await;
-            let environments = ferry_projections::provisioning_projections()
-                .into_iter()
-                .find(|p| p.name() == "environments")
-                .unwrap();
-            ferry_projections::ProjectionRunner::live(environments)
-                .ensure_tables(&t.db)
-                .await
-                .unwrap();
+            projection_tables(&t.db, "environments").await;
             let window = "2026-12-07T16:00Z";
             let spec = applied_row(&t.db, "acme", "payments-dev").await;
             let acme = TenantId::parse("acme").unwrap();
