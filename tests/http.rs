@@ -1065,10 +1065,7 @@ async fn a_retry_across_the_upgrade_lands_on_the_run_its_first_request_made(back
         resource_id: &old.to_string(),
         owner: "the-first-request",
     };
-    let first = reservation
-        .reserve(&db, "acme", "/factory/provisioning/runs/")
-        .await
-        .unwrap();
+    let first = reservation.reserve(&db, "acme").await.unwrap();
     assert!(matches!(first, ferry_api::extract::Reservation::Proceed(_)));
     let runs: ferry_store::Repository<ProvisioningRun> = ferry_store::Repository::new(db, ());
     let request = RunRequest {

@@ -1798,7 +1798,7 @@ async fn over_grpc_a_promotion_is_requested_once_and_the_applied_specification_i
     assert_eq!(globex.code(), Code::InvalidArgument, "{globex:?}");
 
     // What gRPC users expect: the health service and reflection (for grpcurl).
-    let channel = tonic::transport::Endpoint::from_shared(url)
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .unwrap()
         .connect()
         .await
@@ -1842,6 +1842,41 @@ async fn over_grpc_a_promotion_is_requested_once_and_the_applied_specification_i
         "grpc.health.v1.Health",
     ] {
         assert!(names.contains(&service), "{names:?}");
+    }
+    // Clients that ask the older v1alpha reflection (Python's grpcio, older grpcurl) too.
+    {
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let ask = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let answer = ServerReflectionClient::new(channel)
+            .server_reflection_info(futures::stream::iter([ask]))
+            .await
+            .unwrap()
+            .into_inner()
+            .message()
+            .await
+            .unwrap()
+            .unwrap();
+        let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+            panic!("{answer:?}");
+        };
+        let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+        for service in [
+            "ferry.delivery.v1.Promotions",
+            "ferry.provisioning.v1.Provisioning",
+        ] {
+            assert!(names.contains(&service), "v1alpha: {names:?}");
+        }
     }
     let metrics = d.s.metrics().await;
     assert!(

@@ -180,10 +180,14 @@ impl FromRequestParts<AppState> for Caller {
 /// The token of an `Authorization: Bearer <token>` value (an HTTP header, or the gRPC
 /// `authorization` metadata, which is the same thing).
 pub fn bearer_token(value: Option<&axum::http::HeaderValue>) -> Result<&str, ApiError> {
+    bearer_token_text(value.map(|v| v.to_str()))
+}
+
+/// As [`bearer_token`], from the value as text (`Err` when it is not visible ASCII).
+pub fn bearer_token_text<E>(value: Option<Result<&str, E>>) -> Result<&str, ApiError> {
     let value =
         value.ok_or_else(|| ApiError::Unauthorized("a bearer token is required".to_string()))?;
     value
-        .to_str()
         .ok()
         .and_then(|v| {
             v.strip_prefix("Bearer ")
@@ -208,16 +212,18 @@ pub struct RequestIds {
 impl RequestIds {
     /// Reads or makes the ids from headers.
     pub fn from_headers(headers: &HeaderMap) -> Self {
-        let uuid = |name: &str| {
-            headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| Uuid::parse_str(v.trim()).ok())
-        };
-        let request_id = uuid("x-request-id").unwrap_or_else(Uuid::new_v4);
+        let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        Self::from_values(text("x-request-id"), text("x-correlation-id"))
+    }
+
+    /// The ids a caller sent (used when they are UUIDs), else new ones: the request id, and
+    /// the correlation id (the request id when absent).
+    pub fn from_values(request: Option<&str>, correlation: Option<&str>) -> Self {
+        let uuid = |v: Option<&str>| v.and_then(|v| Uuid::parse_str(v.trim()).ok());
+        let request_id = uuid(request).unwrap_or_else(Uuid::new_v4);
         Self {
             request_id,
-            correlation_id: uuid("x-correlation-id").unwrap_or(request_id),
+            correlation_id: uuid(correlation).unwrap_or(request_id),
         }
     }
 }
@@ -296,22 +302,19 @@ pub fn enum_from_str<T: serde::de::DeserializeOwned>(v: &str) -> Option<T> {
 }
 
 /// The `Idempotency-Key` header, if sent (1 to 255 visible ASCII characters).
-pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub fn idempotency_key(
+    headers: &HeaderMap,
+) -> Result<Option<crate::idempotent::IdempotencyKey>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {
         return Ok(None);
     };
-    let key = value
-        .to_str()
-        .ok()
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 255)
-        .ok_or_else(|| {
-            ApiError::bad_field(
-                "Idempotency-Key",
-                "must be 1 to 255 visible ASCII characters",
-            )
-        })?;
-    Ok(Some(key.to_string()))
+    let raw = value.to_str().map_err(|_| {
+        ApiError::bad_field(
+            "Idempotency-Key",
+            "must be 1 to 255 visible ASCII characters",
+        )
+    })?;
+    crate::idempotent::IdempotencyKey::parse("Idempotency-Key", raw).map(Some)
 }
 
 /// 201 with `body` and `Location: location`.
@@ -337,20 +340,6 @@ pub struct IdempotentRequest<'a> {
     pub owner: &'a str,
 }
 
-/// Gives `key` back after the request that reserved it (`owner`) failed, so that a retry
-/// runs again; a request without a key has nothing to give back.
-pub async fn give_back_key(
-    db: &ferry_store::Database,
-    tenant: &str,
-    key: Option<&str>,
-    owner: &str,
-) -> Result<(), ApiError> {
-    if let Some(key) = key {
-        ferry_store::idempotency::release(db, tenant, key, owner).await?;
-    }
-    Ok(())
-}
-
 /// What a reserved `Idempotency-Key` says to do.
 #[derive(Debug)]
 pub enum Reservation {
@@ -361,12 +350,16 @@ pub enum Reservation {
     /// them; a retry across the upgrade must land on the same run or promotion).
     Proceed(String),
     /// The first request's stored answer, to replay.
-    Replay(Response),
+    Replay {
+        /// The resource it created.
+        resource_id: String,
+        /// Its answer's body.
+        body: Value,
+    },
 }
 
 impl IdempotentRequest<'_> {
-    /// Reserves the key. [`Reservation::Replay`] is the first request's stored answer
-    /// (marked `Idempotent-Replayed: true`, with `Location: {location_prefix}{its id}`);
+    /// Reserves the key. [`Reservation::Replay`] is the first request's stored answer;
     /// [`Reservation::Proceed`] means go on with the resource id it names, and the same
     /// command on the same resource id is refused by its aggregate if it already took
     /// effect. The same key with another body or operation is a 422.
@@ -374,7 +367,6 @@ impl IdempotentRequest<'_> {
         &self,
         db: &ferry_store::Database,
         tenant: &str,
-        location_prefix: &str,
     ) -> Result<Reservation, ApiError> {
         use sha2::Digest;
         let hash = hex::encode(sha2::Sha256::digest(self.body.to_string().as_bytes()));
@@ -398,26 +390,29 @@ impl IdempotentRequest<'_> {
             } => Ok(Reservation::Proceed(resource_id)),
             ferry_store::idempotency::KeyState::Replay {
                 resource_id,
-                response: Some((status, body)),
-            } => {
-                let mut response = (
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED),
-                    Json(body),
-                )
-                    .into_response();
-                response
-                    .headers_mut()
-                    .insert("idempotent-replayed", HeaderValue::from_static("true"));
-                if let Ok(v) = HeaderValue::from_str(&format!("{location_prefix}{resource_id}")) {
-                    response.headers_mut().insert(header::LOCATION, v);
-                }
-                Ok(Reservation::Replay(response))
-            }
+                response: Some((_, body)),
+            } => Ok(Reservation::Replay { resource_id, body }),
             ferry_store::idempotency::KeyState::Mismatch => {
                 Err(ApiError::IdempotencyMismatch(self.key.to_string()))
             }
         }
     }
+}
+
+/// The HTTP answer to a creating use case: 201 with the resource and
+/// `Location: {location_prefix}{id}`, marked `Idempotent-Replayed: true` when it is the first
+/// request's answer again.
+pub fn created_answer<V: serde::Serialize>(
+    location_prefix: &str,
+    created: &crate::idempotent::Created<V>,
+) -> Response {
+    let mut response = self::created(&format!("{location_prefix}{}", created.id), &created.view);
+    if created.replayed {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    response
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod basis;
 pub mod environments;
 pub mod events;
 pub mod extract;
+pub mod idempotent;
 pub mod openapi;
 pub mod ports;
 pub mod problem;

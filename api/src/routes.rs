@@ -4,9 +4,10 @@
 use crate::auth::Caller;
 use crate::basis::Decided;
 use crate::extract::{
-    created, enum_from_str, give_back_key, idempotency_key, OptionalJson, QueryParams, RequestIds,
+    created, created_answer, enum_from_str, idempotency_key, OptionalJson, QueryParams, RequestIds,
     ValidJson,
 };
+use crate::idempotent::{Created, IdempotentCommand, Keyed};
 use crate::problem::{ApiError, FieldError};
 use crate::state::AppState;
 use axum::extract::{Path, Query, State};
@@ -20,7 +21,7 @@ use ferry_domain::specification::{Declaration, SpecificationCommand, Specificati
 use ferry_domain::*;
 use ferry_projections::queries::{RunFilter, SpecificationFilter};
 use ferry_projections::RunView;
-use ferry_store::{idempotency, Basis, Read};
+use ferry_store::{Basis, Read};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -345,7 +346,6 @@ pub async fn get_run(
 }
 
 /// `POST /factory/provisioning/runs` (PlanProvisioning): records the run in `Requested`.
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn plan_provisioning(
     State(state): State<AppState>,
     caller: Caller,
@@ -353,8 +353,23 @@ pub async fn plan_provisioning(
     headers: HeaderMap,
     ValidJson { value: body, raw }: ValidJson<PlanProvisioningRequest>,
 ) -> Result<Response, ApiError> {
-    caller.require_apply()?;
     let key = idempotency_key(&headers)?;
+    let keyed = key.as_ref().map(|key| Keyed { key, request: &raw });
+    let planned = plan(&state, &caller, ids, body, keyed).await?;
+    Ok(created_answer("/factory/provisioning/runs/", &planned))
+}
+
+/// Requesting a plan (the use case behind `POST /factory/provisioning/runs`): an Operator's
+/// run of a declared specification version, in `Requested`.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn plan(
+    state: &AppState,
+    caller: &Caller,
+    ids: RequestIds,
+    body: PlanProvisioningRequest,
+    keyed: Option<Keyed<'_>>,
+) -> Result<Created<RunView>, ApiError> {
+    caller.require_apply()?;
     // Authority never comes from a body: an approval named here would let any Operator
     // apply to production unapproved.
     let forged: Vec<FieldError> = [
@@ -376,124 +391,116 @@ pub async fn plan_provisioning(
     }
     // Decided on the cached specification and environment, which the append checks (see
     // `crate::basis`).
-    let mut decision = Decided::decide(|read| plan_basis(&state, &caller, &body, read)).await?;
-    let tenant = caller.tenant.as_str();
-    // The reservation belongs to this request: only it may give the key back.
-    let owner = ids.request_id.to_string();
-    let mut run_id = match &key {
-        Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k),
+    let mut decision = Decided::decide(|read| plan_basis(state, caller, &body, read)).await?;
+    let key = keyed.map(|k| k.key);
+    let fresh = match key {
+        Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k.as_str()),
         None => ProvisioningRunId::new_random(),
     };
-    if let Some(k) = &key {
-        let reservation = crate::extract::IdempotentRequest {
-            key: k,
-            operation: "PlanProvisioning",
-            body: &raw,
-            resource_id: &run_id.to_string(),
-            owner: &owner,
-        };
-        match reservation
-            .reserve(state.db(), tenant, "/factory/provisioning/runs/")
-            .await?
-        {
-            crate::extract::Reservation::Replay(first) => return Ok(first),
-            // The first request's run, made under whichever names its version derived.
-            crate::extract::Reservation::Proceed(id) => {
-                run_id = ProvisioningRunId::parse(&id).map_err(ApiError::internal)?;
-            }
-        }
-    }
-    let run_id = run_id;
-
-    let executed = decision
-        .execute(
-            |read| plan_basis(&state, &caller, &body, read),
-            |decided: &PlanBasis| {
-                let request = RunRequest {
-                    provisioning_run_id: run_id,
-                    tenant_id: caller.tenant.clone(),
-                    project_id: decided.project_id.clone(),
-                    environment_id: body.environment_id.clone(),
-                    // Unknown environments count as production (the domain's rule).
-                    environment_class: decided.environment_class,
-                    specification_id: body.specification_id,
-                    specification_version: body.specification_version,
-                    kind: body.kind,
-                    promotion_id: None,
-                    approval_id: None,
-                    follows_failed_apply: None,
-                    requested_by: caller.actor.clone(),
-                    requested_at: Utc::now(),
-                };
-                let (state, caller, basis) = (&state, &caller, decided.basis.clone());
-                async move {
-                    state
-                        .runs()
-                        .execute_on(
-                            &caller.tenant,
-                            &run_id.to_string(),
-                            RunCommand::Request(Box::new(request)),
-                            &caller.metadata(ids),
-                            true,
-                            &basis,
+    let command = IdempotentCommand {
+        db: state.db(),
+        tenant: &caller.tenant,
+        keyed,
+        operation: "PlanProvisioning",
+        owner: ids.request_id.to_string(),
+    };
+    let planned = command
+        .run(
+            fresh,
+            |recorded| ProvisioningRunId::parse(recorded).map_err(ApiError::internal),
+            |run_id| async move {
+                let executed = decision
+                    .execute(
+                        |read| plan_basis(state, caller, &body, read),
+                        |decided: &PlanBasis| {
+                            let request = run_request(caller, &body, decided, run_id);
+                            let basis = decided.basis.clone();
+                            async move {
+                                state
+                                    .runs()
+                                    .execute_on(
+                                        &caller.tenant,
+                                        &run_id.to_string(),
+                                        RunCommand::Request(Box::new(request)),
+                                        &caller.metadata(ids),
+                                        true,
+                                        &basis,
+                                    )
+                                    .await
+                            }
+                        },
+                    )
+                    .await?;
+                let (view, after) = match executed {
+                    Ok(done) => (fold(done.history.as_deref())?, done.position),
+                    // Another request with this key created the run first (it committed
+                    // before us, or concurrently): answer with that run.
+                    Err(
+                        e @ (ferry_store::CommandError::Domain(
+                            ferry_domain::run::RunError::AlreadyRequested,
                         )
-                        .await
-                }
+                        | ferry_store::CommandError::Conflict),
+                    ) if key.is_some() => {
+                        match state
+                            .runs()
+                            .load_events(&caller.tenant, &run_id.to_string())
+                            .await?
+                        {
+                            // The other request waits for its own events; this one reads at once.
+                            Some(history) => (fold(Some(&history))?, None),
+                            None => return Err(e.into()),
+                        }
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                state
+                    .reads()
+                    .wait_for_run(
+                        &caller.tenant,
+                        run_id,
+                        view.version,
+                        after,
+                        state.read_your_writes(),
+                    )
+                    .await?;
+                Ok(view)
             },
         )
-        .await;
-    let result = match executed {
-        Ok(result) => result,
-        Err(e) => {
-            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
-            return Err(e);
-        }
-    };
-    let (view, after) = match result {
-        Ok(done) => (fold(done.history.as_deref())?, done.position),
-        // Another request with this key created the run first (it committed before us, or
-        // concurrently): answer with that run.
-        Err(
-            e @ (ferry_store::CommandError::Domain(ferry_domain::run::RunError::AlreadyRequested)
-            | ferry_store::CommandError::Conflict),
-        ) if key.is_some() => {
-            match state
-                .runs()
-                .load_events(&caller.tenant, &run_id.to_string())
-                .await?
-            {
-                // The other request waits for its own events; this one reads at once.
-                Some(history) => (fold(Some(&history))?, None),
-                None => return Err(e.into()),
-            }
-        }
-        Err(e) => {
-            give_back_key(state.db(), tenant, key.as_deref(), &owner).await?;
-            return Err(e.into());
-        }
-    };
-    state
-        .reads()
-        .wait_for_run(
-            &caller.tenant,
-            run_id,
-            view.version,
-            after,
-            state.read_your_writes(),
-        )
         .await?;
-    let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
-    if let Some(k) = &key {
-        idempotency::record_response(state.db(), tenant, k, 201, &body).await?;
+    if !planned.replayed {
+        state.telemetry().run_reached(
+            caller.tenant.as_str(),
+            planned.view.kind.as_str(),
+            planned.view.state.as_str(),
+        );
     }
-    state
-        .telemetry()
-        .run_reached(tenant, view.kind.as_str(), view.state.as_str());
-    tracing::info!(provisioning_run_id = %run_id, "provisioning requested");
-    Ok(created(
-        &format!("/factory/provisioning/runs/{run_id}"),
-        &body,
-    ))
+    tracing::info!(provisioning_run_id = %planned.id, "provisioning requested");
+    Ok(planned)
+}
+
+/// The run `body` asks for, as decided on `decided`.
+fn run_request(
+    caller: &Caller,
+    body: &PlanProvisioningRequest,
+    decided: &PlanBasis,
+    run_id: ProvisioningRunId,
+) -> RunRequest {
+    RunRequest {
+        provisioning_run_id: run_id,
+        tenant_id: caller.tenant.clone(),
+        project_id: decided.project_id.clone(),
+        environment_id: body.environment_id.clone(),
+        // Unknown environments count as production (the domain's rule).
+        environment_class: decided.environment_class,
+        specification_id: body.specification_id,
+        specification_version: body.specification_version,
+        kind: body.kind,
+        promotion_id: None,
+        approval_id: None,
+        follows_failed_apply: None,
+        requested_by: caller.actor.clone(),
+        requested_at: Utc::now(),
+    }
 }
 
 /// What a plan request is decided on besides its run: the specification version it names

@@ -2,23 +2,25 @@
 //! `ferry.delivery.v1.Promotions`, beside the standard health service (`grpc.health.v1`) and
 //! server reflection, so `grpcurl` works against it. Served on `FERRY_GRPC_ADDR`.
 //!
-//! Each method runs what its HTTP route runs: the same token check (the bearer token in the
-//! `authorization` metadata), the same scopes and roles, the tenant from the token, and for
-//! `Promotions.Request` the very handler of `POST /factory/delivery/promotions` (its gates
-//! and its idempotency keys). Errors are the HTTP problems mapped one to one ([`status`]).
+//! Each method translates its message to the use case its HTTP route calls, with the same
+//! token check (the bearer token in the `authorization` metadata); the use case applies the
+//! scopes and roles, takes the tenant from the token, and for `Promotions.Request` runs the
+//! gates and the idempotency keys. Errors are the use cases' refusals mapped one to one
+//! ([`status`]).
 
-use crate::contexts::promotions::routes::{request_promotion, RequestPromotionRequest};
-use crate::contexts::promotions::views::PromotionView;
-use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue};
+use crate::contexts::promotions::use_cases::{self, RequestPromotionRequest};
 use ferry_api::auth::Caller;
-use ferry_api::extract::{bearer_token, parse_body, RequestIds};
+use ferry_api::extract::{bearer_token_text, RequestIds};
+use ferry_api::idempotent::{IdempotencyKey, Keyed};
 use ferry_api::problem::{ApiError, FieldError};
 use ferry_api::state::AppState;
+use ferry_domain::promotion::{Hotfix, Strategy};
 use ferry_domain::{EnvironmentId, SpecificationKind};
+use ferry_domain::{FactoryRunId, ReceiptRef, ReleaseId};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+use tonic::metadata::MetadataMap;
 use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -163,11 +165,32 @@ pub fn status(e: ApiError) -> Status {
     }
 }
 
-/// The verified caller of a call, from its metadata (as HTTP headers): the bearer token in
-/// `authorization`.
-async fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, Status> {
-    let token = bearer_token(headers.get(header::AUTHORIZATION)).map_err(status)?;
+/// The verified caller of a call, from its metadata: the bearer token in `authorization`.
+async fn caller(state: &AppState, metadata: &MetadataMap) -> Result<Caller, Status> {
+    let token =
+        bearer_token_text(metadata.get("authorization").map(|v| v.to_str())).map_err(status)?;
     state.verifier().verify(token).await.map_err(status)
+}
+
+/// The ids of a call, for event metadata and logs: `x-request-id` and `x-correlation-id`
+/// when sent as UUIDs, as over HTTP.
+fn request_ids(metadata: &MetadataMap) -> RequestIds {
+    let text = |name: &str| metadata.get(name).and_then(|v| v.to_str().ok());
+    RequestIds::from_values(text("x-request-id"), text("x-correlation-id"))
+}
+
+/// A field of a message as the value type the use case takes; an empty string is absent.
+fn optional<T, E: std::fmt::Display>(
+    field: &str,
+    raw: String,
+    parse: impl FnOnce(String) -> Result<T, E>,
+) -> Result<Option<T>, Status> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    parse(raw)
+        .map(Some)
+        .map_err(|e| status(ApiError::invalid_field(field, e)))
 }
 
 fn timestamp(at: chrono::DateTime<chrono::Utc>) -> prost_types::Timestamp {
@@ -188,7 +211,7 @@ impl ProvisioningService {
         &self,
         request: Request<pb::provisioning::GetCurrentSpecificationRequest>,
     ) -> Result<pb::provisioning::GetCurrentSpecificationResponse, Status> {
-        let caller = caller(&self.state, &request.metadata().clone().into_headers()).await?;
+        let caller = caller(&self.state, request.metadata()).await?;
         caller.require_read().map_err(status)?;
         let request = request.into_inner();
         let environment = EnvironmentId::parse(request.environment_id)
@@ -282,57 +305,37 @@ impl PromotionsService {
         &self,
         request: Request<pb::delivery::RequestPromotionRequest>,
     ) -> Result<pb::delivery::Promotion, Status> {
-        let metadata = request.metadata().clone().into_headers();
-        let caller = caller(&self.state, &metadata).await?;
-        let ids = RequestIds::from_headers(&metadata);
+        let caller = caller(&self.state, request.metadata()).await?;
+        let ids = request_ids(request.metadata());
         let request = request.into_inner();
-        // The HTTP body this call stands for: the same fields, checked by the same code.
-        let mut body = serde_json::Map::new();
-        body.insert("releaseId".into(), request.release_id.into());
-        body.insert("environmentId".into(), request.environment_id.into());
-        for (name, value) in [
-            ("strategy", request.strategy),
-            ("runId", request.run_id),
-            ("receiptRef", request.receipt_ref),
-        ] {
-            if !value.is_empty() {
-                body.insert(name.into(), value.into());
-            }
-        }
-        if let Some(hotfix) = request.hotfix {
-            body.insert(
-                "hotfix".into(),
-                serde_json::json!({"reason": hotfix.reason}),
-            );
-        }
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if !request.idempotency_key.is_empty() {
-            let key = HeaderValue::from_str(&request.idempotency_key).map_err(|_| {
-                status(ApiError::bad_field(
-                    "idempotencyKey",
-                    "must be 1 to 255 visible ASCII characters",
-                ))
-            })?;
-            headers.insert("idempotency-key", key);
-        }
-        let bytes = serde_json::to_vec(&serde_json::Value::Object(body))
-            .map_err(|e| status(ApiError::internal(e)))?;
-        let valid = parse_body::<RequestPromotionRequest>(&headers, &bytes, false)
+        let key = match request.idempotency_key.as_str() {
+            "" => None,
+            raw => Some(IdempotencyKey::parse("idempotencyKey", raw).map_err(status)?),
+        };
+        let body = RequestPromotionRequest {
+            release_id: ReleaseId::parse(&request.release_id)
+                .map_err(|e| status(ApiError::invalid_field("releaseId", e)))?,
+            environment_id: EnvironmentId::parse(request.environment_id)
+                .map_err(|e| status(ApiError::invalid_field("environmentId", e)))?,
+            strategy: optional("strategy", request.strategy, |s| {
+                serde_json::from_value::<Strategy>(serde_json::Value::String(s))
+            })?
+            .unwrap_or_default(),
+            run_id: optional("runId", request.run_id, |r| FactoryRunId::parse(&r))?,
+            hotfix: request.hotfix.map(|h| Hotfix { reason: h.reason }),
+            receipt_ref: optional("receiptRef", request.receipt_ref, ReceiptRef::parse)?,
+        };
+        // The key is bound to the request as the HTTP body it stands for (absent fields left
+        // out), so that a key works alike over both.
+        let sent = serde_json::to_value(&body).map_err(|e| status(ApiError::internal(e)))?;
+        let keyed = key.as_ref().map(|key| Keyed {
+            key,
+            request: &sent,
+        });
+        let view = use_cases::request(&self.state, &caller, ids, body, keyed)
+            .await
             .map_err(status)?
-            .ok_or_else(|| Status::invalid_argument("the request is empty"))?;
-        let answer = request_promotion(State(self.state.clone()), caller, ids, headers, valid)
-            .await
-            .map_err(status)?;
-        // The HTTP answer's body: the promotion as requested (on a retry, the first answer).
-        let bytes = axum::body::to_bytes(answer.into_body(), 4 * 1024 * 1024)
-            .await
-            .map_err(|e| status(ApiError::internal(e)))?;
-        let view: PromotionView =
-            serde_json::from_slice(&bytes).map_err(|e| status(ApiError::internal(e)))?;
+            .view;
         Ok(pb::delivery::Promotion {
             promotion_id: view.promotion_id.to_string(),
             tenant_id: view.tenant_id.to_string(),
@@ -419,10 +422,16 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(pb::DESCRIPTORS)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
+    // Older clients (Python's grpcio reflection, older grpcurl) still ask v1alpha.
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::DESCRIPTORS)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
     let router = tonic::transport::Server::builder()
         .layer(tower_http::trace::TraceLayer::new_for_grpc())
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(ProvisioningServer::new(ProvisioningService {
             state: state.clone(),
             metrics: metrics.clone(),

@@ -4,7 +4,9 @@
 //!
 //! * [`views`]: the `delivery` projection (releases, promotions, completions) and its
 //!   queries;
-//! * [`routes`]: the delivery API;
+//! * [`use_cases`]: what a caller may do (record, request, decide, roll back, conclude,
+//!   lift), whichever transport asks;
+//! * [`routes`]: the delivery API (HTTP), translating to the use cases;
 //! * [`events`]: what promotions publish (`releases.promotions.v1.*` and domain events);
 //! * [`metrics`]: the promotion counters and lead-time histogram;
 //! * [`verification`]: the health, smoke and SLO checks after an apply;
@@ -20,6 +22,7 @@ pub mod events;
 pub mod metrics;
 pub mod probe;
 pub mod routes;
+pub mod use_cases;
 pub mod verification;
 pub mod views;
 

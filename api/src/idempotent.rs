@@ -1,0 +1,147 @@
+//! The idempotent-command pattern every use case that creates a resource shares: the
+//! caller's `Idempotency-Key` names the resource, is reserved for this request, is given
+//! back when the command fails so that a retry runs again, and keeps the answer so that a
+//! retry gets the first one. HTTP and gRPC reach it through the use cases alike.
+
+use crate::extract::{IdempotentRequest, Reservation};
+use crate::problem::ApiError;
+use ferry_domain::TenantId;
+use ferry_store::{idempotency, Database};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use std::fmt::Display;
+use std::future::Future;
+
+/// A caller's `Idempotency-Key`: 1 to 255 visible ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// The key, checked; `field` names it in the refusal (a header or a message field).
+    pub fn parse(field: &str, raw: &str) -> Result<Self, ApiError> {
+        let key = raw.trim();
+        // As a header value may carry it: visible ASCII, inner spaces and tabs allowed.
+        let visible = key
+            .bytes()
+            .all(|b| b.is_ascii_graphic() || b == b' ' || b == b'\t');
+        if key.is_empty() || key.len() > 255 || !visible {
+            return Err(ApiError::bad_field(
+                field,
+                "must be 1 to 255 visible ASCII characters",
+            ));
+        }
+        Ok(Self(key.to_string()))
+    }
+
+    /// The key as sent.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A caller's key with the request it is bound to: the request as the caller sent it (over
+/// HTTP, the body as parsed), so that a retry is recognised whatever version of Ferry
+/// stored the key.
+#[derive(Debug, Clone, Copy)]
+pub struct Keyed<'a> {
+    /// The key.
+    pub key: &'a IdempotencyKey,
+    /// The request it is bound to.
+    pub request: &'a Value,
+}
+
+/// What a creating use case answers: the resource as created, and whether this is the
+/// first request's stored answer replayed.
+#[derive(Debug)]
+pub struct Created<V> {
+    /// The resource's id.
+    pub id: String,
+    /// The resource as the command that created it recorded it.
+    pub view: V,
+    /// True when a retry got the first request's answer.
+    pub replayed: bool,
+}
+
+/// One creating command under an optional idempotency key.
+pub struct IdempotentCommand<'a> {
+    /// The store holding the keys.
+    pub db: &'a Database,
+    /// The caller's tenant (keys are per tenant).
+    pub tenant: &'a TenantId,
+    /// The key and its request, if the caller sent a key.
+    pub keyed: Option<Keyed<'a>>,
+    /// The operation (a key is bound to one).
+    pub operation: &'static str,
+    /// This request (only it may give the key back).
+    pub owner: String,
+}
+
+impl IdempotentCommand<'_> {
+    /// Runs `command` on the resource id the key names (`fresh` for a new key or no key, the
+    /// first request's when it reserved one and has not answered), gives the key back when
+    /// it fails, and stores its answer; a retry whose first request answered gets that
+    /// answer, and the same key with another request or operation is refused.
+    pub async fn run<Id, V, Fut>(
+        self,
+        fresh: Id,
+        parse: impl FnOnce(&str) -> Result<Id, ApiError>,
+        command: impl FnOnce(Id) -> Fut,
+    ) -> Result<Created<V>, ApiError>
+    where
+        Id: Display,
+        V: Serialize + DeserializeOwned,
+        Fut: Future<Output = Result<V, ApiError>>,
+    {
+        let Some(Keyed { key, request }) = self.keyed else {
+            let id = fresh.to_string();
+            return Ok(Created {
+                view: command(fresh).await?,
+                id,
+                replayed: false,
+            });
+        };
+        let reservation = IdempotentRequest {
+            key: key.as_str(),
+            operation: self.operation,
+            body: request,
+            resource_id: &fresh.to_string(),
+            owner: &self.owner,
+        };
+        let id = match reservation.reserve(self.db, self.tenant.as_str()).await? {
+            Reservation::Replay { resource_id, body } => {
+                return Ok(Created {
+                    id: resource_id,
+                    view: serde_json::from_value(body).map_err(ApiError::internal)?,
+                    replayed: true,
+                })
+            }
+            // The first request's resource, made under whichever names its version derived.
+            Reservation::Proceed(recorded) => parse(&recorded)?,
+        };
+        let id_text = id.to_string();
+        match command(id).await {
+            Ok(view) => {
+                let body = serde_json::to_value(&view).map_err(ApiError::internal)?;
+                idempotency::record_response(
+                    self.db,
+                    self.tenant.as_str(),
+                    key.as_str(),
+                    201,
+                    &body,
+                )
+                .await?;
+                Ok(Created {
+                    id: id_text,
+                    view,
+                    replayed: false,
+                })
+            }
+            Err(e) => {
+                idempotency::release(self.db, self.tenant.as_str(), key.as_str(), &self.owner)
+                    .await?;
+                Err(e)
+            }
+        }
+    }
+}
