@@ -8,7 +8,7 @@
 #    into a virtual environment when `st` (4.x) is not installed already;
 # 2. starts `ferry serve` on 127.0.0.1:$HOSTILE_PORT with a data dir of its own (embedded
 #    SQLite; Postgres when DATABASE_URL is set), its own HS256 key, gRPC off, workers on;
-# 3. seeds tenant A as the README's walk-throughs do: five environments, two
+# 3. seeds tenant A as docs/walkthroughs.md does: five environments, two
 #    specifications, a run applied in development and one awaiting approval in production, two
 #    releases, promotions completed through development, test and staging, one awaiting its
 #    production approval, one rolled back (its release quarantined), an ignore rule;

@@ -6,7 +6,7 @@ Two uses:
   `PYTHONPATH`): registers the check `problem_json_errors`, which every response of every
   generated case must pass: a status of 400 or more is `application/problem+json` and an
   RFC 9457 problem whose `status` is the response's.
-* Run as a script: `seed` records tenant A's data as the README's walk-throughs do and
+* Run as a script: `seed` records tenant A's data as docs/walkthroughs.md does and
   writes the ids it made; `explicit` sends the hand-made hostile requests (oversized,
   deeply nested and non-UTF-8 bodies, tenant B's token on tenant A's ids, forged
   authorities, forged tokens); `schemathesis` turns a schemathesis run's reports into rows;

@@ -287,12 +287,12 @@ table=$(jq -r '
   "| CPU of the rebuild (e) | \(.e_rebuild.cpu.busyCpuMs | s1) core-s: Ferry \(.e_rebuild.cpu.ferryCpuMs | s1), the rest (Postgres) \(.e_rebuild.cpu.othersCpuMs | s1) | | the goal leaves \(.e_rebuild.cpu.goalCpuMsOnAllCores | s1) core-s on \(.cores) cores |"
 ' bench/results.json)
 echo "$table"
-# The README shows the last run's table, between its bench-table markers.
+# docs/benchmarks.md shows the last run's table, between its bench-table markers.
 { jq -r '"Measured \(.measuredAt) at commit \(.commit) on \(.machine) (`bash bench/run.sh`, \(.clients) clients, \(.seconds) s per load phase, \(.e_rebuild.events) events for (e) to (g)):"' bench/results.json
   echo; echo "$table"; } >"$work/table.md"
 awk -v table="$work/table.md" '
   /<!-- bench-table -->/ { print; while ((getline line < table) > 0) print line; skip = 1; next }
   /<!-- \/bench-table -->/ { skip = 0 }
-  !skip' README.md >"$work/README.md" && cp "$work/README.md" README.md
+  !skip' docs/benchmarks.md >"$work/benchmarks.md" && cp "$work/benchmarks.md" docs/benchmarks.md
 echo >&2
-echo "written: bench/results.json, the table in README.md" >&2
+echo "written: bench/results.json, the table in docs/benchmarks.md" >&2

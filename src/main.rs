@@ -82,7 +82,7 @@ enum Command {
         command: RelayCommand,
     },
     /// Write the OpenAPI document (and other published schemas) to a folder, and the
-    /// configuration table into the README.md beside that folder.
+    /// configuration table into docs/configuration.md beside that folder.
     Schemas {
         /// Where to write.
         #[arg(long, default_value = "schemas")]
@@ -331,12 +331,12 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     out(&format!("wrote {}", path.display()))?;
                 }
             }
-            // The README beside the schemas folder (as in the repository) carries the
-            // configuration table; a folder elsewhere has none to keep.
+            // docs/configuration.md beside the schemas folder (as in the repository) carries
+            // the configuration table; a folder elsewhere has none to keep.
             let readme = dir
                 .parent()
                 .unwrap_or(std::path::Path::new(""))
-                .join("README.md");
+                .join("docs/configuration.md");
             let current = std::fs::read_to_string(&readme).unwrap_or_default();
             let fresh = ferry_app::config::with_markdown_table(&current);
             if let Some(fresh) = fresh.filter(|fresh| *fresh != current) {

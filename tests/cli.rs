@@ -304,15 +304,18 @@ fn schemas_check_finds_stale_files() {
 }
 
 #[test]
-fn the_readme_documents_every_setting() {
-    let readme = include_str!("../README.md");
+fn the_configuration_doc_documents_every_setting() {
+    let readme = include_str!("../docs/configuration.md");
     for (key, env, _, _) in ferry_app::config::SETTINGS {
         let name = if env.starts_with("FERRY_BASELINE_PROGRAM_") {
             "FERRY_BASELINE_PROGRAM_"
         } else {
             env
         };
-        assert!(readme.contains(name), "README does not document {env}");
+        assert!(
+            readme.contains(name),
+            "docs/configuration.md does not document {env}"
+        );
         let key = if key.starts_with("baseline_program_") {
             "baseline_program_"
         } else {
@@ -320,7 +323,7 @@ fn the_readme_documents_every_setting() {
         };
         assert!(
             readme.contains(&format!("`{key}")),
-            "README does not document the file key {key}"
+            "docs/configuration.md does not document the file key {key}"
         );
     }
 }

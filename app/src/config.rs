@@ -6,9 +6,10 @@
 //! Each setting is declared once, in the `settings!` list below: its file key, its variable
 //! (`FERRY_` and the key in upper case unless the declaration names another), its default
 //! and its meaning (the doc comment). From that list come the raw settings that figment
-//! layers, the variables Ferry knows, [`SETTINGS`] and the README's table
-//! ([`markdown_table`]). One validation step then turns the raw settings into a [`Config`],
-//! naming a refused value through figment's metadata for the layer that gave it.
+//! layers, the variables Ferry knows, [`SETTINGS`] and the configuration table of
+//! `docs/configuration.md` ([`markdown_table`]). One validation step then turns the raw
+//! settings into a [`Config`], naming a refused value through figment's metadata for the
+//! layer that gave it.
 
 use ferry_domain::confinement::Confinement;
 use ferry_domain::environment::BaselineProgram;
@@ -198,13 +199,13 @@ pub enum RunnerKind {
 }
 
 /// Declares every setting once and generates from the list: [`RawSettings`] (what figment
-/// layers, defaults included), [`SETTINGS`] and the README rows ([`ROWS`]).
+/// layers, defaults included), [`SETTINGS`] and the configuration table's rows ([`ROWS`]).
 ///
-/// Each entry is the setting's meaning (its doc comment, the README's last column), its
+/// Each entry is the setting's meaning (its doc comment, the table's last column), its
 /// file key and raw type, then, in this order and each optional: `= default` (a literal;
 /// without one the setting is unset by default), `env "NAME"` (when its variable is not
-/// `FERRY_` and the key in upper case), `shown "text"` (the README's default column when it
-/// is not the default in backticks), `row (...)` or `row folded` (when one README row
+/// `FERRY_` and the key in upper case), `shown "text"` (the table's default column when it
+/// is not the default in backticks), `row (...)` or `row folded` (when one table row
 /// stands for several settings).
 macro_rules! settings {
     ($(
@@ -229,9 +230,9 @@ macro_rules! settings {
             }
         }
 
-        /// Every setting: (file key, environment variable, default as the README shows it,
-        /// meaning), in the README's order. The README's table is generated from it
-        /// ([`markdown_table`]).
+        /// Every setting: (file key, environment variable, default as the table shows it,
+        /// meaning), in the table's order. The configuration table (`docs/configuration.md`)
+        /// is generated from it ([`markdown_table`]).
         pub const SETTINGS: &[(&str, &str, &str, &str)] = &[
             $( (
                 stringify!($key),
@@ -241,7 +242,7 @@ macro_rules! settings {
             ), )+
         ];
 
-        /// How each of [`SETTINGS`] shows in the README's table, in the same order.
+        /// How each of [`SETTINGS`] shows in the configuration table, in the same order.
         const ROWS: &[Row] = &[ $( row!($($row)?), )+ ];
     };
 }
@@ -278,7 +279,7 @@ macro_rules! variable {
     }};
 }
 
-/// A setting's default as the README shows it: as declared, else the default in backticks.
+/// A setting's default as the table shows it: as declared, else the default in backticks.
 /// A setting with neither does not compile.
 macro_rules! shown {
     ($shown:literal; $($default:literal)?) => {
@@ -289,7 +290,7 @@ macro_rules! shown {
     };
 }
 
-/// A setting's README row.
+/// A setting's row in the configuration table.
 macro_rules! row {
     () => {
         Row::Own
@@ -321,7 +322,7 @@ const fn ferry_variable<const N: usize>(key: &str) -> [u8; N] {
     name
 }
 
-/// How a setting shows in the README's table.
+/// How a setting shows in the configuration table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Row {
     /// A row of its own: its key and its variable.
@@ -1341,12 +1342,12 @@ impl Default for Config {
     }
 }
 
-/// Where the README's configuration table starts; [`markdown_table`] goes after it.
+/// Where the configuration table of `docs/configuration.md` starts; [`markdown_table`] follows.
 pub const TABLE_START: &str = "<!-- config-table -->";
-/// Where the README's configuration table ends.
+/// Where the configuration table of `docs/configuration.md` ends.
 pub const TABLE_END: &str = "<!-- /config-table -->";
 
-/// The README's configuration table (Markdown, one line per row), from [`SETTINGS`].
+/// The configuration table (Markdown, one line per row), from [`SETTINGS`].
 pub fn markdown_table() -> String {
     let rows: String = SETTINGS
         .iter()
@@ -2189,14 +2190,14 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_table_is_the_generated_one() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md");
+    fn the_configuration_table_is_the_generated_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
         let readme = std::fs::read_to_string(path).unwrap();
         let fresh = with_markdown_table(&readme)
-            .expect("README.md marks its configuration table with <!-- config-table -->");
+            .expect("docs/configuration.md marks its table with <!-- config-table -->");
         assert!(
             fresh == readme,
-            "README.md's configuration table is stale: run `cargo run -- schemas`"
+            "docs/configuration.md's table is stale: run `cargo run -- schemas`"
         );
         let table = markdown_table();
         assert!(table.contains(

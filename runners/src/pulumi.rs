@@ -20,7 +20,7 @@
 //! as plain (not `secure:`) config, so Ferry redacts every secret value from the output
 //! it returns.
 //!
-//! **The child's environment** is built from nothing (README, "Trust model"): the program is
+//! **The child's environment** is built from nothing (docs/trust-model.md): the program is
 //! a tenant's, and Ferry's process holds what no tenant may have (its Vault token, database
 //! and NATS credentials, whatever cloud credentials or Pulumi backend the host gave it). The
 //! child gets only
