@@ -84,6 +84,9 @@ pub enum QueryError {
     /// A stored document no longer matches its type (rebuild the projection).
     #[error("stored document does not decode: {0}")]
     Document(#[from] serde_json::Error),
+    /// A stored row's column does not parse as its type (rebuild the projection).
+    #[error("stored row does not parse: {0}")]
+    Row(String),
 }
 
 /// The read side.

@@ -39,7 +39,7 @@ use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, Readiness};
 use ferry_domain::promotion::{
     ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Promotion, PromotionCommand,
-    VerificationOutcome,
+    PromotionState, VerificationOutcome,
 };
 use ferry_domain::release::Release;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunEvent, RunRequest};
@@ -52,6 +52,7 @@ use ferry_domain::{
 };
 use ferry_store::stream::Param;
 use ferry_store::{on_pool, CommandError, Database, EventMetadata, LinkedWrite, Repository};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -130,7 +131,13 @@ fn after_run_ended(
                 at,
             })
         }
-        _ => None,
+        // Still on its way, or applied (the hand-off follows an applied run on its own).
+        ProvisioningState::Requested
+        | ProvisioningState::Planned
+        | ProvisioningState::AwaitingApproval
+        | ProvisioningState::Applying
+        | ProvisioningState::Applied
+        | ProvisioningState::InSync => None,
     }
 }
 
@@ -391,12 +398,12 @@ impl Driver {
     /// (the original ends rolled back), rejected or failed leaves the original failed (or,
     /// rolled back by hand, completed).
     async fn follow_rollbacks(&self, live: &mut Live) -> Result<(), DriverError> {
-        for (tenant, original, state) in views::ended_rollbacks(&self.db).await? {
-            let (Ok(tenant), Ok(original)) =
-                (TenantId::parse(&tenant), PromotionId::parse(&original))
-            else {
-                continue;
-            };
+        for ended in views::ended_rollbacks(&self.db).await? {
+            let views::EndedRollback {
+                tenant,
+                original,
+                state,
+            } = ended;
             if !self.due(&tenant, original) {
                 live.insert((tenant, original));
                 continue;
@@ -413,23 +420,23 @@ impl Driver {
             if view
                 .rollback
                 .as_ref()
-                .is_none_or(|r| r.outcome != "Running")
+                .is_none_or(|r| r.outcome != views::RollbackOutcome::Running)
             {
                 continue;
             }
             live.insert((tenant.clone(), original));
             let now = Utc::now();
-            let command = if state == "Completed" {
+            let command = if state == PromotionState::Completed {
                 PromotionCommand::CompleteRollback { at: now }
             } else {
                 PromotionCommand::FailRollback {
-                    reason: format!("the rollback promotion ended {state}"),
+                    reason: format!("the rollback promotion ended {}", state.as_str()),
                     at: now,
                 }
             };
             let ended = self.command(&tenant, original, command, None).await;
             if let Ok(true) = ended {
-                tracing::info!(promotion_id = %original, rollback = %state, "rollback ended");
+                tracing::info!(promotion_id = %original, rollback = state.as_str(), "rollback ended");
             }
             self.settle(&tenant, original, ended.map(|_| ()));
         }
@@ -465,22 +472,23 @@ impl Driver {
         let mut live = Live::new();
         self.reject_withdrawn(&mut live).await?;
         self.follow_rollbacks(&mut live).await?;
-        let mut started: Vec<(String, String)> = Vec::new();
-        for (tenant, promotion, environment, state) in views::open_promotions(&self.db).await? {
-            let (Ok(tenant), Ok(promotion)) =
-                (TenantId::parse(&tenant), PromotionId::parse(&promotion))
-            else {
-                continue;
-            };
+        let mut started: HashSet<(TenantId, EnvironmentId)> = HashSet::new();
+        for open in views::open_promotions(&self.db).await? {
+            let views::OpenPromotion {
+                tenant,
+                promotion,
+                environment,
+                state,
+            } = open;
             live.insert((tenant.clone(), promotion));
             if !self.due(&tenant, promotion) {
                 continue;
             }
-            let step = match state.as_str() {
-                "Requested" => {
+            let step = match state {
+                PromotionState::Requested => {
                     // Request order: the oldest queued promotion that can take the
                     // environment does; once one did, the others wait for the next pass.
-                    let slot = (tenant.to_string(), environment.clone());
+                    let slot = (tenant.clone(), environment.clone());
                     if started.contains(&slot) {
                         continue;
                     }
@@ -488,16 +496,20 @@ impl Driver {
                         .await
                         .map(|took| {
                             if took {
-                                started.push(slot);
+                                started.insert(slot);
                             }
                         })
                 }
-                "GatesEvaluating" => self.evaluate_gates(&tenant, promotion).await,
-                "AwaitingApproval" => self.await_approval(&tenant, promotion).await,
-                "Approved" => self.hand_off(&tenant, promotion).await,
-                "Deploying" => self.follow_run(&tenant, promotion).await,
-                "Verifying" => self.verify(&tenant, promotion).await,
-                _ => Ok(()),
+                PromotionState::GatesEvaluating => self.evaluate_gates(&tenant, promotion).await,
+                PromotionState::AwaitingApproval => self.await_approval(&tenant, promotion).await,
+                PromotionState::Approved => self.hand_off(&tenant, promotion).await,
+                PromotionState::Deploying => self.follow_run(&tenant, promotion).await,
+                PromotionState::Verifying => self.verify(&tenant, promotion).await,
+                // Ended: nothing for the driver (the open list holds none of these).
+                PromotionState::Completed
+                | PromotionState::Rejected
+                | PromotionState::Failed
+                | PromotionState::RolledBack => Ok(()),
             };
             self.settle(&tenant, promotion, step);
         }
@@ -564,11 +576,6 @@ impl Driver {
     /// Rejects promotions of withdrawn releases that are not deploying yet.
     async fn reject_withdrawn(&self, live: &mut Live) -> Result<(), DriverError> {
         for (tenant, promotion) in views::withdrawn_open_promotions(&self.db).await? {
-            let (Ok(tenant), Ok(promotion)) =
-                (TenantId::parse(&tenant), PromotionId::parse(&promotion))
-            else {
-                continue;
-            };
             live.insert((tenant.clone(), promotion));
             if !self.due(&tenant, promotion) {
                 continue;
@@ -598,7 +605,7 @@ impl Driver {
         &self,
         tenant: &TenantId,
         promotion: PromotionId,
-        environment: &str,
+        environment: &EnvironmentId,
     ) -> Result<bool, DriverError> {
         let Some((_, request)) = self.load(tenant, promotion).await? else {
             return Ok(false);
@@ -631,7 +638,7 @@ impl Driver {
             )
             .await?;
         if started {
-            tracing::info!(promotion_id = %promotion, environment, "gates started");
+            tracing::info!(promotion_id = %promotion, %environment, "gates started");
         }
         Ok(started)
     }

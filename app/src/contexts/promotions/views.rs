@@ -114,11 +114,22 @@ pub struct RollbackView {
     pub reason: String,
     /// When.
     pub started_at: DateTime<Utc>,
-    /// `Running`, `Completed` or `Failed`.
-    pub outcome: String,
+    /// How it stands.
+    pub outcome: RollbackOutcome,
     /// Why it failed, if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+}
+
+/// How a rollback stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum RollbackOutcome {
+    /// The rollback promotion is on its way.
+    Running,
+    /// The release before is running again.
+    Completed,
+    /// The rollback promotion ended without completing.
+    Failed,
 }
 
 /// Why a promotion ended without completing.
@@ -467,19 +478,19 @@ impl PromotionView {
                     started_by: started_by.clone(),
                     reason: reason.clone(),
                     started_at: *started_at,
-                    outcome: "Running".to_string(),
+                    outcome: RollbackOutcome::Running,
                     failure: None,
                 });
             }
             E::RollbackFailed { reason, .. } => {
                 if let Some(r) = self.rollback.as_mut() {
-                    r.outcome = "Failed".to_string();
+                    r.outcome = RollbackOutcome::Failed;
                     r.failure = Some(reason.clone());
                 }
             }
             E::RollbackCompleted { .. } => {
                 if let Some(r) = self.rollback.as_mut() {
-                    r.outcome = "Completed".to_string();
+                    r.outcome = RollbackOutcome::Completed;
                 }
                 self.state = PromotionState::RolledBack;
             }
@@ -1111,11 +1122,55 @@ pub async fn promotion_version(
 
 /// Promotions the driver has work for (queued, evaluating gates, approved, deploying,
 /// verifying): `(tenant, promotion, environment, state)`, oldest first.
-pub async fn open_promotions(
-    db: &Database,
-) -> Result<Vec<(String, String, String, String)>, QueryError> {
+pub async fn open_promotions(db: &Database) -> Result<Vec<OpenPromotion>, QueryError> {
     let sql = db.sql(OPEN_PROMOTIONS);
-    Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+    let rows: Vec<(String, String, String, String)> =
+        on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?);
+    rows.into_iter()
+        .map(|(tenant, promotion, environment, state)| {
+            Ok(OpenPromotion {
+                tenant: row_value("tenant_id", TenantId::parse(&tenant))?,
+                promotion: row_value("promotion_id", PromotionId::parse(&promotion))?,
+                environment: row_value("environment_id", EnvironmentId::parse(&environment))?,
+                state: row_value("state", promotion_state(&state))?,
+            })
+        })
+        .collect()
+}
+
+/// A promotion the driver has something to do for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenPromotion {
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The promotion.
+    pub promotion: PromotionId,
+    /// The environment it goes into.
+    pub environment: EnvironmentId,
+    /// Its state.
+    pub state: PromotionState,
+}
+
+/// A rollback promotion that ended while the promotion it rolls back still waits for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedRollback {
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The promotion rolled back.
+    pub original: PromotionId,
+    /// How the rollback promotion ended.
+    pub state: PromotionState,
+}
+
+/// A column of a read-model row as its type: a row that does not parse is an error (a
+/// rebuild or a bug), never skipped.
+fn row_value<T, E: std::fmt::Display>(column: &str, parsed: Result<T, E>) -> Result<T, QueryError> {
+    parsed.map_err(|e| QueryError::Row(format!("{column}: {e}")))
+}
+
+/// A stored promotion state.
+fn promotion_state(stored: &str) -> Result<PromotionState, serde_json::Error> {
+    serde_json::from_value(serde_json::Value::String(stored.to_string()))
 }
 
 /// [`open_promotions`]' statement (it reads the `_open` index).
@@ -1127,9 +1182,19 @@ pub const OPEN_PROMOTIONS: &str =
 
 /// Rollback promotions that ended while the promotion they roll back is still waiting for
 /// them: `(tenant, original promotion, rollback's state)`.
-pub async fn ended_rollbacks(db: &Database) -> Result<Vec<(String, String, String)>, QueryError> {
+pub async fn ended_rollbacks(db: &Database) -> Result<Vec<EndedRollback>, QueryError> {
     let sql = db.sql(ENDED_ROLLBACKS);
-    Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+    let rows: Vec<(String, String, String)> =
+        on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?);
+    rows.into_iter()
+        .map(|(tenant, original, state)| {
+            Ok(EndedRollback {
+                tenant: row_value("tenant_id", TenantId::parse(&tenant))?,
+                original: row_value("rollback_of", PromotionId::parse(&original))?,
+                state: row_value("state", promotion_state(&state))?,
+            })
+        })
+        .collect()
 }
 
 /// [`ended_rollbacks`]' statement: it starts from the rollbacks (the `_rollback` index),
@@ -1141,9 +1206,20 @@ pub const ENDED_ROLLBACKS: &str = "SELECT r.tenant_id, r.rollback_of, r.state FR
         AND o.state IN ('Verifying', 'Failed', 'Completed')";
 
 /// Promotions of withdrawn releases that are not deploying yet: `(tenant, promotion)`.
-pub async fn withdrawn_open_promotions(db: &Database) -> Result<Vec<(String, String)>, QueryError> {
+pub async fn withdrawn_open_promotions(
+    db: &Database,
+) -> Result<Vec<(TenantId, PromotionId)>, QueryError> {
     let sql = db.sql(WITHDRAWN_OPEN_PROMOTIONS);
-    Ok(on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?))
+    let rows: Vec<(String, String)> =
+        on_pool!(db, pool => sqlx::query_as(&sql).fetch_all(pool).await?);
+    rows.into_iter()
+        .map(|(tenant, promotion)| {
+            Ok((
+                row_value("tenant_id", TenantId::parse(&tenant))?,
+                row_value("promotion_id", PromotionId::parse(&promotion))?,
+            ))
+        })
+        .collect()
 }
 
 /// [`withdrawn_open_promotions`]' statement: from the open promotions (the `_open` index)
