@@ -1019,7 +1019,10 @@ impl Check<'_> {
                 .env
                 .into_iter()
                 .map(|(name, raw)| {
-                    Ok((VariableName::parse(&name).map_err(&fail)?, reference(raw)?))
+                    Ok((
+                        VariableName::parse(&name).map_err(|e| fail(e.to_string()))?,
+                        reference(raw)?,
+                    ))
                 })
                 .collect::<Result<_, ConfigError>>()?;
             out.insert(

@@ -188,7 +188,7 @@ impl Workers {
             .await
         {
             Ok(i) => i,
-            Err(reason) => return self.fail_planning(item, tenant, reason).await,
+            Err(reason) => return self.fail_planning(item, tenant, reason.to_string()).await,
         };
         // Drift made outside Ferry shows only against the resources' real state.
         inputs.runner.refresh = reconciliation;
@@ -222,7 +222,7 @@ impl Workers {
         };
         let limits = self.settings.limits;
         if let Err(reason) = limits.check_resources(preview.plan.resources.len()) {
-            return self.fail_planning(item, tenant, reason).await;
+            return self.fail_planning(item, tenant, reason.to_string()).await;
         }
         let log = limits.cut_log(redact(&preview.log, inputs.secrets()));
         let logs_ref = match self
@@ -292,7 +292,7 @@ impl Workers {
         // The receipt goes into an event that every reader of the stream loads.
         let receipt_bytes = serde_json::to_vec(&receipt).map_or(usize::MAX, |json| json.len());
         if let Err(reason) = limits.check_receipt("plan receipt", receipt_bytes) {
-            return self.fail_planning(item, tenant, reason).await;
+            return self.fail_planning(item, tenant, reason.to_string()).await;
         }
         let planned = self
             .command(
@@ -471,9 +471,10 @@ impl Workers {
         {
             Ok(i) => i,
             Err(reason) => {
+                let reason = reason.to_string();
                 return self
                     .fail_apply(item, tenant, reason, None, 0.0, plan.runner_version.clone())
-                    .await
+                    .await;
             }
         };
         if inputs.hash != plan.inputs_hash {
@@ -585,7 +586,7 @@ impl Workers {
             tracing::warn!(%why, "the apply's outputs are left out of its receipt");
             stored.receipt.outputs = std::collections::BTreeMap::from([(
                 OUTPUTS_LEFT_OUT.to_string(),
-                serde_json::Value::String(why),
+                serde_json::Value::String(why.to_string()),
             )]);
         }
         if let Err(outcome) = self.store_result(item, &stored).await {
