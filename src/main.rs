@@ -158,162 +158,20 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Relay {
             command: RelayCommand::Replay { after },
-        } => {
-            let Some(position) = ferry_messaging::parse_position(&after) else {
-                bail!(
-                    "--after {after:?} is not a position (`<transaction>.<position>` or a number)"
-                );
-            };
-            let db = open_database(&config).await?;
-            let events =
-                ferry_messaging::relay::replay_after(&db, &config.nats_stream, position).await;
-            db.close().await;
-            out(&format!(
-                "the relay to {} will publish {} events again",
-                config.nats_stream, events?
-            ))?;
-        }
+        } => replay(&config, &after).await?,
         Command::Reconcile {
             tenant,
             environment,
             window,
-        } => {
-            use ferry_app::contexts::provisioning::reconcile;
-            let tenant = tenant
-                .map(ferry_domain::TenantId::parse)
-                .transpose()
-                .context("--tenant")?;
-            let environment = environment
-                .map(ferry_domain::EnvironmentId::parse)
-                .transpose()
-                .context("--environment")?;
-            if environment.is_some() && tenant.is_none() {
-                bail!("--environment names an environment of a tenant: give --tenant too");
-            }
-            let by = ferry_domain::Actor::parse("system:ferry-reconcile").context("actor")?;
-            if window
-                .as_deref()
-                .is_some_and(|w| w.trim().is_empty() || w.len() > 64)
-            {
-                bail!("--window must be 1 to 64 characters");
-            }
-            let db = open_database(&config).await?;
-            let scope = reconcile::Scope {
-                tenant,
-                environment,
-            };
-            let done = match &window {
-                Some(window) => {
-                    reconcile::leading(&db, || reconcile::reconcile(&db, &scope, window, &by)).await
-                }
-                None => reconcile::reconcile(&db, &scope, &reconcile::manual_window(), &by)
-                    .await
-                    .map(Some),
-            };
-            db.close().await;
-            match done? {
-                Some(done) => out(&serde_json::to_string_pretty(&done)?)?,
-                None => out(&format!(
-                    "another instance is reconciling window {}: its runs are this window's",
-                    window.unwrap_or_default()
-                ))?,
-            }
-        }
-        Command::Projections { command } => {
-            let db = open_database(&config).await?;
-            match command {
-                ProjectionsCommand::Status => {
-                    let status = ferry_store::stream::subscription_status(&db).await?;
-                    out(&format!(
-                        "{:<24} {:>14} {:>16} {:>10}",
-                        "SUBSCRIPTION", "POSITION", "TRANSACTION", "LAG"
-                    ))?;
-                    for s in status {
-                        // Beyond the events counted, the lag is the positions' distance.
-                        let lag = if s.lag_estimated {
-                            format!("~{}", s.lag)
-                        } else {
-                            s.lag.to_string()
-                        };
-                        out(&format!(
-                            "{:<24} {:>14} {:>16} {:>10}",
-                            s.name, s.position.global_position, s.position.transaction_id, lag
-                        ))?;
-                    }
-                    if let Some(holder) =
-                        ferry_store::stream::stream_holder(&db, config.stream_hold_warn).await?
-                    {
-                        out(&format!(
-                            "\nheld back: {}",
-                            ferry_api::router::holder_problem(&holder)
-                        ))?;
-                    }
-                }
-                ProjectionsCommand::Rebuild { name } => {
-                    // The replay decodes every event: it must know every context's aggregates.
-                    let contexts = Contexts::builtin();
-                    contexts.register_aggregates();
-                    let reports = ferry_projections::rebuild::rebuild_named(
-                        &db,
-                        &contexts.projections(),
-                        name.as_deref(),
-                    )
-                    .await?;
-                    for r in reports {
-                        out(&format!(
-                            "rebuilt {}: {} events replayed, now at position {}",
-                            r.projection, r.events, r.position.global_position
-                        ))?;
-                    }
-                }
-            }
-            db.close().await;
-        }
+        } => reconcile(&config, tenant, environment, window).await?,
+        Command::Projections { command } => projections(&config, command).await?,
         Command::Token {
             tenant,
             sub,
             scopes,
             roles,
             ttl,
-        } => {
-            if config.jwt_jwks_url.is_some() {
-                bail!("FERRY_JWT_JWKS_URL is set: tokens come from your identity provider, not from ferry token");
-            }
-            let key = match &config.jwt_hs256_key {
-                Some(k) => k.as_bytes().to_vec(),
-                None => ferry_api::auth::load_or_create_key(&config.data_dir)?,
-            };
-            ferry_domain::TenantId::parse(tenant.clone()).context("--tenant")?;
-            ferry_domain::Actor::parse(sub.clone()).context("--sub")?;
-            let scopes: Vec<&str> = scopes.split_whitespace().collect();
-            let roles: Vec<&str> = roles.split_whitespace().collect();
-            for role in &roles {
-                if !matches!(
-                    *role,
-                    "Operator" | "PlatformAdmin" | "Observer" | "Reviewer" | "WorkspaceAdmin"
-                ) {
-                    bail!("--roles: {role:?} is not Operator, PlatformAdmin, Observer, Reviewer or WorkspaceAdmin");
-                }
-            }
-            let known = Contexts::builtin().scopes();
-            for scope in &scopes {
-                if !known.contains(scope) {
-                    bail!("--scopes: {scope:?} is not one of {}", known.join(", "));
-                }
-            }
-            if scopes.contains(&ferry_api::auth::SCOPE_EVENTS_PUBLISH) && !roles.is_empty() {
-                bail!("--scopes factory.events.publish is for service identities: leave --roles empty");
-            }
-            let token = ferry_api::auth::issue_hs256(
-                &key,
-                &tenant,
-                &sub,
-                &scopes,
-                &roles,
-                Duration::from_secs(ttl),
-            )?;
-            out(&token)?;
-        }
+        } => token(&config, &tenant, &sub, &scopes, &roles, ttl)?,
         Command::Schemas { out: dir, check } => {
             let mut stale = Vec::new();
             for (name, text) in Contexts::builtin().published_schemas() {
@@ -354,4 +212,164 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `ferry relay replay --after <position>`.
+async fn replay(config: &Config, after: &str) -> anyhow::Result<()> {
+    let Some(position) = ferry_messaging::parse_position(after) else {
+        bail!("--after {after:?} is not a position (`<transaction>.<position>` or a number)");
+    };
+    let db = open_database(config).await?;
+    let events = ferry_messaging::relay::replay_after(&db, &config.nats_stream, position).await;
+    db.close().await;
+    out(&format!(
+        "the relay to {} will publish {} events again",
+        config.nats_stream, events?
+    ))?;
+    Ok(())
+}
+
+/// `ferry reconcile`: a reconciliation pass now (as the leader of `window` when given).
+async fn reconcile(
+    config: &Config,
+    tenant: Option<String>,
+    environment: Option<String>,
+    window: Option<String>,
+) -> anyhow::Result<()> {
+    use ferry_app::contexts::provisioning::reconcile;
+    let tenant = tenant
+        .map(ferry_domain::TenantId::parse)
+        .transpose()
+        .context("--tenant")?;
+    let environment = environment
+        .map(ferry_domain::EnvironmentId::parse)
+        .transpose()
+        .context("--environment")?;
+    if environment.is_some() && tenant.is_none() {
+        bail!("--environment names an environment of a tenant: give --tenant too");
+    }
+    let by = ferry_domain::Actor::parse("system:ferry-reconcile").context("actor")?;
+    if window
+        .as_deref()
+        .is_some_and(|w| w.trim().is_empty() || w.len() > 64)
+    {
+        bail!("--window must be 1 to 64 characters");
+    }
+    let db = open_database(config).await?;
+    let scope = reconcile::Scope {
+        tenant,
+        environment,
+    };
+    let done = match &window {
+        Some(window) => {
+            reconcile::leading(&db, || reconcile::reconcile(&db, &scope, window, &by)).await
+        }
+        None => reconcile::reconcile(&db, &scope, &reconcile::manual_window(), &by)
+            .await
+            .map(Some),
+    };
+    db.close().await;
+    match done? {
+        Some(done) => out(&serde_json::to_string_pretty(&done)?)?,
+        None => out(&format!(
+            "another instance is reconciling window {}: its runs are this window's",
+            window.unwrap_or_default()
+        ))?,
+    }
+    Ok(())
+}
+
+/// `ferry projections status|rebuild`.
+async fn projections(config: &Config, command: ProjectionsCommand) -> anyhow::Result<()> {
+    let db = open_database(config).await?;
+    match command {
+        ProjectionsCommand::Status => {
+            let status = ferry_store::stream::subscription_status(&db).await?;
+            out(&format!(
+                "{:<24} {:>14} {:>16} {:>10}",
+                "SUBSCRIPTION", "POSITION", "TRANSACTION", "LAG"
+            ))?;
+            for s in status {
+                // Beyond the events counted, the lag is the positions' distance.
+                let lag = if s.lag_estimated {
+                    format!("~{}", s.lag)
+                } else {
+                    s.lag.to_string()
+                };
+                out(&format!(
+                    "{:<24} {:>14} {:>16} {:>10}",
+                    s.name, s.position.global_position, s.position.transaction_id, lag
+                ))?;
+            }
+            if let Some(holder) =
+                ferry_store::stream::stream_holder(&db, config.stream_hold_warn).await?
+            {
+                out(&format!(
+                    "\nheld back: {}",
+                    ferry_api::router::holder_problem(&holder)
+                ))?;
+            }
+        }
+        ProjectionsCommand::Rebuild { name } => {
+            // The replay decodes every event: it must know every context's aggregates.
+            let contexts = Contexts::builtin();
+            contexts.register_aggregates();
+            let reports = ferry_projections::rebuild::rebuild_named(
+                &db,
+                &contexts.projections(),
+                name.as_deref(),
+            )
+            .await?;
+            for r in reports {
+                out(&format!(
+                    "rebuilt {}: {} events replayed, now at position {}",
+                    r.projection, r.events, r.position.global_position
+                ))?;
+            }
+        }
+    }
+    db.close().await;
+    Ok(())
+}
+
+/// `ferry token`: a token signed with the configured (or embedded) HS256 key.
+fn token(
+    config: &Config,
+    tenant: &str,
+    sub: &str,
+    scopes: &str,
+    roles: &str,
+    ttl: u64,
+) -> anyhow::Result<()> {
+    if config.jwt_jwks_url.is_some() {
+        bail!("FERRY_JWT_JWKS_URL is set: tokens come from your identity provider, not from ferry token");
+    }
+    let key = match &config.jwt_hs256_key {
+        Some(k) => k.as_bytes().to_vec(),
+        None => ferry_api::auth::load_or_create_key(&config.data_dir)?,
+    };
+    ferry_domain::TenantId::parse(tenant).context("--tenant")?;
+    ferry_domain::Actor::parse(sub).context("--sub")?;
+    let scopes: Vec<&str> = scopes.split_whitespace().collect();
+    let roles: Vec<&str> = roles.split_whitespace().collect();
+    for role in &roles {
+        if !matches!(
+            *role,
+            "Operator" | "PlatformAdmin" | "Observer" | "Reviewer" | "WorkspaceAdmin"
+        ) {
+            bail!("--roles: {role:?} is not Operator, PlatformAdmin, Observer, Reviewer or WorkspaceAdmin");
+        }
+    }
+    let known = Contexts::builtin().scopes();
+    for scope in &scopes {
+        if !known.contains(scope) {
+            bail!("--scopes: {scope:?} is not one of {}", known.join(", "));
+        }
+    }
+    if scopes.contains(&ferry_api::auth::SCOPE_EVENTS_PUBLISH) && !roles.is_empty() {
+        bail!("--scopes factory.events.publish is for service identities: leave --roles empty");
+    }
+    let token =
+        ferry_api::auth::issue_hs256(&key, tenant, sub, &scopes, &roles, Duration::from_secs(ttl))?;
+    out(&token)
 }

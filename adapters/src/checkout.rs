@@ -171,7 +171,7 @@ fn read_folder(
         let entry = entry.map_err(|e| refuse(rel, format!("cannot decode the tree: {e}")))?;
         let name = entry.filename().to_string();
         let path = rel.join(&name);
-        check_name(&name).map_err(|reason| refuse(&path, reason))?;
+        check_name(&name).map_err(|reason| refuse(&path, reason.to_string()))?;
         totals.entries += 1;
         if totals.entries > MAX_ENTRIES {
             return Err(refuse(
@@ -211,7 +211,8 @@ fn read_folder(
                         format!("a file entry names a {}", header.kind()),
                     ));
                 }
-                add_bytes(totals, header.size()).map_err(|reason| refuse(&path, reason))?;
+                add_bytes(totals, header.size())
+                    .map_err(|reason| refuse(&path, reason.to_string()))?;
                 Node::File {
                     id,
                     executable: kind == EntryKind::BlobExecutable,
@@ -228,7 +229,7 @@ fn read_folder(
                     ));
                 }
                 add_bytes(totals, blob.data.len() as u64)
-                    .map_err(|reason| refuse(&path, reason))?;
+                    .map_err(|reason| refuse(&path, reason.to_string()))?;
                 let target = std::str::from_utf8(&blob.data)
                     .map_err(|_| refuse(&path, "the link's target is not UTF-8".to_string()))?;
                 Node::Link(target.to_string())
@@ -259,25 +260,44 @@ fn read_folder(
     Ok(folder)
 }
 
-fn add_bytes(totals: &mut Totals, bytes: u64) -> Result<(), String> {
+/// The program's files and link targets passed [`MAX_BYTES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the program is larger than {MAX_BYTES} bytes")]
+struct TooLarge;
+
+fn add_bytes(totals: &mut Totals, bytes: u64) -> Result<(), TooLarge> {
     totals.bytes = totals.bytes.saturating_add(bytes);
     if totals.bytes > MAX_BYTES {
-        return Err(format!("the program is larger than {MAX_BYTES} bytes"));
+        return Err(TooLarge);
     }
     Ok(())
 }
 
+/// Why an entry's name is refused ([`check_name`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum BadName {
+    /// Empty, `.` or `..`.
+    #[error("{0:?} is not a name an entry may have")]
+    NotAName(String),
+    /// It would name something in another folder.
+    #[error("the name holds a path separator or NUL")]
+    Separator,
+    /// `.git` (in any case).
+    #[error("a .git entry is not part of a program")]
+    GitFolder,
+}
+
 /// Refuses a name that could name something other than a new entry of its folder.
-fn check_name(name: &str) -> Result<(), String> {
+fn check_name(name: &str) -> Result<(), BadName> {
     if name.is_empty() || name == "." || name == ".." {
-        return Err(format!("{name:?} is not a name an entry may have"));
+        return Err(BadName::NotAName(name.to_string()));
     }
     if name.contains(['/', '\\', '\0']) {
-        return Err("the name holds a path separator or NUL".to_string());
+        return Err(BadName::Separator);
     }
     // `.git` in any case would be read as a repository on a case-insensitive disk.
     if name.eq_ignore_ascii_case(".git") {
-        return Err("a .git entry is not part of a program".to_string());
+        return Err(BadName::GitFolder);
     }
     Ok(())
 }
@@ -321,6 +341,26 @@ fn check_links(
     Ok(())
 }
 
+/// Why a link is refused; the text follows "the link to <target>".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum BadLink {
+    /// An empty target.
+    #[error("is empty")]
+    Empty,
+    /// An absolute target.
+    #[error("is absolute: it leads outside the checkout")]
+    Absolute,
+    /// The tree's links together take more than [`MAX_STEPS`] to follow.
+    #[error("makes the tree's links too intricate to follow")]
+    TooIntricate,
+    /// `..` past the checkout's root.
+    #[error("leads outside the checkout")]
+    LeadsOutside,
+    /// More than [`MAX_HOPS`] links in one resolution.
+    #[error("passes through more than {MAX_HOPS} links")]
+    TooManyHops,
+}
+
 /// Follows `target` from the folder `from` as the kernel would, through links of the
 /// model; `Err` when it leads (or passes) outside the checkout.
 fn resolve(
@@ -329,21 +369,19 @@ fn resolve(
     target: &str,
     hops: &mut u32,
     budget: &mut u64,
-) -> Result<Led, String> {
+) -> Result<Led, BadLink> {
     if target.is_empty() {
-        return Err("is empty".to_string());
+        return Err(BadLink::Empty);
     }
     if target.starts_with('/') {
-        return Err("is absolute: it leads outside the checkout".to_string());
+        return Err(BadLink::Absolute);
     }
     let mut led = Led {
         folder: from,
         beyond: 0,
     };
     for part in target.split('/') {
-        *budget = budget
-            .checked_sub(1)
-            .ok_or_else(|| "makes the tree's links too intricate to follow".to_string())?;
+        *budget = budget.checked_sub(1).ok_or(BadLink::TooIntricate)?;
         match part {
             "" | "." => {}
             // Past a name the model holds no folder for, the kernel would stop; the rest
@@ -352,7 +390,7 @@ fn resolve(
             ".." if led.beyond > 0 => led.beyond -= 1,
             ".." => {
                 if led.folder.pop().is_none() {
-                    return Err("leads outside the checkout".to_string());
+                    return Err(BadLink::LeadsOutside);
                 }
             }
             _ if led.beyond > 0 => led.beyond += 1,
@@ -361,7 +399,7 @@ fn resolve(
                 Some((_, Node::Link(next))) => {
                     *hops += 1;
                     if *hops > MAX_HOPS {
-                        return Err(format!("passes through more than {MAX_HOPS} links"));
+                        return Err(BadLink::TooManyHops);
                     }
                     led = resolve(root, led.folder, next, hops, budget)?;
                 }

@@ -61,6 +61,69 @@ enum Format {
     Guess,
 }
 
+/// Why a source could not be read; the text goes into the [`ConfigError`]'s reason or the
+/// degraded warning.
+#[derive(Debug, thiserror::Error)]
+enum FetchError {
+    /// The blocking read did not finish.
+    #[error("the read task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The file could not be read, or a rule refused it.
+    #[error(transparent)]
+    Read(#[from] confined::ReadError),
+    /// The server could not be reached.
+    #[error("unreachable: {0}")]
+    Unreachable(#[source] reqwest::Error),
+    /// A redirect, which is not followed.
+    #[error("HTTP {0}: redirects are not followed")]
+    Redirect(reqwest::StatusCode),
+    /// Another unsuccessful status.
+    #[error("HTTP {0}")]
+    Status(reqwest::StatusCode),
+    /// The body could not be read.
+    #[error("cannot read the body: {0}")]
+    Body(#[source] reqwest::Error),
+    /// The document is not of its format.
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+    /// Neither `file://` nor `http(s)://`.
+    #[error("unsupported scheme (file://, http://, https://)")]
+    Scheme,
+}
+
+/// Why a document is not JSON or YAML.
+#[derive(Debug, thiserror::Error)]
+enum ParseError {
+    /// Not JSON.
+    #[error("invalid JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    /// Not YAML.
+    #[error("invalid YAML: {0}")]
+    Yaml(#[source] serde_yaml::Error),
+    /// Of no known format: neither.
+    #[error("neither JSON (invalid JSON: {json}) nor YAML (invalid YAML: {yaml})")]
+    Neither {
+        /// Why not JSON.
+        json: serde_json::Error,
+        /// Why not YAML.
+        yaml: serde_yaml::Error,
+    },
+}
+
+/// Why a last known good value could not be stored.
+#[derive(Debug, thiserror::Error)]
+enum StoreError {
+    /// The path has no folder.
+    #[error("no parent folder")]
+    NoParent,
+    /// The record could not be written.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The record could not be serialised.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
 impl ConfigSources {
     /// Stores last known good values under `last_known_good_dir` (created when needed);
     /// `confinement` says what each tenant may reach.
@@ -87,19 +150,22 @@ impl ConfigSources {
     }
 
     /// Reads one source.
-    async fn fetch(&self, tenant: &TenantId, reference: &str) -> Result<serde_json::Value, String> {
+    async fn fetch(
+        &self,
+        tenant: &TenantId,
+        reference: &str,
+    ) -> Result<serde_json::Value, FetchError> {
         if let Some(path) = reference.strip_prefix("file://") {
             let (rules, who, at) = (self.confinement.clone(), tenant.clone(), path.to_string());
             let text = tokio::task::spawn_blocking(move || confined::read_file(&rules, &who, &at))
                 .await
-                .map_err(|e| format!("the read task failed: {e}"))?
-                .map_err(|e| e.to_string())?;
+                .map_err(FetchError::Task)??;
             let format = match Path::new(path).extension().and_then(|e| e.to_str()) {
                 Some("json") => Format::Json,
                 Some("yaml" | "yml") => Format::Yaml,
                 _ => Format::Guess,
             };
-            return parse(&text, format);
+            return Ok(parse(&text, format)?);
         }
         if reference.starts_with("http://") || reference.starts_with("https://") {
             let response = self
@@ -107,13 +173,13 @@ impl ConfigSources {
                 .get(reference)
                 .send()
                 .await
-                .map_err(|e| format!("unreachable: {}", e.without_url()))?;
+                .map_err(|e| FetchError::Unreachable(e.without_url()))?;
             let status = response.status();
             if status.is_redirection() {
-                return Err(format!("HTTP {status}: redirects are not followed"));
+                return Err(FetchError::Redirect(status));
             }
             if !status.is_success() {
-                return Err(format!("HTTP {status}"));
+                return Err(FetchError::Status(status));
             }
             let content_type = response
                 .headers()
@@ -131,10 +197,10 @@ impl ConfigSources {
             let text = response
                 .text()
                 .await
-                .map_err(|e| format!("cannot read the body: {}", e.without_url()))?;
-            return parse(&text, format);
+                .map_err(|e| FetchError::Body(e.without_url()))?;
+            return Ok(parse(&text, format)?);
         }
-        Err("unsupported scheme (file://, http://, https://)".to_string())
+        Err(FetchError::Scheme)
     }
 
     async fn store_lkg(
@@ -242,19 +308,15 @@ impl ConfigSource for ConfigSources {
     }
 }
 
-fn parse(text: &str, format: Format) -> Result<serde_json::Value, String> {
-    let json = || {
-        serde_json::from_str::<serde_json::Value>(text).map_err(|e| format!("invalid JSON: {e}"))
-    };
-    let yaml = || {
-        serde_yaml::from_str::<serde_json::Value>(text).map_err(|e| format!("invalid YAML: {e}"))
-    };
+fn parse(text: &str, format: Format) -> Result<serde_json::Value, ParseError> {
+    let json = || serde_json::from_str::<serde_json::Value>(text);
+    let yaml = || serde_yaml::from_str::<serde_json::Value>(text);
     match format {
-        Format::Json => json(),
-        Format::Yaml => yaml(),
-        Format::Guess => json().or_else(|json_err| {
-            yaml().map_err(|yaml_err| format!("neither JSON ({json_err}) nor YAML ({yaml_err})"))
-        }),
+        Format::Json => json().map_err(ParseError::Json),
+        Format::Yaml => yaml().map_err(ParseError::Yaml),
+        Format::Guess => {
+            json().or_else(|json| yaml().map_err(|yaml| ParseError::Neither { json, yaml }))
+        }
     }
 }
 
@@ -275,22 +337,14 @@ fn path_safe(name: &str) -> String {
     out
 }
 
-async fn write_atomically(path: &Path, record: &LastKnownGood) -> Result<(), String> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| "no parent folder".to_string())?;
-    tokio::fs::create_dir_all(dir)
-        .await
-        .map_err(|e| e.to_string())?;
-    let bytes = serde_json::to_vec_pretty(record).map_err(|e| e.to_string())?;
+async fn write_atomically(path: &Path, record: &LastKnownGood) -> Result<(), StoreError> {
+    let dir = path.parent().ok_or(StoreError::NoParent)?;
+    tokio::fs::create_dir_all(dir).await?;
+    let bytes = serde_json::to_vec_pretty(record)?;
     // Write then rename: a crash never leaves a half-written last known good file.
     let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
-    tokio::fs::write(&tmp, bytes)
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::fs::rename(&tmp, path)
-        .await
-        .map_err(|e| e.to_string())
+    tokio::fs::write(&tmp, bytes).await?;
+    Ok(tokio::fs::rename(&tmp, path).await?)
 }
 
 #[cfg(test)]

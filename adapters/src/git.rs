@@ -107,7 +107,7 @@ impl GitProgramSource {
                 repository: repository.to_string(),
                 reason,
             };
-            prepare_target(into).map_err(repo_err)?;
+            prepare_target(into).map_err(|e| repo_err(e.to_string()))?;
             checkout::materialise(repo, tree, folder, into).map_err(|e| {
                 tracing::warn!(repository, commit = %commit_hex, entry = %e.entry, reason = %e.reason, "checkout refused");
                 SourceError::Entry {
@@ -159,7 +159,7 @@ impl GitProgramSource {
             repository: repository.to_string(),
             reason,
         };
-        let folder = normalise_folder(folder).map_err(repo_err)?;
+        let folder = normalise_folder(folder).map_err(|e| repo_err(e.to_string()))?;
         let repo = match parse_location(repository) {
             Location::Local(path) => {
                 // The operator's baselines may be anywhere but in Ferry's own files.
@@ -175,7 +175,7 @@ impl GitProgramSource {
                     })
                 };
                 let real = check(&path)?;
-                let repo = open_local(&real).map_err(repo_err)?;
+                let repo = open_local(&real).map_err(|e| repo_err(e.to_string()))?;
                 // A `.git` file or linked folders may lead elsewhere: every folder Git
                 // reads must be inside the roots too, and no alternates may add objects.
                 for dir in [
@@ -282,7 +282,7 @@ impl GitProgramSource {
                         .map_err(|e| repo_err(format!("cannot create the cache folder: {e}")))?;
                 }
                 tracing::info!(repository = url, cache = %path.display(), "cloning program repository");
-                return clone(url, &path).map_err(repo_err);
+                return clone(url, &path).map_err(|e| repo_err(e.to_string()));
             }
         };
         if resolve_commit(&repo, version).is_some() {
@@ -293,9 +293,9 @@ impl GitProgramSource {
             commit = version,
             "commit not cached; fetching"
         );
-        fetch(&repo).map_err(repo_err)?;
+        fetch(&repo).map_err(|e| repo_err(e.to_string()))?;
         // Re-open so that the newly written pack is seen.
-        open_local(&path).map_err(repo_err)
+        open_local(&path).map_err(|e| repo_err(e.to_string()))
     }
 }
 
@@ -363,28 +363,80 @@ fn parse_location(repository: &str) -> Location {
     Location::Local(PathBuf::from(repository))
 }
 
+/// Why a repository could not be read or written as a checkout needs; its text is the
+/// `reason` of [`SourceError::Repository`].
+#[derive(Debug, thiserror::Error)]
+enum GitError {
+    /// The folder of the reference leaves the repository.
+    #[error("folder {0:?} must be a relative path inside the repository")]
+    Folder(String),
+    /// Not a repository (or not readable).
+    #[error("cannot open {} as a Git repository: {reason}", path.display())]
+    Open {
+        /// The folder.
+        path: PathBuf,
+        /// gix's reason.
+        reason: String,
+    },
+    /// The clone failed (with its causes).
+    #[error("cannot clone: {0}")]
+    Clone(String),
+    /// The cached clone cannot be given a reflog identity.
+    #[error("cannot set the reflog identity: {0}")]
+    ReflogIdentity(String),
+    /// The cached clone has no remote to fetch from.
+    #[error("the cached clone has no remote")]
+    NoRemote,
+    /// The cached clone's remote cannot be read.
+    #[error("cannot read the remote: {0}")]
+    Remote(String),
+    /// The remote cannot be reached (with its causes).
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    /// The fetch failed (with its causes).
+    #[error("cannot fetch: {0}")]
+    Fetch(String),
+    /// The checkout folder cannot be created.
+    #[error("cannot create the checkout folder {}: {source}", path.display())]
+    CreateTarget {
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The checkout folder cannot be listed.
+    #[error("cannot read the checkout folder {}: {source}", path.display())]
+    ReadTarget {
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The checkout folder holds something already.
+    #[error("the checkout folder {} is not empty", .0.display())]
+    TargetNotEmpty(PathBuf),
+}
+
 /// Trims slashes and refuses folders that climb out of the repository.
-fn normalise_folder(folder: &str) -> Result<String, String> {
+fn normalise_folder(folder: &str) -> Result<String, GitError> {
     let trimmed = folder.trim_matches('/');
     let mut parts = Vec::new();
     for component in Path::new(trimmed).components() {
         match component {
             Component::Normal(part) => parts.push(part.to_string_lossy().into_owned()),
             Component::CurDir => {}
-            _ => {
-                return Err(format!(
-                    "folder {folder:?} must be a relative path inside the repository"
-                ))
-            }
+            _ => return Err(GitError::Folder(folder.to_string())),
         }
     }
     Ok(parts.join("/"))
 }
 
-fn open_local(path: &Path) -> Result<gix::Repository, String> {
+fn open_local(path: &Path) -> Result<gix::Repository, GitError> {
     // Isolated: the user's and system's git configuration must not change what is read.
-    gix::open_opts(path, gix::open::Options::isolated())
-        .map_err(|e| format!("cannot open {} as a Git repository: {e}", path.display()))
+    gix::open_opts(path, gix::open::Options::isolated()).map_err(|e| GitError::Open {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
 }
 
 /// The commit `version` names (full or abbreviated), or `None` when there is none.
@@ -413,49 +465,49 @@ fn chain(error: &dyn std::error::Error) -> String {
     text
 }
 
-fn clone(url: &str, path: &Path) -> Result<gix::Repository, String> {
+fn clone(url: &str, path: &Path) -> Result<gix::Repository, GitError> {
     let interrupt = AtomicBool::new(false);
     // A clone without checkout: only the object database is needed.
-    let mut prepare =
-        gix::prepare_clone(url, path).map_err(|e| format!("cannot clone: {}", chain(&e)))?;
+    let mut prepare = gix::prepare_clone(url, path).map_err(|e| GitError::Clone(chain(&e)))?;
     let (repo, _outcome) = prepare
         .fetch_only(gix::progress::Discard, &interrupt)
-        .map_err(|e| format!("cannot clone: {}", chain(&e)))?;
+        .map_err(|e| GitError::Clone(chain(&e)))?;
     Ok(repo)
 }
 
-fn fetch(repo: &gix::Repository) -> Result<(), String> {
+fn fetch(repo: &gix::Repository) -> Result<(), GitError> {
     let interrupt = AtomicBool::new(false);
     // Ref updates write reflog entries, which need a committer; the cache is opened
     // isolated from the user's configuration, so give it a neutral one.
     let mut repo = repo.clone();
     repo.committer_or_set_fallback("ferry", "ferry@localhost")
-        .map_err(|e| format!("cannot set the reflog identity: {e}"))?;
+        .map_err(|e| GitError::ReflogIdentity(e.to_string()))?;
     let remote = repo
         .find_default_remote(gix::remote::Direction::Fetch)
-        .ok_or_else(|| "the cached clone has no remote".to_string())?
-        .map_err(|e| format!("cannot read the remote: {e}"))?;
+        .ok_or(GitError::NoRemote)?
+        .map_err(|e| GitError::Remote(e.to_string()))?;
     remote
         .connect(gix::remote::Direction::Fetch)
-        .map_err(|e| format!("cannot connect: {}", chain(&e)))?
+        .map_err(|e| GitError::Connect(chain(&e)))?
         .prepare_fetch(gix::progress::Discard, Default::default())
-        .map_err(|e| format!("cannot fetch: {}", chain(&e)))?
+        .map_err(|e| GitError::Fetch(chain(&e)))?
         .receive(gix::progress::Discard, &interrupt)
-        .map_err(|e| format!("cannot fetch: {}", chain(&e)))?;
+        .map_err(|e| GitError::Fetch(chain(&e)))?;
     Ok(())
 }
 
 /// Creates `into`; it must be empty so that no stale file mixes into the program.
-fn prepare_target(into: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(into)
-        .map_err(|e| format!("cannot create the checkout folder {}: {e}", into.display()))?;
-    let mut entries = std::fs::read_dir(into)
-        .map_err(|e| format!("cannot read the checkout folder {}: {e}", into.display()))?;
+fn prepare_target(into: &Path) -> Result<(), GitError> {
+    std::fs::create_dir_all(into).map_err(|source| GitError::CreateTarget {
+        path: into.to_path_buf(),
+        source,
+    })?;
+    let mut entries = std::fs::read_dir(into).map_err(|source| GitError::ReadTarget {
+        path: into.to_path_buf(),
+        source,
+    })?;
     if entries.next().is_some() {
-        return Err(format!(
-            "the checkout folder {} is not empty",
-            into.display()
-        ));
+        return Err(GitError::TargetNotEmpty(into.to_path_buf()));
     }
     Ok(())
 }

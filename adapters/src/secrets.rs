@@ -46,6 +46,64 @@ impl fmt::Debug for VaultConfig {
     }
 }
 
+/// Why a `vault://` reference did not resolve, or a value could not be fingerprinted; the
+/// text is the `reason` of [`SecretError`] (never a value, nor a Vault response body).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ResolveError {
+    /// The HMAC refused the fingerprint key.
+    #[error("the fingerprint key is unusable")]
+    FingerprintKey,
+    /// `vault://` without a Vault.
+    #[error("no Vault is configured for vault:// references")]
+    NoVault,
+    /// Not `vault://mount/path#key`.
+    #[error("must be vault://mount/path#key")]
+    Malformed,
+    /// Vault could not be reached.
+    #[error("Vault at {address} unreachable: {reason}")]
+    Unreachable {
+        /// Vault's address.
+        address: String,
+        /// The client's reason (without the URL).
+        reason: String,
+    },
+    /// Vault refused the token.
+    #[error("Vault refused the token (403 permission denied)")]
+    Forbidden,
+    /// Nothing at the path.
+    #[error("no secret at {mount}/{path} in Vault (404)")]
+    NotFound {
+        /// The mount.
+        mount: String,
+        /// The path.
+        path: String,
+    },
+    /// Another HTTP status.
+    #[error("Vault answered HTTP {0}")]
+    Status(u16),
+    /// The answer is not JSON.
+    #[error("Vault's answer is not KV v2 JSON")]
+    NotJson,
+    /// The answer has no version.
+    #[error("Vault's answer has no data.metadata.version (is the mount KV v2?)")]
+    NoVersion,
+    /// The key's value is an object, an array or null.
+    #[error("key {0} is not a string, number or boolean")]
+    NotScalar(String),
+    /// The secret has no such key.
+    #[error("key {key} not found at {mount}/{path} (version {version})")]
+    NoKey {
+        /// The key.
+        key: String,
+        /// The mount.
+        mount: String,
+        /// The path.
+        path: String,
+        /// The secret's version.
+        version: u64,
+    },
+}
+
 /// Resolves `env://`, `file://` and (when configured) `vault://` references.
 #[derive(Clone)]
 pub struct SecretResolvers {
@@ -93,26 +151,25 @@ impl SecretResolvers {
     }
 
     /// `hmac:<hex>` of `value` under the fingerprint key.
-    fn fingerprint(&self, value: &str) -> Result<String, String> {
+    fn fingerprint(&self, value: &str) -> Result<String, ResolveError> {
         // HMAC takes keys of any length; the error exists only for fixed-key MACs.
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.fingerprint_key.0)
-            .map_err(|_| "the fingerprint key is unusable".to_string())?;
+            .map_err(|_| ResolveError::FingerprintKey)?;
         mac.update(value.as_bytes());
         Ok(format!("hmac:{}", hex::encode(mac.finalize().into_bytes())))
     }
 
-    async fn resolve_vault(&self, reference: &str, rest: &str) -> Result<ResolvedSecret, String> {
-        let vault = self
-            .vault
-            .as_ref()
-            .ok_or_else(|| "no Vault is configured for vault:// references".to_string())?;
-        let (location, key) = rest
-            .split_once('#')
-            .ok_or_else(|| "must be vault://mount/path#key".to_string())?;
+    async fn resolve_vault(
+        &self,
+        reference: &str,
+        rest: &str,
+    ) -> Result<ResolvedSecret, ResolveError> {
+        let vault = self.vault.as_ref().ok_or(ResolveError::NoVault)?;
+        let (location, key) = rest.split_once('#').ok_or(ResolveError::Malformed)?;
         let (mount, path) = location
             .split_once('/')
             .filter(|(m, p)| !m.is_empty() && !p.is_empty())
-            .ok_or_else(|| "must be vault://mount/path#key".to_string())?;
+            .ok_or(ResolveError::Malformed)?;
         let url = format!(
             "{}/v1/{mount}/data/{path}",
             vault.address.trim_end_matches('/')
@@ -124,40 +181,38 @@ impl SecretResolvers {
             .header("X-Vault-Token", vault.token.expose())
             .send()
             .await
-            .map_err(|e| {
-                format!(
-                    "Vault at {} unreachable: {}",
-                    vault.address,
-                    e.without_url()
-                )
+            .map_err(|e| ResolveError::Unreachable {
+                address: vault.address.clone(),
+                reason: e.without_url().to_string(),
             })?;
         let status = response.status();
         if !status.is_success() {
             // The body is not included: it may echo request data.
             return Err(match status.as_u16() {
-                403 => "Vault refused the token (403 permission denied)".to_string(),
-                404 => format!("no secret at {mount}/{path} in Vault (404)"),
-                code => format!("Vault answered HTTP {code}"),
+                403 => ResolveError::Forbidden,
+                404 => ResolveError::NotFound {
+                    mount: mount.to_string(),
+                    path: path.to_string(),
+                },
+                code => ResolveError::Status(code),
             });
         }
-        let body: serde_json::Value = response
-            .json()
-            .await
-            .map_err(|_| "Vault's answer is not KV v2 JSON".to_string())?;
+        let body: serde_json::Value = response.json().await.map_err(|_| ResolveError::NotJson)?;
         let version = body
             .pointer("/data/metadata/version")
             .and_then(serde_json::Value::as_u64)
-            .ok_or_else(|| {
-                "Vault's answer has no data.metadata.version (is the mount KV v2?)".to_string()
-            })?;
+            .ok_or(ResolveError::NoVersion)?;
         let value = match body.pointer("/data/data").and_then(|d| d.get(key)) {
             Some(serde_json::Value::String(s)) => s.clone(),
             Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => v.to_string(),
-            Some(_) => return Err(format!("key {key} is not a string, number or boolean")),
+            Some(_) => return Err(ResolveError::NotScalar(key.to_string())),
             None => {
-                return Err(format!(
-                    "key {key} not found at {mount}/{path} (version {version})"
-                ))
+                return Err(ResolveError::NoKey {
+                    key: key.to_string(),
+                    mount: mount.to_string(),
+                    path: path.to_string(),
+                    version,
+                })
             }
         };
         Ok(ResolvedSecret {
@@ -195,7 +250,7 @@ impl SecretResolver for SecretResolvers {
                     }
                 })
             })?;
-            let version = self.fingerprint(&value).map_err(fail)?;
+            let version = self.fingerprint(&value).map_err(|e| fail(e.to_string()))?;
             return Ok(ResolvedSecret {
                 value: SecretValue::new(value),
                 version,
@@ -217,14 +272,17 @@ impl SecretResolver for SecretResolvers {
                     value.pop();
                 }
             }
-            let version = self.fingerprint(&value).map_err(fail)?;
+            let version = self.fingerprint(&value).map_err(|e| fail(e.to_string()))?;
             return Ok(ResolvedSecret {
                 value: SecretValue::new(value),
                 version,
             });
         }
         if let Some(rest) = reference.strip_prefix("vault://") {
-            return self.resolve_vault(reference, rest).await.map_err(fail);
+            return self
+                .resolve_vault(reference, rest)
+                .await
+                .map_err(|e| fail(e.to_string()));
         }
         Err(fail(
             "unsupported scheme (env://, file://, vault://)".to_string(),

@@ -1020,7 +1020,10 @@ impl Check<'_> {
                 .env
                 .into_iter()
                 .map(|(name, raw)| {
-                    Ok((VariableName::parse(&name).map_err(&fail)?, reference(raw)?))
+                    Ok((
+                        VariableName::parse(&name).map_err(|e| fail(e.to_string()))?,
+                        reference(raw)?,
+                    ))
                 })
                 .collect::<Result<_, ConfigError>>()?;
             out.insert(
@@ -1071,8 +1074,14 @@ struct RawNatsAuth {
     tls_required: bool,
 }
 
+/// The URL schemes of HTTP endpoints.
+const HTTP: &[&str] = &["http://", "https://"];
+
 /// The one validation step: every raw setting checked and made into a [`Config`] (without
 /// the checks across settings, see [`Config::check_combinations`]).
+///
+/// The fields are checked in the order written (the NATS identity first), so the first
+/// refusal named is always the same one.
 fn convert(
     raw: RawSettings,
     layers: &Figment,
@@ -1091,8 +1100,6 @@ fn convert(
         tls_key_file: at!(raw.nats_tls_key_file),
         tls_required: raw.nats_tls_required.0,
     })?;
-    let http = &["http://", "https://"];
-    let (key, http_addr) = at!(raw.http_addr);
     let baselines = [
         (Class::Development, at!(raw.baseline_program_development)),
         (Class::Test, at!(raw.baseline_program_test)),
@@ -1100,42 +1107,12 @@ fn convert(
         (Class::Production, at!(raw.baseline_program_production)),
     ];
     Ok(Config {
-        http_addr: http_addr.parse().map_err(|_| {
-            c.refuse(
-                key,
-                format!("{http_addr:?} is not a socket address like 127.0.0.1:8080"),
-            )
-        })?,
-        grpc_addr: {
-            let (key, text) = at!(raw.grpc_addr);
-            match text.trim() {
-                "off" => None,
-                addr => Some(addr.parse().map_err(|_| {
-                    c.refuse(
-                        key,
-                        format!("{addr:?} is not a socket address like 127.0.0.1:50051, or off"),
-                    )
-                })?),
-            }
-        },
+        http_addr: c.socket_addr(at!(raw.http_addr), "127.0.0.1:8080")?,
+        grpc_addr: c.grpc_addr(at!(raw.grpc_addr))?,
         data_dir: PathBuf::from(c.non_empty(at!(raw.data_dir))?),
-        database_url: c.opt(at!(raw.database_url), |c, at| {
-            c.url(
-                at,
-                &["postgres://", "postgresql://"],
-                "a postgres:// or postgresql:// URL",
-            )
-        })?,
-        jwt_hs256_key: c.opt(at!(raw.jwt_hs256_key), |c, (key, value)| {
-            if value.len() < 32 {
-                Err(c.refuse(key, "must be at least 32 bytes"))
-            } else {
-                Ok(value)
-            }
-        })?,
-        jwt_jwks_url: c.opt(at!(raw.jwt_jwks_url), |c, at| {
-            c.url(at, http, "an http(s) URL")
-        })?,
+        database_url: c.opt(at!(raw.database_url), Check::database_url)?,
+        jwt_hs256_key: c.opt(at!(raw.jwt_hs256_key), Check::signing_key)?,
+        jwt_jwks_url: c.opt(at!(raw.jwt_jwks_url), Check::jwks_url)?,
         jwt_issuer: c.opt(at!(raw.jwt_issuer), Check::non_empty)?,
         jwt_audience: c.opt(at!(raw.jwt_audience), Check::non_empty)?,
         poll_interval: c.millis(at!(raw.poll_interval_ms), 10, 60_000)?,
@@ -1144,13 +1121,7 @@ fn convert(
             at!(raw.log_format),
             &[("json", LogFormat::Json), ("pretty", LogFormat::Pretty)],
         )?,
-        log_filter: {
-            let (key, filter) = at!(raw.log);
-            let filter = c.non_empty((key, filter))?;
-            tracing_subscriber::EnvFilter::try_new(&filter)
-                .map_err(|e| c.refuse(key, format!("not a log filter: {e}")))?;
-            filter
-        },
+        log_filter: c.log_filter(at!(raw.log))?,
         runner: c.one_of(
             at!(raw.runner),
             &[
@@ -1160,77 +1131,33 @@ fn convert(
             ],
         )?,
         pulumi_bin: c.non_empty(at!(raw.pulumi_bin))?,
-        runner_url: c.opt(at!(raw.runner_url), |c, at| {
-            c.url(at, http, "a URL starting with http:// or https://")
-        })?,
+        runner_url: c.opt(at!(raw.runner_url), Check::http_url)?,
         runner_token: c.opt(at!(raw.runner_token), Check::non_empty)?,
         runner_identities: c
             .opt(at!(raw.runner_identities), Check::identities)?
             .unwrap_or_default(),
-        runner_shared_identity: c.opt(at!(raw.runner_shared_identity), |c, (key, names)| {
-            RunnerIdentity::shared(&names.0, |name| env.get(name).cloned())
-                .map_err(|e| c.refuse(key, e.reason))
+        runner_shared_identity: c.opt(at!(raw.runner_shared_identity), |c, at| {
+            c.shared_identity(at, env)
         })?,
         apply_timeout: Duration::from_secs(
             c.in_range(at!(raw.apply_timeout_minutes), 1, 1440, "minutes")? * 60,
         ),
-        approval_expiry: {
-            let Whole(minutes) = raw.approval_expiry_minutes;
-            (minutes > 0).then(|| Duration::from_secs(minutes.saturating_mul(60)))
-        },
+        approval_expiry: approval_expiry(raw.approval_expiry_minutes),
         policy_dir: c
             .opt(at!(raw.policy_dir), Check::non_empty)?
             .map(PathBuf::from),
-        artifacts_url: c.opt(at!(raw.artifacts_url), |c, at| {
-            c.url(
-                at,
-                &["s3://", "az://", "gs://", "file://"],
-                "an s3://, az://, gs:// or file:// URL",
-            )
-        })?,
-        vault_addr: c.opt(at!(raw.vault_addr), |c, at| {
-            c.url(at, http, "a URL starting with http:// or https://")
-        })?,
+        artifacts_url: c.opt(at!(raw.artifacts_url), Check::artifacts_url)?,
+        vault_addr: c.opt(at!(raw.vault_addr), Check::http_url)?,
         vault_token: c.opt(at!(raw.vault_token), Check::non_empty)?,
         baseline_programs: baselines
             .into_iter()
             .filter_map(|(class, (key, value))| Some(c.baseline(class, (key, value?))))
             .collect::<Result<_, _>>()?,
-        nats_url: c.opt(at!(raw.nats_url), |c, at| {
-            c.url(
-                at,
-                &["nats://", "tls://"],
-                "a URL starting with nats:// or tls://",
-            )
-        })?,
-        nats_stream: {
-            let (key, stream) = at!(raw.nats_stream);
-            let stream = c.non_empty((key, stream))?;
-            if !stream
-                .chars()
-                .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
-            {
-                return Err(c.refuse(key, "may only contain letters, digits, '_' and '-'"));
-            }
-            stream
-        },
+        nats_url: c.opt(at!(raw.nats_url), Check::nats_url)?,
+        nats_stream: c.nats_stream(at!(raw.nats_stream))?,
         nats_auth,
         workers: raw.workers.0,
-        trusted_sources: c
-            .opt(at!(raw.trusted_sources), |c, (key, sources)| {
-                let sources = c.non_empty((key, sources))?;
-                ferry_messaging::TrustedSources::parse(&sources)
-                    .map_err(|e| c.refuse(key, e.to_string()))
-            })?
-            .unwrap_or_else(ferry_messaging::TrustedSources::any)
-            .with_identities(
-                c.opt(at!(raw.source_identities), |c, (key, bindings)| {
-                    let bindings = c.non_empty((key, bindings))?;
-                    ferry_messaging::SourceIdentities::parse(&bindings)
-                        .map_err(|e| c.refuse(key, e.to_string()))
-                })?
-                .unwrap_or_default(),
-            ),
+        trusted_sources: c.trusted_sources(at!(raw.trusted_sources), at!(raw.source_identities))?,
         idle_in_transaction_timeout: c.millis(
             at!(raw.idle_in_transaction_timeout_ms),
             1_000,
@@ -1239,38 +1166,21 @@ fn convert(
         store_acquire_timeout: c.millis(at!(raw.store_acquire_timeout_ms), 100, 120_000)?,
         sqlite_busy_timeout: c.millis(at!(raw.sqlite_busy_timeout_ms), 10, 120_000)?,
         stream_hold_warn: c.millis(at!(raw.stream_hold_warn_ms), 100, 3_600_000)?,
-        aggregate_cache_events: {
-            let events = c.in_range(at!(raw.aggregate_cache_events), 0, 10_000_000, "events")?;
-            usize::try_from(events)
-                .map_err(|_| c.refuse("aggregate_cache_events", "too large for this machine"))?
-        },
+        aggregate_cache_events: c.count(
+            at!(raw.aggregate_cache_events),
+            0,
+            10_000_000,
+            "events",
+        )?,
         max_program_bytes: c.in_range(at!(raw.max_program_bytes), 1024, 1 << 30, "bytes")?,
-        max_plan_resources: {
-            let n = c.in_range(at!(raw.max_plan_resources), 1, 1_000_000, "resources")?;
-            usize::try_from(n)
-                .map_err(|_| c.refuse("max_plan_resources", "too large for this machine"))?
-        },
-        max_receipt_bytes: {
-            let n = c.in_range(at!(raw.max_receipt_bytes), 1024, 1 << 28, "bytes")?;
-            usize::try_from(n)
-                .map_err(|_| c.refuse("max_receipt_bytes", "too large for this machine"))?
-        },
+        max_plan_resources: c.count(at!(raw.max_plan_resources), 1, 1_000_000, "resources")?,
+        max_receipt_bytes: c.count(at!(raw.max_receipt_bytes), 1024, 1 << 28, "bytes")?,
         worker_lease: c.seconds(at!(raw.worker_lease_seconds), 3, 3600)?,
         worker_recovery_grace: c.seconds(at!(raw.worker_recovery_grace_seconds), 0, 3600)?,
         tenant_file_roots: c.opt(at!(raw.tenant_file_roots), Check::roots)?,
         tenant_program_roots: c.opt(at!(raw.tenant_program_roots), Check::roots)?,
-        tenant_env_prefix: {
-            let (key, prefix) = at!(raw.tenant_env_prefix);
-            let prefix = c.non_empty((key, prefix))?;
-            c.template(key, &prefix)?;
-            prefix
-        },
-        tenant_vault_prefix: {
-            let (key, prefix) = at!(raw.tenant_vault_prefix);
-            let prefix = prefix.trim().to_string();
-            c.template(key, &prefix)?;
-            prefix
-        },
+        tenant_env_prefix: c.env_prefix(at!(raw.tenant_env_prefix))?,
+        tenant_vault_prefix: c.vault_prefix(at!(raw.tenant_vault_prefix))?,
         tenant_program_url_prefixes: c
             .opt(at!(raw.tenant_program_url_prefixes), Check::prefixes)?
             .unwrap_or_default(),
@@ -1283,48 +1193,202 @@ fn convert(
             .unwrap_or_default(),
         auto_rollback: raw.auto_rollback_on_verification_failure.0,
         auto_apply_non_destructive: raw.auto_apply_non_destructive.0,
-        reconcile_schedule: {
-            let (key, pattern) = at!(raw.reconcile_schedule);
-            let pattern = pattern.trim().to_string();
-            if pattern == "off" {
-                None
-            } else {
-                crate::contexts::provisioning::reconcile::Schedule::parse(&pattern).map_err(
-                    |e| {
-                        c.refuse(
-                            key,
-                            format!("must be cron syntax (e.g. `0 */4 * * *`) or `off`: {e}"),
-                        )
-                    },
-                )?;
-                Some(pattern)
-            }
-        },
-        prometheus_url: c.opt(at!(raw.prometheus_url), |c, at| {
-            c.url(at, http, "a URL starting with http:// or https://")
-        })?,
-        prometheus_tenant_label: {
-            let (key, label) = at!(raw.prometheus_tenant_label);
-            let label = label.trim().to_string();
-            if !ferry_domain::confinement::promql::is_label_name(&label) {
-                return Err(c.refuse(
-                    key,
-                    "must be a Prometheus label name (letters, digits, `_`; not starting with a digit or `__`)",
-                ));
-            }
-            label
-        },
-        verification_window: {
-            let (key, text) = at!(raw.verification_window);
-            let window = humantime::parse_duration(text.trim())
-                .map_err(|e| c.refuse(key, format!("not a duration like 15m or 90s: {e}")))?;
-            if window < Duration::from_secs(1) || window > Duration::from_secs(24 * 60 * 60) {
-                return Err(c.refuse(key, "must be from 1s to 24h"));
-            }
-            window
-        },
+        reconcile_schedule: c.reconcile_schedule(at!(raw.reconcile_schedule))?,
+        prometheus_url: c.opt(at!(raw.prometheus_url), Check::http_url)?,
+        prometheus_tenant_label: c.label_name(at!(raw.prometheus_tenant_label))?,
+        verification_window: c.verification_window(at!(raw.verification_window))?,
         config_file: None,
     })
+}
+
+/// `FERRY_APPROVAL_EXPIRY_MINUTES`: 0 = never.
+fn approval_expiry(Whole(minutes): Whole) -> Option<Duration> {
+    (minutes > 0).then(|| Duration::from_secs(minutes.saturating_mul(60)))
+}
+
+/// The checks of single values that take more than a line in [`convert`].
+impl Check<'_> {
+    fn database_url(&self, at: At<String>) -> Result<String, ConfigError> {
+        self.url(
+            at,
+            &["postgres://", "postgresql://"],
+            "a postgres:// or postgresql:// URL",
+        )
+    }
+
+    fn jwks_url(&self, at: At<String>) -> Result<String, ConfigError> {
+        self.url(at, HTTP, "an http(s) URL")
+    }
+
+    fn artifacts_url(&self, at: At<String>) -> Result<String, ConfigError> {
+        self.url(
+            at,
+            &["s3://", "az://", "gs://", "file://"],
+            "an s3://, az://, gs:// or file:// URL",
+        )
+    }
+
+    fn nats_url(&self, at: At<String>) -> Result<String, ConfigError> {
+        self.url(
+            at,
+            &["nats://", "tls://"],
+            "a URL starting with nats:// or tls://",
+        )
+    }
+
+    /// The shared identity: the named variables with their values in `env`.
+    fn shared_identity(
+        &self,
+        (key, names): At<List>,
+        env: &HashMap<String, String>,
+    ) -> Result<RunnerIdentity, ConfigError> {
+        RunnerIdentity::shared(&names.0, |name| env.get(name).cloned())
+            .map_err(|e| self.refuse(key, e.reason))
+    }
+
+    /// The `env://` prefix template: never empty.
+    fn env_prefix(&self, (key, prefix): At<String>) -> Result<String, ConfigError> {
+        let prefix = self.non_empty((key, prefix))?;
+        self.template(key, &prefix)?;
+        Ok(prefix)
+    }
+
+    /// The Vault prefix template (empty = any path).
+    fn vault_prefix(&self, (key, prefix): At<String>) -> Result<String, ConfigError> {
+        let prefix = prefix.trim().to_string();
+        self.template(key, &prefix)?;
+        Ok(prefix)
+    }
+
+    /// A socket address (`example` shows one in the refusal).
+    fn socket_addr(
+        &self,
+        (key, text): At<String>,
+        example: &str,
+    ) -> Result<SocketAddr, ConfigError> {
+        text.parse().map_err(|_| {
+            self.refuse(
+                key,
+                format!("{text:?} is not a socket address like {example}"),
+            )
+        })
+    }
+
+    /// The gRPC address, or `off`.
+    fn grpc_addr(&self, (key, text): At<String>) -> Result<Option<SocketAddr>, ConfigError> {
+        match text.trim() {
+            "off" => Ok(None),
+            addr => addr.parse().map(Some).map_err(|_| {
+                self.refuse(
+                    key,
+                    format!("{addr:?} is not a socket address like 127.0.0.1:50051, or off"),
+                )
+            }),
+        }
+    }
+
+    /// An HS256 key: at least 32 bytes.
+    fn signing_key(&self, (key, value): At<String>) -> Result<String, ConfigError> {
+        if value.len() < 32 {
+            Err(self.refuse(key, "must be at least 32 bytes"))
+        } else {
+            Ok(value)
+        }
+    }
+
+    fn http_url(&self, at: At<String>) -> Result<String, ConfigError> {
+        self.url(at, HTTP, "a URL starting with http:// or https://")
+    }
+
+    /// A `tracing` filter.
+    fn log_filter(&self, (key, filter): At<String>) -> Result<String, ConfigError> {
+        let filter = self.non_empty((key, filter))?;
+        tracing_subscriber::EnvFilter::try_new(&filter)
+            .map_err(|e| self.refuse(key, format!("not a log filter: {e}")))?;
+        Ok(filter)
+    }
+
+    /// A JetStream stream name.
+    fn nats_stream(&self, (key, stream): At<String>) -> Result<String, ConfigError> {
+        let stream = self.non_empty((key, stream))?;
+        if !stream
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || ch == '_' || ch == '-')
+        {
+            return Err(self.refuse(key, "may only contain letters, digits, '_' and '-'"));
+        }
+        Ok(stream)
+    }
+
+    /// The trusted sources (any when unset) with the identities bound to them.
+    fn trusted_sources(
+        &self,
+        sources: At<Option<String>>,
+        identities: At<Option<String>>,
+    ) -> Result<ferry_messaging::TrustedSources, ConfigError> {
+        let sources = self
+            .opt(sources, |c, (key, sources)| {
+                let sources = c.non_empty((key, sources))?;
+                ferry_messaging::TrustedSources::parse(&sources)
+                    .map_err(|e| c.refuse(key, e.to_string()))
+            })?
+            .unwrap_or_else(ferry_messaging::TrustedSources::any);
+        let identities = self
+            .opt(identities, |c, (key, bindings)| {
+                let bindings = c.non_empty((key, bindings))?;
+                ferry_messaging::SourceIdentities::parse(&bindings)
+                    .map_err(|e| c.refuse(key, e.to_string()))
+            })?
+            .unwrap_or_default();
+        Ok(sources.with_identities(identities))
+    }
+
+    /// A number in range that sizes something in memory.
+    fn count(&self, at: At<Whole>, min: u64, max: u64, unit: &str) -> Result<usize, ConfigError> {
+        let key = at.0;
+        let n = self.in_range(at, min, max, unit)?;
+        usize::try_from(n).map_err(|_| self.refuse(key, "too large for this machine"))
+    }
+
+    /// Cron syntax, or `off`.
+    fn reconcile_schedule(
+        &self,
+        (key, pattern): At<String>,
+    ) -> Result<Option<String>, ConfigError> {
+        let pattern = pattern.trim().to_string();
+        if pattern == "off" {
+            return Ok(None);
+        }
+        crate::contexts::provisioning::reconcile::Schedule::parse(&pattern).map_err(|e| {
+            self.refuse(
+                key,
+                format!("must be cron syntax (e.g. `0 */4 * * *`) or `off`: {e}"),
+            )
+        })?;
+        Ok(Some(pattern))
+    }
+
+    /// A Prometheus label name.
+    fn label_name(&self, (key, label): At<String>) -> Result<String, ConfigError> {
+        let label = label.trim().to_string();
+        if !ferry_domain::confinement::promql::is_label_name(&label) {
+            return Err(self.refuse(
+                key,
+                "must be a Prometheus label name (letters, digits, `_`; not starting with a digit or `__`)",
+            ));
+        }
+        Ok(label)
+    }
+
+    /// A duration from 1s to 24h.
+    fn verification_window(&self, (key, text): At<String>) -> Result<Duration, ConfigError> {
+        let window = humantime::parse_duration(text.trim())
+            .map_err(|e| self.refuse(key, format!("not a duration like 15m or 90s: {e}")))?;
+        if window < Duration::from_secs(1) || window > Duration::from_secs(24 * 60 * 60) {
+            return Err(self.refuse(key, "must be from 1s to 24h"));
+        }
+        Ok(window)
+    }
 }
 
 /// The built-in defaults, the first layer.

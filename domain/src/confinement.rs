@@ -212,8 +212,8 @@ pub enum Refusal {
         setting: Setting,
     },
     /// An SLO query that cannot be confined to the tenant's series.
-    #[error("{0}")]
-    Query(String),
+    #[error(transparent)]
+    Query(#[from] promql::Unconfinable),
     /// A reference that cannot be checked as written (relative path, `..`, …).
     #[error("{0}")]
     Malformed(String),
@@ -455,18 +455,27 @@ pub fn env_component(tenant: &TenantId) -> String {
     out
 }
 
+/// Why a path cannot be normalised ([`normalise`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum NotNormal {
+    /// Relative paths depend on the working folder.
+    #[error("{} must be an absolute path", .0.display())]
+    Relative(PathBuf),
+    /// `..` is refused, never resolved.
+    #[error("{}: '..' segments are refused", .0.display())]
+    Climbs(PathBuf),
+}
+
 /// Normalises an absolute path lexically: `.` and repeated separators go, `..` is refused
 /// (never resolved: a link may lie under it).
-fn normalise(raw: &Path) -> Result<PathBuf, String> {
+fn normalise(raw: &Path) -> Result<PathBuf, NotNormal> {
     if !raw.is_absolute() {
-        return Err(format!("{} must be an absolute path", raw.display()));
+        return Err(NotNormal::Relative(raw.to_path_buf()));
     }
     let mut out = PathBuf::new();
     for component in raw.components() {
         match component {
-            Component::ParentDir => {
-                return Err(format!("{}: '..' segments are refused", raw.display()))
-            }
+            Component::ParentDir => return Err(NotNormal::Climbs(raw.to_path_buf())),
             Component::CurDir => {}
             other => out.push(other.as_os_str()),
         }
@@ -626,7 +635,11 @@ impl Confinement {
     /// An SLO query of the tenant as it may be sent: every selector confined to the
     /// tenant's series (`<label>="<tenant>"` added), or why it cannot be.
     pub fn confine_query(&self, tenant: &TenantId, query: &str) -> Result<String, Refusal> {
-        promql::confine(query, &self.metric_tenant_label, tenant.as_str()).map_err(Refusal::Query)
+        Ok(promql::confine(
+            query,
+            &self.metric_tenant_label,
+            tenant.as_str(),
+        )?)
     }
 
     /// The tenant's folders of a kind (normalised, as configured: not canonicalised).
@@ -682,7 +695,7 @@ impl Confinement {
 
     /// Checks a path as written: absolute, no `..`, not Ferry's, under one of the roots.
     fn check_path(&self, tenant: &TenantId, raw: &str, kind: RootKind) -> Result<(), Refusal> {
-        let path = normalise(Path::new(raw)).map_err(Refusal::Malformed)?;
+        let path = normalise(Path::new(raw)).map_err(|e| Refusal::Malformed(e.to_string()))?;
         self.ferry_file(&path)?;
         let roots = self.roots(tenant, kind);
         if roots.iter().any(|r| path.starts_with(r)) {
@@ -706,7 +719,7 @@ impl Confinement {
         kind: Option<RootKind>,
         canonical: impl Fn(&Path) -> Option<PathBuf>,
     ) -> Result<(), Refusal> {
-        let real = normalise(real).map_err(Refusal::Malformed)?;
+        let real = normalise(real).map_err(|e| Refusal::Malformed(e.to_string()))?;
         self.ferry_file(&real)?;
         if let Some(p) = self
             .protected
@@ -1029,7 +1042,7 @@ fn roots(
     raw.iter()
         .map(|raw| {
             let template = Template::parse(raw).map_err(|e| fail(e.to_string()))?;
-            let path = normalise(Path::new(raw)).map_err(fail)?;
+            let path = normalise(Path::new(raw)).map_err(|e| fail(e.to_string()))?;
             if path.parent().is_none() {
                 return Err(fail(format!("{raw}: the file system root is not a root")));
             }

@@ -376,6 +376,138 @@ impl Environment {
         }
         Ok(())
     }
+
+    /// A registration: the first records the environment; a later one changes the
+    /// objective, the class or the health URL (a lowering out of production waits for a
+    /// second person). `None` when nothing more is to be written.
+    async fn register(
+        &mut self,
+        r: Box<EnvironmentRegistration>,
+        sink: &EventSink<Self>,
+    ) -> Result<Option<EnvironmentEvent>, EnvironmentError> {
+        // A copy: the objective's event is written (which borrows the aggregate) before
+        // the rest is decided.
+        let Some(existing) = self.registration.clone() else {
+            return Ok(Some(EnvironmentEvent::EnvironmentRegistered(r)));
+        };
+        if existing.environment_id != r.environment_id || existing.tenant_id != r.tenant_id {
+            return Err(EnvironmentError::IdentityMismatch);
+        }
+        // The objective changes in an event of its own, with the rest in the same commit.
+        if existing.slo != r.slo {
+            sink.write(
+                EnvironmentEvent::EnvironmentSloChanged {
+                    slo: r.slo.clone(),
+                    changed_by: r.recorded_by.clone(),
+                    changed_at: r.recorded_at,
+                },
+                self,
+            )
+            .await;
+        }
+        let out_of_production = existing.environment_class == EnvironmentClass::Production
+            && r.environment_class != EnvironmentClass::Production;
+        if out_of_production {
+            self.request_lowering(existing, *r, sink).await?;
+            return Ok(None);
+        }
+        // A registration naming the class recorded (or a higher one) withdraws a lowering
+        // asked for before.
+        if self.pending_lowering.is_some() {
+            sink.write(
+                EnvironmentEvent::EnvironmentClassLoweringRefused {
+                    refused_by: r.recorded_by.clone(),
+                    refused_at: r.recorded_at,
+                },
+                self,
+            )
+            .await;
+        }
+        if existing.environment_class == r.environment_class && existing.health_url == r.health_url
+        {
+            return Ok(None);
+        }
+        Ok(Some(
+            if rank(r.environment_class) < rank(existing.environment_class) {
+                EnvironmentEvent::EnvironmentClassLowered {
+                    previous_class: existing.environment_class,
+                    environment_class: r.environment_class,
+                    health_url: r.health_url,
+                    lowered_by: r.recorded_by,
+                    lowered_at: r.recorded_at,
+                    approved_by: None,
+                }
+            } else {
+                EnvironmentEvent::EnvironmentUpdated {
+                    environment_class: r.environment_class,
+                    health_url: r.health_url,
+                    recorded_by: r.recorded_by,
+                    recorded_at: r.recorded_at,
+                }
+            },
+        ))
+    }
+
+    /// A second person's decision on the pending lowering out of production.
+    fn decide_class_lowering(
+        &self,
+        approve: bool,
+        by: Actor,
+        at: DateTime<Utc>,
+    ) -> Result<EnvironmentEvent, EnvironmentError> {
+        let pending = self
+            .pending_lowering
+            .clone()
+            .ok_or(EnvironmentError::NoPendingLowering)?;
+        let registration = self
+            .registration
+            .as_ref()
+            .ok_or(EnvironmentError::NotRegistered)?;
+        if !approve {
+            Ok(EnvironmentEvent::EnvironmentClassLoweringRefused {
+                refused_by: by,
+                refused_at: at,
+            })
+        } else if pending.requested_by.same_person(&by) {
+            Err(EnvironmentError::LoweringApprovedByItsRequester(by))
+        } else {
+            Ok(EnvironmentEvent::EnvironmentClassLowered {
+                previous_class: registration.environment_class,
+                environment_class: pending.environment_class,
+                health_url: registration.health_url.clone(),
+                lowered_by: pending.requested_by,
+                lowered_at: at,
+                approved_by: Some(by),
+            })
+        }
+    }
+
+    /// The environment service's report of readiness and state; `None` when it changes
+    /// nothing or arrived after a newer one.
+    fn change_state(
+        &self,
+        ready: bool,
+        state: String,
+        by: Actor,
+        at: DateTime<Utc>,
+    ) -> Result<Option<EnvironmentEvent>, EnvironmentError> {
+        if self.registration.is_none() {
+            return Err(EnvironmentError::NotRegistered);
+        }
+        if self.ready == ready && self.state.as_deref() == Some(state.as_str()) {
+            return Ok(None);
+        }
+        // A report observed before the one recorded arrived late: it is history.
+        if self.state_observed_at.is_some_and(|newest| at < newest) {
+            return Ok(None);
+        }
+        Ok(Some(EnvironmentEvent::EnvironmentStateChanged {
+            ready,
+            state,
+            changed_by: by,
+            changed_at: at,
+        }))
+    }
 }
 
 impl TenantOwned for Environment {
@@ -411,123 +543,20 @@ impl Aggregate for Environment {
             _ => {}
         }
         let event = match command {
-            // A copy: the objective's event is written (which borrows the aggregate) before
-            // the rest is decided.
-            EnvironmentCommand::Register(r) => match self.registration.clone() {
-                None => EnvironmentEvent::EnvironmentRegistered(r),
-                Some(existing) => {
-                    if existing.environment_id != r.environment_id
-                        || existing.tenant_id != r.tenant_id
-                    {
-                        return Err(EnvironmentError::IdentityMismatch);
-                    }
-                    // The objective changes in an event of its own, with the rest in the
-                    // same commit.
-                    if existing.slo != r.slo {
-                        sink.write(
-                            EnvironmentEvent::EnvironmentSloChanged {
-                                slo: r.slo.clone(),
-                                changed_by: r.recorded_by.clone(),
-                                changed_at: r.recorded_at,
-                            },
-                            self,
-                        )
-                        .await;
-                    }
-                    let out_of_production = existing.environment_class
-                        == EnvironmentClass::Production
-                        && r.environment_class != EnvironmentClass::Production;
-                    if out_of_production {
-                        return self.request_lowering(existing, *r, sink).await;
-                    }
-                    // A registration naming the class recorded (or a higher one) withdraws
-                    // a lowering asked for before.
-                    if self.pending_lowering.is_some() {
-                        sink.write(
-                            EnvironmentEvent::EnvironmentClassLoweringRefused {
-                                refused_by: r.recorded_by.clone(),
-                                refused_at: r.recorded_at,
-                            },
-                            self,
-                        )
-                        .await;
-                    }
-                    if existing.environment_class == r.environment_class
-                        && existing.health_url == r.health_url
-                    {
-                        return Ok(());
-                    }
-                    if rank(r.environment_class) < rank(existing.environment_class) {
-                        EnvironmentEvent::EnvironmentClassLowered {
-                            previous_class: existing.environment_class,
-                            environment_class: r.environment_class,
-                            health_url: r.health_url,
-                            lowered_by: r.recorded_by,
-                            lowered_at: r.recorded_at,
-                            approved_by: None,
-                        }
-                    } else {
-                        EnvironmentEvent::EnvironmentUpdated {
-                            environment_class: r.environment_class,
-                            health_url: r.health_url,
-                            recorded_by: r.recorded_by,
-                            recorded_at: r.recorded_at,
-                        }
-                    }
-                }
-            },
+            EnvironmentCommand::Register(r) => self.register(r, sink).await?,
             EnvironmentCommand::DecideClassLowering { approve, by, at } => {
-                let pending = self
-                    .pending_lowering
-                    .clone()
-                    .ok_or(EnvironmentError::NoPendingLowering)?;
-                let registration = self
-                    .registration
-                    .as_ref()
-                    .ok_or(EnvironmentError::NotRegistered)?;
-                if !approve {
-                    EnvironmentEvent::EnvironmentClassLoweringRefused {
-                        refused_by: by,
-                        refused_at: at,
-                    }
-                } else if pending.requested_by.same_person(&by) {
-                    return Err(EnvironmentError::LoweringApprovedByItsRequester(by));
-                } else {
-                    EnvironmentEvent::EnvironmentClassLowered {
-                        previous_class: registration.environment_class,
-                        environment_class: pending.environment_class,
-                        health_url: registration.health_url.clone(),
-                        lowered_by: pending.requested_by,
-                        lowered_at: at,
-                        approved_by: Some(by),
-                    }
-                }
+                Some(self.decide_class_lowering(approve, by, at)?)
             }
             EnvironmentCommand::ChangeState {
                 ready,
                 state,
                 by,
                 at,
-            } => {
-                if self.registration.is_none() {
-                    return Err(EnvironmentError::NotRegistered);
-                }
-                if self.ready == ready && self.state.as_deref() == Some(state.as_str()) {
-                    return Ok(());
-                }
-                // A report observed before the one recorded arrived late: it is history.
-                if self.state_observed_at.is_some_and(|newest| at < newest) {
-                    return Ok(());
-                }
-                EnvironmentEvent::EnvironmentStateChanged {
-                    ready,
-                    state,
-                    changed_by: by,
-                    changed_at: at,
-                }
-            }
+            } => self.change_state(ready, state, by, at)?,
         };
-        sink.write(event, self).await;
+        if let Some(event) = event {
+            sink.write(event, self).await;
+        }
         Ok(())
     }
 

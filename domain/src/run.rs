@@ -130,6 +130,13 @@ impl VerifiedRollback {
     }
 }
 
+impl PromotionApprovalRecord {
+    /// The tenant, environment and promotion the run it hands over must name.
+    fn proof(&self) -> (&TenantId, &EnvironmentId, PromotionId) {
+        (&self.tenant_id, &self.environment_id, self.promotion_id)
+    }
+}
+
 /// A rollback's authority as recorded on the run that restores the release.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -150,6 +157,13 @@ pub struct RollbackAuthorityRecord {
     pub authorised_by: Actor,
     /// Why.
     pub reason: String,
+}
+
+impl RollbackAuthorityRecord {
+    /// The tenant, environment and promotion the run it hands over must name.
+    fn proof(&self) -> (&TenantId, &EnvironmentId, PromotionId) {
+        (&self.tenant_id, &self.environment_id, self.promotion_id)
+    }
 }
 
 /// A person's decision on a run awaiting approval.
@@ -788,6 +802,245 @@ fn non_empty(reason: &str) -> Result<(), RunError> {
     }
 }
 
+/// The command handlers longer than a few lines, one per command; [`Aggregate::handle`]
+/// dispatches to them and writes the event each returns.
+impl ProvisioningRun {
+    fn request_provisioning(&self, request: &RunRequest) -> Result<RunEvent, RunError> {
+        if self.request.is_some() {
+            return Err(RunError::AlreadyRequested);
+        }
+        if request.approval_id.is_some() {
+            return Err(RunError::UnverifiedPromotionApproval);
+        }
+        Ok(RunEvent::ProvisioningRequested(Box::new(request.clone())))
+    }
+
+    /// A promotion's hand-off: the run is requested, then `verified` (the proof) follows,
+    /// unless the run exists, or the proof names another tenant, environment or promotion
+    /// (`proof`), or something else of the request does not match it (`other`).
+    async fn hand_off(
+        &mut self,
+        request: &RunRequest,
+        proof: (&TenantId, &EnvironmentId, PromotionId),
+        other: Option<&'static str>,
+        verified: RunEvent,
+        sink: &EventSink<Self>,
+    ) -> Result<RunEvent, RunError> {
+        if self.request.is_some() {
+            return Err(RunError::AlreadyRequested);
+        }
+        if let Some(what) = hand_off_mismatch(request, proof).or(other) {
+            return Err(RunError::PromotionApprovalMismatch(what));
+        }
+        let requested = RunEvent::ProvisioningRequested(Box::new(request.clone()));
+        sink.write(requested, self).await;
+        Ok(verified)
+    }
+
+    async fn approve_for_promotion(
+        &mut self,
+        command: &RunCommand,
+        record: &PromotionApprovalRecord,
+        plan_inputs_hash: &str,
+        at: DateTime<Utc>,
+        sink: &EventSink<Self>,
+    ) -> Result<RunEvent, RunError> {
+        let (request, _) = self.expect_state(command, &[S::AwaitingApproval])?;
+        let planned = self.plan_receipt.as_ref().map(|p| p.inputs_hash.as_str());
+        let mismatch = if record.tenant_id != request.tenant_id {
+            Some("tenant")
+        } else if record.environment_id != request.environment_id {
+            Some("environment")
+        } else if request.promotion_id != Some(record.promotion_id) {
+            Some("promotion")
+        } else if planned != Some(plan_inputs_hash) {
+            Some("plan (the approval was asked for another plan)")
+        } else {
+            None
+        };
+        if let Some(what) = mismatch {
+            return Err(RunError::PromotionApprovalMismatch(what));
+        }
+        self.refuse_if_policy_denied()?;
+        let granted = ApprovalRecord {
+            decision: Decision::Approve,
+            approval_id: Some(record.approval_id),
+            decided_by: record.approved_by.clone(),
+            reason: Some(format!("promotion {} approved", record.promotion_id)),
+            decided_at: at,
+        };
+        sink.write(RunEvent::PromotionApprovalVerified(record.clone()), self)
+            .await;
+        Ok(RunEvent::ApprovalGranted(granted))
+    }
+
+    /// `PolicyDenied` when the plan's policy decision denies it: nobody approves that plan.
+    fn refuse_if_policy_denied(&self) -> Result<(), RunError> {
+        match self
+            .plan_receipt
+            .as_ref()
+            .and_then(|p| p.policy.as_ref())
+            .filter(|p| p.decision == PolicyOutcome::Deny)
+        {
+            Some(p) => Err(RunError::PolicyDenied(p.evidence.join("; "))),
+            None => Ok(()),
+        }
+    }
+
+    fn fail_planning(
+        &self,
+        command: &RunCommand,
+        reason: &str,
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        self.expect_state(command, &[S::Requested])?;
+        non_empty(reason)?;
+        Ok(RunEvent::ProvisioningFailed {
+            stage: FailureStage::Plan,
+            // It may quote what the tenant's program printed.
+            reason: text::inert(reason, text::MAX_REASON),
+            apply_receipt: None,
+            logs_ref: None,
+            failed_at: at,
+        })
+    }
+
+    fn record_plan(
+        &self,
+        command: &RunCommand,
+        receipt: &PlanReceipt,
+        logs_ref: &Option<String>,
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        if self.request.is_some() && self.plan_receipt.is_some() {
+            return Err(RunError::PlanReceiptAlreadyRecorded);
+        }
+        self.expect_state(command, &[S::Requested])?;
+        Ok(RunEvent::ProvisioningPlanned {
+            plan_receipt: Box::new(receipt.clone()),
+            logs_ref: logs_ref.clone(),
+            planned_at: at,
+        })
+    }
+
+    /// A person's (or run control's) decision on a run awaiting approval, as `record`.
+    fn decide_approval(
+        &self,
+        command: &RunCommand,
+        record: ApprovalRecord,
+    ) -> Result<RunEvent, RunError> {
+        let (request, _) = self.expect_state(command, &[S::AwaitingApproval])?;
+        text::check_optional_free_text("reason", record.reason.as_deref())?;
+        let approve = record.decision == Decision::Approve;
+        // Compared as people are (`Actor::same_person`): `Alice` and `alice ` are one.
+        if approve && request.requested_by.same_person(&record.decided_by) {
+            return Err(RunError::ApproverIsRequester(record.decided_by));
+        }
+        // A promotion's run is approved only with the promotion's verified approval
+        // (`ApproveForPromotion`): approving the run itself would skip the promotion's.
+        if let Some(promotion) = request.promotion_id.filter(|_| approve) {
+            return Err(RunError::PromotionApprovalRequired(promotion));
+        }
+        if approve {
+            self.refuse_if_policy_denied()?;
+        }
+        Ok(match record.decision {
+            Decision::Approve => RunEvent::ApprovalGranted(record),
+            Decision::Reject => RunEvent::ApprovalRejected(record),
+        })
+    }
+
+    /// The checks before an apply's receipt is recorded: none yet, the run applying, a
+    /// failure's `reason` given, and the receipt's result the command's.
+    fn check_apply_receipt(
+        &self,
+        command: &RunCommand,
+        receipt: &ApplyReceipt,
+        failure_reason: Option<&str>,
+    ) -> Result<(), RunError> {
+        if self.apply_receipt.is_some() {
+            return Err(RunError::ApplyReceiptAlreadyRecorded);
+        }
+        self.expect_state(command, &[S::Applying])?;
+        let expected = match failure_reason {
+            Some(reason) => {
+                non_empty(reason)?;
+                ApplyResult::Failed
+            }
+            None => ApplyResult::Succeeded,
+        };
+        if receipt.result != expected {
+            return Err(RunError::ReceiptResultMismatch {
+                expected,
+                found: receipt.result,
+            });
+        }
+        Ok(())
+    }
+
+    fn cancel(
+        &self,
+        command: &RunCommand,
+        cancelled_by: &Actor,
+        reason: &Option<String>,
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        self.expect_state(command, &[S::Requested, S::Planned, S::AwaitingApproval])?;
+        text::check_optional_free_text("reason", reason.as_deref())?;
+        Ok(RunEvent::ProvisioningCancelled {
+            cancelled_by: cancelled_by.clone(),
+            reason: reason.clone(),
+            cancelled_at: at,
+        })
+    }
+
+    fn reject_by_policy(
+        &self,
+        command: &RunCommand,
+        evidence: &[String],
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        self.expect_state(command, &[S::Planned])?;
+        if evidence.iter().all(|e| e.trim().is_empty()) {
+            return Err(RunError::ReasonRequired);
+        }
+        Ok(RunEvent::PolicyDenied {
+            evidence: evidence.to_vec(),
+            denied_at: at,
+        })
+    }
+
+    fn supersede(
+        &self,
+        command: &RunCommand,
+        reason: &str,
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        if self.apply_receipt.is_some() {
+            return Err(RunError::ApplyReceiptAlreadyRecorded);
+        }
+        self.expect_state(command, &[S::Planned, S::AwaitingApproval, S::Applying])?;
+        non_empty(reason)?;
+        Ok(RunEvent::ProvisioningSuperseded {
+            reason: reason.to_string(),
+            superseded_at: at,
+        })
+    }
+
+    fn record_in_sync(
+        &self,
+        command: &RunCommand,
+        at: DateTime<Utc>,
+    ) -> Result<RunEvent, RunError> {
+        let (request, _) = self.expect_state(command, &[S::Planned])?;
+        let changes = self.plan_receipt.as_ref().map(PlanReceipt::change_count);
+        if request.kind != ProvisioningKind::Reconciliation || changes != Some(0) {
+            return Err(RunError::NotInSync);
+        }
+        Ok(RunEvent::ReconciliationInSync { in_sync_at: at })
+    }
+}
+
 /// Stored with no upcasters yet: every event type is at its first version.
 impl crate::StoredAggregate for ProvisioningRun {}
 
@@ -805,128 +1058,39 @@ impl Aggregate for ProvisioningRun {
         sink: &EventSink<Self>,
     ) -> Result<(), Self::Error> {
         let event = match &command {
-            RunCommand::Request(request) => {
-                if self.request.is_some() {
-                    return Err(RunError::AlreadyRequested);
-                }
-                if request.approval_id.is_some() {
-                    return Err(RunError::UnverifiedPromotionApproval);
-                }
-                RunEvent::ProvisioningRequested(request.clone())
-            }
+            RunCommand::Request(request) => self.request_provisioning(request)?,
             RunCommand::RequestForPromotion { request, approval } => {
-                if self.request.is_some() {
-                    return Err(RunError::AlreadyRequested);
-                }
                 let record = approval.record();
-                let mismatch = hand_off_mismatch(
-                    request,
-                    (
-                        &record.tenant_id,
-                        &record.environment_id,
-                        record.promotion_id,
-                    ),
-                )
-                .or((request.approval_id != Some(record.approval_id)).then_some("approval"));
-                if let Some(what) = mismatch {
-                    return Err(RunError::PromotionApprovalMismatch(what));
-                }
-                sink.write(RunEvent::ProvisioningRequested(request.clone()), self)
-                    .await;
-                RunEvent::PromotionApprovalVerified(record.clone())
+                let other = (request.approval_id != Some(record.approval_id)).then_some("approval");
+                let verified = RunEvent::PromotionApprovalVerified(record.clone());
+                self.hand_off(request, record.proof(), other, verified, sink)
+                    .await?
             }
             RunCommand::RequestForRollback { request, authority } => {
-                if self.request.is_some() {
-                    return Err(RunError::AlreadyRequested);
-                }
                 let record = authority.record();
-                let mismatch = hand_off_mismatch(
-                    request,
-                    (
-                        &record.tenant_id,
-                        &record.environment_id,
-                        record.promotion_id,
-                    ),
-                )
-                .or(request
+                let other = request
                     .approval_id
                     .is_some()
-                    .then_some("approval (a rollback carries none)"));
-                if let Some(what) = mismatch {
-                    return Err(RunError::PromotionApprovalMismatch(what));
-                }
-                sink.write(RunEvent::ProvisioningRequested(request.clone()), self)
-                    .await;
-                RunEvent::RollbackAuthorityVerified(record.clone())
+                    .then_some("approval (a rollback carries none)");
+                let verified = RunEvent::RollbackAuthorityVerified(record.clone());
+                self.hand_off(request, record.proof(), other, verified, sink)
+                    .await?
             }
             RunCommand::ApproveForPromotion {
                 approval,
                 plan_inputs_hash,
                 at,
             } => {
-                let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
                 let record = approval.record();
-                let planned = self.plan_receipt.as_ref().map(|p| p.inputs_hash.as_str());
-                let mismatch = if record.tenant_id != request.tenant_id {
-                    Some("tenant")
-                } else if record.environment_id != request.environment_id {
-                    Some("environment")
-                } else if request.promotion_id != Some(record.promotion_id) {
-                    Some("promotion")
-                } else if planned != Some(plan_inputs_hash.as_str()) {
-                    Some("plan (the approval was asked for another plan)")
-                } else {
-                    None
-                };
-                if let Some(what) = mismatch {
-                    return Err(RunError::PromotionApprovalMismatch(what));
-                }
-                if let Some(p) = self
-                    .plan_receipt
-                    .as_ref()
-                    .and_then(|p| p.policy.as_ref())
-                    .filter(|p| p.decision == PolicyOutcome::Deny)
-                {
-                    return Err(RunError::PolicyDenied(p.evidence.join("; ")));
-                }
-                let granted = ApprovalRecord {
-                    decision: Decision::Approve,
-                    approval_id: Some(record.approval_id),
-                    decided_by: record.approved_by.clone(),
-                    reason: Some(format!("promotion {} approved", record.promotion_id)),
-                    decided_at: *at,
-                };
-                sink.write(RunEvent::PromotionApprovalVerified(record.clone()), self)
-                    .await;
-                RunEvent::ApprovalGranted(granted)
+                self.approve_for_promotion(&command, record, plan_inputs_hash, *at, sink)
+                    .await?
             }
             RunCommand::RecordPlan {
                 receipt,
                 logs_ref,
                 at,
-            } => {
-                if self.request.is_some() && self.plan_receipt.is_some() {
-                    return Err(RunError::PlanReceiptAlreadyRecorded);
-                }
-                self.expect_state(&command, &[S::Requested])?;
-                RunEvent::ProvisioningPlanned {
-                    plan_receipt: receipt.clone(),
-                    logs_ref: logs_ref.clone(),
-                    planned_at: *at,
-                }
-            }
-            RunCommand::FailPlanning { reason, at } => {
-                self.expect_state(&command, &[S::Requested])?;
-                non_empty(reason)?;
-                RunEvent::ProvisioningFailed {
-                    stage: FailureStage::Plan,
-                    // It may quote what the tenant's program printed.
-                    reason: text::inert(reason, text::MAX_REASON),
-                    apply_receipt: None,
-                    logs_ref: None,
-                    failed_at: *at,
-                }
-            }
+            } => self.record_plan(&command, receipt, logs_ref, *at)?,
+            RunCommand::FailPlanning { reason, at } => self.fail_planning(&command, reason, *at)?,
             RunCommand::RequireApproval { reason, at } => {
                 self.expect_state(&command, &[S::Planned])?;
                 non_empty(reason)?;
@@ -942,25 +1106,6 @@ impl Aggregate for ProvisioningRun {
                 approval_id,
                 at,
             } => {
-                let (request, _) = self.expect_state(&command, &[S::AwaitingApproval])?;
-                text::check_optional_free_text("reason", reason.as_deref())?;
-                // Compared as people are (`Actor::same_person`): `Alice` and `alice ` are one.
-                if *decision == Decision::Approve && request.requested_by.same_person(decided_by) {
-                    return Err(RunError::ApproverIsRequester(decided_by.clone()));
-                }
-                // A promotion's run is approved only with the promotion's verified approval
-                // (`ApproveForPromotion`): approving the run itself would skip the promotion's.
-                if let (Some(promotion), Decision::Approve) = (request.promotion_id, decision) {
-                    return Err(RunError::PromotionApprovalRequired(promotion));
-                }
-                if let Some(p) = self
-                    .plan_receipt
-                    .as_ref()
-                    .and_then(|p| p.policy.as_ref())
-                    .filter(|p| p.decision == PolicyOutcome::Deny && *decision == Decision::Approve)
-                {
-                    return Err(RunError::PolicyDenied(p.evidence.join("; ")));
-                }
                 let record = ApprovalRecord {
                     decision: *decision,
                     approval_id: *approval_id,
@@ -968,10 +1113,7 @@ impl Aggregate for ProvisioningRun {
                     reason: reason.clone(),
                     decided_at: *at,
                 };
-                match decision {
-                    Decision::Approve => RunEvent::ApprovalGranted(record),
-                    Decision::Reject => RunEvent::ApprovalRejected(record),
-                }
+                self.decide_approval(&command, record)?
             }
             RunCommand::StartApply { at } => {
                 self.expect_state(&command, &[S::Planned])?;
@@ -985,16 +1127,7 @@ impl Aggregate for ProvisioningRun {
                 logs_ref,
                 at,
             } => {
-                if self.apply_receipt.is_some() {
-                    return Err(RunError::ApplyReceiptAlreadyRecorded);
-                }
-                self.expect_state(&command, &[S::Applying])?;
-                if receipt.result != ApplyResult::Succeeded {
-                    return Err(RunError::ReceiptResultMismatch {
-                        expected: ApplyResult::Succeeded,
-                        found: receipt.result,
-                    });
-                }
+                self.check_apply_receipt(&command, receipt, None)?;
                 RunEvent::ProvisioningApplied {
                     apply_receipt: receipt.clone(),
                     logs_ref: logs_ref.clone(),
@@ -1007,17 +1140,7 @@ impl Aggregate for ProvisioningRun {
                 logs_ref,
                 at,
             } => {
-                if self.apply_receipt.is_some() {
-                    return Err(RunError::ApplyReceiptAlreadyRecorded);
-                }
-                self.expect_state(&command, &[S::Applying])?;
-                non_empty(reason)?;
-                if receipt.result != ApplyResult::Failed {
-                    return Err(RunError::ReceiptResultMismatch {
-                        expected: ApplyResult::Failed,
-                        found: receipt.result,
-                    });
-                }
+                self.check_apply_receipt(&command, receipt, Some(reason.as_str()))?;
                 RunEvent::ProvisioningFailed {
                     stage: FailureStage::Apply,
                     reason: text::inert(reason, text::MAX_REASON),
@@ -1030,44 +1153,12 @@ impl Aggregate for ProvisioningRun {
                 cancelled_by,
                 reason,
                 at,
-            } => {
-                self.expect_state(&command, &[S::Requested, S::Planned, S::AwaitingApproval])?;
-                text::check_optional_free_text("reason", reason.as_deref())?;
-                RunEvent::ProvisioningCancelled {
-                    cancelled_by: cancelled_by.clone(),
-                    reason: reason.clone(),
-                    cancelled_at: *at,
-                }
-            }
+            } => self.cancel(&command, cancelled_by, reason, *at)?,
             RunCommand::RejectByPolicy { evidence, at } => {
-                self.expect_state(&command, &[S::Planned])?;
-                if evidence.iter().all(|e| e.trim().is_empty()) {
-                    return Err(RunError::ReasonRequired);
-                }
-                RunEvent::PolicyDenied {
-                    evidence: evidence.clone(),
-                    denied_at: *at,
-                }
+                self.reject_by_policy(&command, evidence, *at)?
             }
-            RunCommand::Supersede { reason, at } => {
-                if self.apply_receipt.is_some() {
-                    return Err(RunError::ApplyReceiptAlreadyRecorded);
-                }
-                self.expect_state(&command, &[S::Planned, S::AwaitingApproval, S::Applying])?;
-                non_empty(reason)?;
-                RunEvent::ProvisioningSuperseded {
-                    reason: reason.clone(),
-                    superseded_at: *at,
-                }
-            }
-            RunCommand::RecordInSync { at } => {
-                let (request, _) = self.expect_state(&command, &[S::Planned])?;
-                let changes = self.plan_receipt.as_ref().map(PlanReceipt::change_count);
-                if request.kind != ProvisioningKind::Reconciliation || changes != Some(0) {
-                    return Err(RunError::NotInSync);
-                }
-                RunEvent::ReconciliationInSync { in_sync_at: *at }
-            }
+            RunCommand::Supersede { reason, at } => self.supersede(&command, reason, *at)?,
+            RunCommand::RecordInSync { at } => self.record_in_sync(&command, *at)?,
         };
         sink.write(event, self).await;
         Ok(())

@@ -705,26 +705,7 @@ impl Worker {
                 self.anchor = None;
             }
             if !self.lead().await {
-                // Another instance publishes; stand by and check again. What this instance
-                // reported as leader is the leader's to report now.
-                self.anchor = None;
-                self.metrics.update(|s| {
-                    s.role = RelayRole::Standby;
-                    s.expected_last_sequence = None;
-                    if s.last_error
-                        .as_ref()
-                        .is_some_and(|e| !e.error.starts_with(LOCK_ERROR))
-                    {
-                        s.last_error = None;
-                    }
-                    if let Some(r) = s.stream_reset.as_mut() {
-                        r.open = false;
-                    }
-                });
-                tokio::select! {
-                    _ = tokio::time::sleep(self.config.poll.max(Duration::from_secs(1))) => {}
-                    _ = shutdown.changed() => {}
-                }
+                self.stand_by(&mut shutdown).await;
                 continue;
             }
             let step = async {
@@ -767,36 +748,7 @@ impl Worker {
                     continue;
                 }
                 Err(error) => {
-                    self.metrics.failures.fetch_add(1, Ordering::Relaxed);
-                    // Line up again after any failure: e.g. a checkpoint that could not be
-                    // saved after PubAcks must be moved forward, not published again.
-                    self.anchor = None;
-                    let (code, remedy) = match &error {
-                        RelayError::Nats(f) => (f.code, f.remedy().map(str::to_string)),
-                        _ => (None, None),
-                    };
-                    let permanent = remedy.is_some();
-                    let mut new = false;
-                    let mut report = None;
-                    self.metrics.update(|s| {
-                        let (r, n) = ErrorReport::next(
-                            s.last_error.as_ref(),
-                            error.to_string(),
-                            code,
-                            remedy,
-                        );
-                        new = n;
-                        report = Some(r.clone());
-                        s.last_error = Some(r);
-                    });
-                    if let Some(report) = &report {
-                        health::log_failure(
-                            "the NATS relay",
-                            report,
-                            new,
-                            backoff.as_millis() as u64,
-                        );
-                    }
+                    let permanent = self.report_failure(&error, backoff);
                     // A reconnection ends the pause early: catch up as soon as NATS is back.
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
@@ -816,6 +768,56 @@ impl Worker {
                 _ = shutdown.changed() => {}
             }
         }
+    }
+
+    /// Another instance publishes: stand by until the next check (or shutdown). What this
+    /// instance reported as leader is the leader's to report now.
+    async fn stand_by(&mut self, shutdown: &mut watch::Receiver<bool>) {
+        self.anchor = None;
+        self.metrics.update(|s| {
+            s.role = RelayRole::Standby;
+            s.expected_last_sequence = None;
+            if s.last_error
+                .as_ref()
+                .is_some_and(|e| !e.error.starts_with(LOCK_ERROR))
+            {
+                s.last_error = None;
+            }
+            if let Some(r) = s.stream_reset.as_mut() {
+                r.open = false;
+            }
+        });
+        tokio::select! {
+            _ = tokio::time::sleep(self.config.poll.max(Duration::from_secs(1))) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+
+    /// Counts, reports and logs a failed step (the next retry in `backoff`); true when the
+    /// failure is permanent until an operator acts (NATS named a remedy), so retries slow
+    /// down further.
+    fn report_failure(&mut self, error: &RelayError, backoff: Duration) -> bool {
+        self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        // Line up again after any failure: e.g. a checkpoint that could not be saved after
+        // PubAcks must be moved forward, not published again.
+        self.anchor = None;
+        let (code, remedy) = match error {
+            RelayError::Nats(f) => (f.code, f.remedy().map(str::to_string)),
+            _ => (None, None),
+        };
+        let permanent = remedy.is_some();
+        let mut new = false;
+        let mut report = None;
+        self.metrics.update(|s| {
+            let (r, n) = ErrorReport::next(s.last_error.as_ref(), error.to_string(), code, remedy);
+            new = n;
+            report = Some(r.clone());
+            s.last_error = Some(r);
+        });
+        if let Some(report) = &report {
+            health::log_failure("the NATS relay", report, new, backoff.as_millis() as u64);
+        }
+        permanent
     }
 
     /// Creates or updates the stream, then lines the checkpoint up with the stream's newest

@@ -181,9 +181,7 @@ impl RunView {
             } => {
                 self.plan_receipt = Some((**plan_receipt).clone());
                 self.state = ProvisioningState::Planned;
-                if logs_ref.is_some() {
-                    self.logs_ref.clone_from(logs_ref);
-                }
+                self.keep_logs_ref(logs_ref);
                 *planned_at
             }
             RunEvent::ApprovalRequired {
@@ -198,30 +196,8 @@ impl RunView {
                 });
                 *required_at
             }
-            RunEvent::ApprovalGranted(record) | RunEvent::ApprovalRejected(record) => {
-                let granted = matches!(event, RunEvent::ApprovalGranted(_));
-                self.state = if granted {
-                    ProvisioningState::Applying
-                } else {
-                    ProvisioningState::Rejected
-                };
-                if granted {
-                    self.authorization = Some(ApplyAuthorization::Approval {
-                        approved_by: record.decided_by.clone(),
-                        approval_id: record.approval_id,
-                    });
-                }
-                if record.approval_id.is_some() {
-                    self.approval_id = record.approval_id;
-                }
-                let view = self.approval.get_or_insert(ApprovalView {
-                    required_reason: None,
-                    required_at: None,
-                    decision: None,
-                });
-                view.decision = Some(record.clone());
-                record.decided_at
-            }
+            RunEvent::ApprovalGranted(record) => self.decided(record, true),
+            RunEvent::ApprovalRejected(record) => self.decided(record, false),
             RunEvent::ApplyStarted {
                 authorization,
                 started_at,
@@ -237,9 +213,7 @@ impl RunView {
             } => {
                 self.state = ProvisioningState::Applied;
                 self.apply_receipt = Some((**apply_receipt).clone());
-                if logs_ref.is_some() {
-                    self.logs_ref.clone_from(logs_ref);
-                }
+                self.keep_logs_ref(logs_ref);
                 *applied_at
             }
             RunEvent::ProvisioningFailed {
@@ -255,9 +229,7 @@ impl RunView {
                     reason: reason.clone(),
                 });
                 self.apply_receipt = apply_receipt.as_deref().cloned();
-                if logs_ref.is_some() {
-                    self.logs_ref.clone_from(logs_ref);
-                }
+                self.keep_logs_ref(logs_ref);
                 *failed_at
             }
             RunEvent::ProvisioningCancelled {
@@ -299,6 +271,39 @@ impl RunView {
         self.updated_at = at;
         if self.state.is_terminal() {
             self.completed_at = Some(at);
+        }
+    }
+
+    /// An approval decision: granted, the run applies under it; rejected, it ends.
+    fn decided(&mut self, record: &ApprovalRecord, granted: bool) -> DateTime<Utc> {
+        self.state = if granted {
+            ProvisioningState::Applying
+        } else {
+            ProvisioningState::Rejected
+        };
+        if granted {
+            self.authorization = Some(ApplyAuthorization::Approval {
+                approved_by: record.decided_by.clone(),
+                approval_id: record.approval_id,
+            });
+        }
+        if record.approval_id.is_some() {
+            self.approval_id = record.approval_id;
+        }
+        let view = self.approval.get_or_insert(ApprovalView {
+            required_reason: None,
+            required_at: None,
+            decision: None,
+        });
+        view.decision = Some(record.clone());
+        record.decided_at
+    }
+
+    /// The latest log (plan, then apply) replaces the one before; an event without one
+    /// keeps it.
+    fn keep_logs_ref(&mut self, logs_ref: &Option<String>) {
+        if logs_ref.is_some() {
+            self.logs_ref.clone_from(logs_ref);
         }
     }
 }

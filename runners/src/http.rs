@@ -32,6 +32,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The most of a runner's answer Ferry reads (as much as the Pulumi runner reads of its
@@ -144,8 +145,14 @@ pub struct ErrorBody {
 pub struct HttpRunner {
     base_url: String,
     token: Option<String>,
-    client: Result<reqwest::Client, String>,
+    client: Result<reqwest::Client, NoClient>,
 }
+
+/// The HTTP client could not be built (the TLS backend did not initialise): every call
+/// fails with it. Shared, since the runner is cloned and the error is not.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot build HTTP client: {0}")]
+struct NoClient(Arc<reqwest::Error>);
 
 impl HttpRunner {
     /// A client for the runner at `base_url` (e.g. `https://runner.internal`), sending
@@ -153,7 +160,7 @@ impl HttpRunner {
     pub fn new(base_url: impl Into<String>, token: Option<String>) -> Self {
         let client = reqwest::Client::builder()
             .build()
-            .map_err(|e| format!("cannot build HTTP client: {e}"));
+            .map_err(|e| NoClient(Arc::new(e)));
         Self {
             base_url: base_url.into().trim_end_matches('/').to_string(),
             token,
@@ -171,7 +178,7 @@ impl HttpRunner {
         let client = self
             .client
             .as_ref()
-            .map_err(|e| RunnerError::Unavailable(e.clone()))?;
+            .map_err(|e| RunnerError::Unavailable(e.to_string()))?;
         let url = format!("{}{path}", self.base_url);
         let mut req = match body {
             Some(b) => client.post(&url).json(b),

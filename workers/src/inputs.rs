@@ -3,16 +3,48 @@
 //! (sha256 over the program version, the resolved configuration values and the secret
 //! references' versions; never secret values).
 
+use ferry_domain::ports::identity::IdentityError;
 use ferry_domain::ports::runner::{RunnerInput, StackName};
+use ferry_domain::ports::sources::{ConfigError, SecretError, SourceError};
 use ferry_domain::ports::SecretValue;
 use ferry_domain::specification::SpecificationVersion;
 use ferry_domain::TenantId;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::limits::LimitError;
 use crate::Workers;
+
+/// Why a step's inputs could not be gathered; the text is the run's failure reason (it
+/// names the reference, the limit or the setting that gives the tenant no identity).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GatherError {
+    /// The tenant has no runner identity, or one of its references did not resolve.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    /// The work folder could not be made.
+    #[error("cannot create work folder {}: {source}", path.display())]
+    WorkFolder {
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The program could not be checked out.
+    #[error(transparent)]
+    Checkout(#[from] SourceError),
+    /// The program is over a limit.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    /// Configuration could not be resolved.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A secret could not be resolved.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+}
 
 /// Everything resolved for one preview or apply.
 pub struct Inputs {
@@ -58,15 +90,14 @@ impl Workers {
         spec: &SpecificationVersion,
         dir: &Path,
         timeout: Duration,
-    ) -> Result<Inputs, String> {
+    ) -> Result<Inputs, GatherError> {
         // First: a tenant without an identity has nothing to check out for.
         let identity = if self.ports.runner.needs_identity() {
             let identities = &self.settings.runner_identities;
             Some(
                 identities
                     .resolve(tenant, self.ports.secrets.as_ref())
-                    .await
-                    .map_err(|e| e.to_string())?,
+                    .await?,
             )
         } else {
             None
@@ -74,13 +105,15 @@ impl Workers {
         let _ = tokio::fs::remove_dir_all(dir).await;
         tokio::fs::create_dir_all(dir)
             .await
-            .map_err(|e| format!("cannot create work folder {}: {e}", dir.display()))?;
+            .map_err(|source| GatherError::WorkFolder {
+                path: dir.to_path_buf(),
+                source,
+            })?;
         let checkout = self
             .ports
             .programs
             .checkout(tenant, &spec.program_ref, &spec.program_version, dir)
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         // Before any runner reads or parses it.
         self.settings
             .limits
@@ -90,17 +123,11 @@ impl Workers {
             .ports
             .config
             .resolve(tenant, spec.environment_id.as_str(), &spec.config_refs)
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         let mut secrets = BTreeMap::new();
         let mut versions = BTreeMap::new();
         for (name, reference) in &spec.secret_refs {
-            let resolved = self
-                .ports
-                .secrets
-                .resolve(tenant, reference)
-                .await
-                .map_err(|e| e.to_string())?;
+            let resolved = self.ports.secrets.resolve(tenant, reference).await?;
             versions.insert(name.clone(), resolved.version);
             secrets.insert(name.clone(), resolved.value);
         }

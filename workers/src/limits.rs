@@ -42,34 +42,77 @@ pub const RESOURCES_SETTING: &str = "FERRY_MAX_PLAN_RESOURCES";
 /// The setting of the receipt and log limit.
 pub const RECEIPT_SETTING: &str = "FERRY_MAX_RECEIPT_BYTES";
 
+/// Why a run cannot go on: a limit passed (the text names its setting), or the program
+/// could not be measured. The text is the run's failure reason.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// The measuring task did not finish.
+    #[error("cannot measure the program: {0}")]
+    Measure(tokio::task::JoinError),
+    /// The program folder could not be read.
+    #[error("cannot read the program folder: {0}")]
+    Read(std::io::Error),
+    /// The program is over [`Limits::program_bytes`].
+    #[error(
+        "the program is more than {max} bytes, more than a program may be ({PROGRAM_SETTING})"
+    )]
+    Program {
+        /// The limit.
+        max: u64,
+    },
+    /// The plan is over [`Limits::plan_resources`].
+    #[error(
+        "the plan lists {resources} resources, more than the {max} one plan may list ({RESOURCES_SETTING})"
+    )]
+    Resources {
+        /// The plan's resources.
+        resources: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A receipt is over [`Limits::receipt_bytes`].
+    #[error(
+        "the {what} would be {bytes} bytes, more than the {max} bytes one may be ({RECEIPT_SETTING})"
+    )]
+    Receipt {
+        /// Which receipt.
+        what: String,
+        /// Its size as stored.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
 impl Limits {
     /// Measures the program folder `dir`; `Err` is the reason the run cannot go on.
-    pub async fn check_program(&self, dir: &Path) -> Result<(), String> {
+    pub async fn check_program(&self, dir: &Path) -> Result<(), LimitError> {
         let dir = dir.to_path_buf();
         let max = self.program_bytes;
         tokio::task::spawn_blocking(move || measure(&dir, max))
             .await
-            .map_err(|e| format!("cannot measure the program: {e}"))?
+            .map_err(LimitError::Measure)?
     }
 
     /// `Err` when a plan listing `resources` resources is over the limit.
-    pub fn check_resources(&self, resources: usize) -> Result<(), String> {
+    pub fn check_resources(&self, resources: usize) -> Result<(), LimitError> {
         if resources > self.plan_resources {
-            return Err(format!(
-                "the plan lists {resources} resources, more than the {} one plan may list ({RESOURCES_SETTING})",
-                self.plan_resources
-            ));
+            return Err(LimitError::Resources {
+                resources,
+                max: self.plan_resources,
+            });
         }
         Ok(())
     }
 
     /// `Err` when a receipt (`what`) of `bytes` bytes as stored is over the limit.
-    pub fn check_receipt(&self, what: &str, bytes: usize) -> Result<(), String> {
+    pub fn check_receipt(&self, what: &str, bytes: usize) -> Result<(), LimitError> {
         if bytes > self.receipt_bytes {
-            return Err(format!(
-                "the {what} would be {bytes} bytes, more than the {} bytes one may be ({RECEIPT_SETTING})",
-                self.receipt_bytes
-            ));
+            return Err(LimitError::Receipt {
+                what: what.to_string(),
+                bytes,
+                max: self.receipt_bytes,
+            });
         }
         Ok(())
     }
@@ -94,27 +137,20 @@ impl Limits {
 
 /// Adds up the sizes of what is under `dir` without following links (a link counts as its
 /// own size), stopping as soon as the total passes `max`.
-fn measure(dir: &Path, max: u64) -> Result<(), String> {
-    let over = || {
-        format!(
-            "the program is more than {max} bytes, more than a program may be ({PROGRAM_SETTING})"
-        )
-    };
+fn measure(dir: &Path, max: u64) -> Result<(), LimitError> {
     let mut total: u64 = 0;
     let mut folders = vec![dir.to_path_buf()];
     while let Some(folder) = folders.pop() {
-        let entries = std::fs::read_dir(&folder)
-            .map_err(|e| format!("cannot read the program folder: {e}"))?;
+        let entries = std::fs::read_dir(&folder).map_err(LimitError::Read)?;
         for entry in entries {
-            let entry = entry.map_err(|e| format!("cannot read the program folder: {e}"))?;
-            let meta = std::fs::symlink_metadata(entry.path())
-                .map_err(|e| format!("cannot read the program folder: {e}"))?;
+            let entry = entry.map_err(LimitError::Read)?;
+            let meta = std::fs::symlink_metadata(entry.path()).map_err(LimitError::Read)?;
             // Each entry weighs at least one byte, so a tree of countless empty files is
             // bounded too; a folder weighs only that (its size is the file system's).
             let size = if meta.is_dir() { 1 } else { meta.len().max(1) };
             total = total.saturating_add(size);
             if total > max {
-                return Err(over());
+                return Err(LimitError::Program { max });
             }
             if meta.is_dir() {
                 folders.push(entry.path());
@@ -139,7 +175,11 @@ mod tests {
         };
         limits.check_program(dir.path()).await.unwrap();
         limits.program_bytes = 99;
-        let reason = limits.check_program(dir.path()).await.unwrap_err();
+        let reason = limits
+            .check_program(dir.path())
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(reason.contains(PROGRAM_SETTING), "{reason}");
     }
 

@@ -11,18 +11,24 @@
 //! runs the runner again.
 
 use crate::clock::ms;
+use crate::inputs::Inputs;
 use crate::queue::{QueueError, RunnerResult, Step, WorkItem};
 use crate::{RecoverError, Workers};
 use chrono::Utc;
 use ferry_domain::drift::{self, DriftIgnoreRules};
+use ferry_domain::environment::{BaselineProgram, EnvironmentRegistration};
 use ferry_domain::ports::redact;
-use ferry_domain::ports::runner::RunnerError;
+use ferry_domain::ports::runner::{PlanSummary, PreviewOutcome, RunnerError};
 use ferry_domain::ports::sources::PolicyInput;
-use ferry_domain::receipts::{ApplyReceipt, ApplyResult, PlanReceipt, PolicyOutcome};
+use ferry_domain::receipts::{
+    ApplyReceipt, ApplyResult, IgnoredDifference, PlanReceipt, PolicyOutcome,
+};
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand, RunError, RunRequest};
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
 use ferry_store::{CommandError, EventMetadata};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Why an interrupted apply's run is reported Failed by recovery.
@@ -51,6 +57,23 @@ fn system(worker: &'static str) -> Actor {
     Actor::parse(format!("system:{worker}")).expect("a constant worker name is a valid actor")
 }
 
+/// What policy sees of `plan` (after the ignore rules left out what they accept).
+fn policy_input(run: &ProvisioningRun, request: &RunRequest, plan: &PlanSummary) -> PolicyInput {
+    PolicyInput {
+        environment_id: request.environment_id.to_string(),
+        environment_class: request.environment_class,
+        kind: request.kind,
+        // Only an approval Ferry verified counts (ids in the request grant nothing).
+        has_promotion_approval: run.promotion_approval().is_some(),
+        rollback: run.rollback_authority().is_some(),
+        adds: plan.adds,
+        changes: plan.changes,
+        deletes: plan.deletes,
+        replaces: plan.replaces,
+        resources: plan.resources.clone(),
+    }
+}
+
 impl Workers {
     fn metadata(&self, item: &WorkItem, tenant: &TenantId, worker: &'static str) -> EventMetadata {
         let parse = |v: &Option<String>| v.as_deref().and_then(|s| uuid::Uuid::parse_str(s).ok());
@@ -62,6 +85,15 @@ impl Workers {
             causation_id: parse(&item.causation_id).unwrap_or(request_id),
             request_id,
         }
+    }
+
+    /// The folder a step of an item checks its program out into.
+    fn work_dir(&self, tenant: &TenantId, item: &WorkItem, step: &str) -> PathBuf {
+        self.settings
+            .work_dir
+            .join(tenant.path_component())
+            .join(item.item_id.as_str())
+            .join(step)
     }
 
     /// Runs a command on the run and counts the state it reaches.
@@ -176,53 +208,15 @@ impl Workers {
         if run.state() != Some(ProvisioningState::Requested) {
             return Ok(Outcome::Done);
         }
-        let dir = self
-            .settings
-            .work_dir
-            .join(tenant.path_component())
-            .join(item.item_id.as_str())
-            .join("plan");
         let reconciliation = request.kind == ProvisioningKind::Reconciliation;
-        let mut inputs = match self
-            .gather(tenant, &spec, &dir, self.settings.plan_timeout)
-            .await
-        {
-            Ok(i) => i,
-            Err(reason) => return self.fail_planning(item, tenant, reason).await,
-        };
-        // Drift made outside Ferry shows only against the resources' real state.
-        inputs.runner.refresh = reconciliation;
-        let runner = &self.ports.runner;
-        let preview = async {
-            let version = runner.version().await?;
-            Ok::<_, RunnerError>((version, runner.preview(&inputs.runner).await?))
-        }
-        .await;
-        let _ = tokio::fs::remove_dir_all(&dir).await;
-        let (runner_version, preview) = match preview {
-            Ok(p) => p,
-            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_))) => {
-                let reason = redact(&e.to_string(), inputs.secrets());
-                if item.attempts >= i64::from(self.settings.plan_attempts) {
-                    return self
-                        .fail_planning(
-                            item,
-                            tenant,
-                            format!("{reason} (gave up after {} attempts)", item.attempts),
-                        )
-                        .await;
-                }
-                return Ok(Outcome::Retry(reason));
-            }
-            Err(e) => {
-                return self
-                    .fail_planning(item, tenant, redact(&e.to_string(), inputs.secrets()))
-                    .await
-            }
-        };
+        let (inputs, runner_version, preview) =
+            match self.preview(item, tenant, &spec, reconciliation).await? {
+                ControlFlow::Continue(previewed) => previewed,
+                ControlFlow::Break(outcome) => return Ok(outcome),
+            };
         let limits = self.settings.limits;
         if let Err(reason) = limits.check_resources(preview.plan.resources.len()) {
-            return self.fail_planning(item, tenant, reason).await;
+            return self.fail_planning(item, tenant, reason.to_string()).await;
         }
         let log = limits.cut_log(redact(&preview.log, inputs.secrets()));
         let logs_ref = match self
@@ -236,42 +230,17 @@ impl Workers {
         };
         let mut plan = preview.plan;
         let mut warnings = inputs.warnings.clone();
-        let mut ignored = Vec::new();
-        if reconciliation {
-            // The differences the environment's team accepts are left out before triage,
-            // policy and counting, and listed on the receipt with the rules that did it.
-            let rules = self
-                .drift_rules
-                .load(
-                    tenant,
-                    &DriftIgnoreRules::aggregate_id(tenant, &request.environment_id),
-                )
-                .await
-                .map_err(CommandError::into_other)?
-                .map(|(rules, _)| rules.active().to_vec())
-                .unwrap_or_default();
-            if !rules.is_empty() {
-                let triaged = drift::triage(&rules, std::mem::take(&mut plan.resources));
-                (plan.adds, plan.changes, plan.deletes, plan.replaces) = triaged.counts();
-                plan.resources = triaged.kept;
-                ignored = triaged.ignored;
-                warnings.extend(triaged.notes);
-            }
-        }
-        let policy_input = PolicyInput {
-            environment_id: request.environment_id.to_string(),
-            environment_class: request.environment_class,
-            kind: request.kind,
-            // Only an approval Ferry verified counts (ids in the request grant nothing).
-            has_promotion_approval: run.promotion_approval().is_some(),
-            rollback: run.rollback_authority().is_some(),
-            adds: plan.adds,
-            changes: plan.changes,
-            deletes: plan.deletes,
-            replaces: plan.replaces,
-            resources: plan.resources.clone(),
+        let ignored = if reconciliation {
+            self.ignore_accepted_drift(tenant, &request.environment_id, &mut plan, &mut warnings)
+                .await?
+        } else {
+            Vec::new()
         };
-        let decision = match self.ports.policy.evaluate(&policy_input) {
+        let decision = match self
+            .ports
+            .policy
+            .evaluate(&policy_input(&run, &request, &plan))
+        {
             Ok(d) => d,
             Err(e) => return self.fail_planning(item, tenant, e.to_string()).await,
         };
@@ -284,7 +253,7 @@ impl Workers {
             ignored,
             inputs_hash: inputs.hash.clone(),
             program_version: inputs.commit.clone(),
-            runner: runner.name().to_string(),
+            runner: self.ports.runner.name().to_string(),
             runner_version,
             policy: Some(decision.clone()),
             warnings,
@@ -292,7 +261,7 @@ impl Workers {
         // The receipt goes into an event that every reader of the stream loads.
         let receipt_bytes = serde_json::to_vec(&receipt).map_or(usize::MAX, |json| json.len());
         if let Err(reason) = limits.check_receipt("plan receipt", receipt_bytes) {
-            return self.fail_planning(item, tenant, reason).await;
+            return self.fail_planning(item, tenant, reason.to_string()).await;
         }
         let planned = self
             .command(
@@ -317,6 +286,80 @@ impl Workers {
         let next = self.after_plan(&planned, request.kind)?;
         self.command(item, tenant, "planner", next).await?;
         Ok(Outcome::Done)
+    }
+
+    /// Gathers a plan's inputs and previews them (refreshing first for a reconciliation:
+    /// drift made outside Ferry shows only against the resources' real state). `Break` is
+    /// how the step ends when that fails: a retry while the runner is away (until the
+    /// attempts are spent), else the planning failed.
+    async fn preview(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        spec: &SpecificationVersion,
+        refresh: bool,
+    ) -> Result<ControlFlow<Outcome, (Inputs, String, PreviewOutcome)>, CommandError<RunError>>
+    {
+        let dir = self.work_dir(tenant, item, "plan");
+        let mut inputs = match self
+            .gather(tenant, spec, &dir, self.settings.plan_timeout)
+            .await
+        {
+            Ok(i) => i,
+            Err(reason) => {
+                let failed = self.fail_planning(item, tenant, reason.to_string()).await;
+                return failed.map(ControlFlow::Break);
+            }
+        };
+        inputs.runner.refresh = refresh;
+        let runner = &self.ports.runner;
+        let preview = async {
+            let version = runner.version().await?;
+            Ok::<_, RunnerError>((version, runner.preview(&inputs.runner).await?))
+        }
+        .await;
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+        let reason = match preview {
+            Ok((version, preview)) => return Ok(ControlFlow::Continue((inputs, version, preview))),
+            Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_))) => {
+                let reason = redact(&e.to_string(), inputs.secrets());
+                if item.attempts < i64::from(self.settings.plan_attempts) {
+                    return Ok(ControlFlow::Break(Outcome::Retry(reason)));
+                }
+                format!("{reason} (gave up after {} attempts)", item.attempts)
+            }
+            Err(e) => redact(&e.to_string(), inputs.secrets()),
+        };
+        self.fail_planning(item, tenant, reason)
+            .await
+            .map(ControlFlow::Break)
+    }
+
+    /// Leaves out of a reconciliation's plan the differences the environment's team accepts
+    /// (before triage, policy and counting); returns them, to be listed on the receipt with
+    /// the rules that did it, and adds the rules' notes to `warnings`.
+    async fn ignore_accepted_drift(
+        &self,
+        tenant: &TenantId,
+        environment: &EnvironmentId,
+        plan: &mut PlanSummary,
+        warnings: &mut Vec<String>,
+    ) -> Result<Vec<IgnoredDifference>, CommandError<RunError>> {
+        let rules = self
+            .drift_rules
+            .load(tenant, &DriftIgnoreRules::aggregate_id(tenant, environment))
+            .await
+            .map_err(CommandError::into_other)?
+            .map(|(rules, _)| rules.active().to_vec())
+            .unwrap_or_default();
+        if rules.is_empty() {
+            return Ok(Vec::new());
+        }
+        let triaged = drift::triage(&rules, std::mem::take(&mut plan.resources));
+        (plan.adds, plan.changes, plan.deletes, plan.replaces) = triaged.counts();
+        plan.resources = triaged.kept;
+        warnings.extend(triaged.notes);
+        Ok(triaged.ignored)
     }
 
     /// The step that follows a recorded plan: rejected by policy, in sync, a proposal, or
@@ -439,41 +482,20 @@ impl Workers {
         let Some(plan) = run.plan_receipt().cloned() else {
             return Ok(Outcome::Done);
         };
-        // Stale: another run applied to this environment after this plan was made.
-        let planned_at = self
-            .queue
-            .finished_at(&item.item_id, Step::Plan)
-            .await
-            .map_err(CommandError::store)?;
-        let last = self
-            .queue
-            .last_apply(&item.environment_key)
-            .await
-            .map_err(CommandError::store)?;
-        if let (Some(planned_at), Some((other, applied_at))) = (planned_at, last) {
-            if other != item.item_id && applied_at > planned_at {
-                let reason = format!(
-                    "run {other} applied to {} after this plan was made",
-                    request.environment_id
-                );
-                return self.supersede(item, tenant, reason).await;
-            }
+        if let Some(reason) = self.applied_since_plan(item, &request).await? {
+            return self.supersede(item, tenant, reason).await;
         }
-        let dir = self
-            .settings
-            .work_dir
-            .join(tenant.path_component())
-            .join(item.item_id.as_str())
-            .join("apply");
+        let dir = self.work_dir(tenant, item, "apply");
         let mut inputs = match self
             .gather(tenant, &spec, &dir, self.settings.apply_timeout)
             .await
         {
             Ok(i) => i,
             Err(reason) => {
+                let reason = reason.to_string();
                 return self
                     .fail_apply(item, tenant, reason, None, 0.0, plan.runner_version.clone())
-                    .await
+                    .await;
             }
         };
         if inputs.hash != plan.inputs_hash {
@@ -487,34 +509,104 @@ impl Workers {
         }
         inputs.runner.refresh = request.kind == ProvisioningKind::Reconciliation;
         inputs.runner.exclude = plan.excluded_urns();
-        let runner = &self.ports.runner;
-        // Exactly the plan shown: the target is planned again, and a change since (drift, a
-        // hand edit) makes the plan stale rather than applying something nobody saw.
-        match runner.preview(&inputs.runner).await {
-            Ok(now) => {
-                if let Some(reason) = plan.differs_from(&now.plan.resources) {
-                    let _ = tokio::fs::remove_dir_all(&dir).await;
-                    return self.supersede(item, tenant, reason).await;
-                }
+        if let ControlFlow::Break(outcome) = self
+            .check_plan_holds(item, tenant, &plan, &inputs, &dir)
+            .await?
+        {
+            return Ok(outcome);
+        }
+        let stored = self
+            .run_apply(item, request.kind, &plan, &inputs, &dir)
+            .await;
+        if let Err(outcome) = self.store_result(item, &stored).await {
+            return Ok(outcome);
+        }
+        tracing::info!(seconds = stored.receipt.duration_seconds, result = ?stored.receipt.result, "the runner finished; its result is stored");
+        self.record_result(item, tenant, &stored).await
+    }
+
+    /// Whether another run applied to this environment after this plan was made (the plan
+    /// is stale then): the reason, if so.
+    async fn applied_since_plan(
+        &self,
+        item: &WorkItem,
+        request: &RunRequest,
+    ) -> Result<Option<String>, CommandError<RunError>> {
+        let planned_at = self
+            .queue
+            .finished_at(&item.item_id, Step::Plan)
+            .await
+            .map_err(CommandError::store)?;
+        let last = self
+            .queue
+            .last_apply(&item.environment_key)
+            .await
+            .map_err(CommandError::store)?;
+        Ok(match (planned_at, last) {
+            (Some(planned_at), Some((other, applied_at)))
+                if other != item.item_id && applied_at > planned_at =>
+            {
+                Some(format!(
+                    "run {other} applied to {} after this plan was made",
+                    request.environment_id
+                ))
             }
+            _ => None,
+        })
+    }
+
+    /// Exactly the plan shown: the target is planned again, and a change since (drift, a
+    /// hand edit) makes the plan stale rather than applying something nobody saw. `Break`
+    /// is how the step ends otherwise (the work folder removed).
+    async fn check_plan_holds(
+        &self,
+        item: &WorkItem,
+        tenant: &TenantId,
+        plan: &PlanReceipt,
+        inputs: &Inputs,
+        dir: &Path,
+    ) -> Result<ControlFlow<Outcome>, CommandError<RunError>> {
+        let outcome = match self.ports.runner.preview(&inputs.runner).await {
+            Ok(now) => match plan.differs_from(&now.plan.resources) {
+                None => return Ok(ControlFlow::Continue(())),
+                Some(reason) => {
+                    let _ = tokio::fs::remove_dir_all(dir).await;
+                    self.supersede(item, tenant, reason).await?
+                }
+            },
             Err(e @ (RunnerError::Unavailable(_) | RunnerError::TimedOut(_)))
                 if item.attempts < i64::from(self.settings.plan_attempts) =>
             {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
-                return Ok(Outcome::Retry(redact(&e.to_string(), inputs.secrets())));
+                let _ = tokio::fs::remove_dir_all(dir).await;
+                Outcome::Retry(redact(&e.to_string(), inputs.secrets()))
             }
             Err(e) => {
-                let _ = tokio::fs::remove_dir_all(&dir).await;
+                let _ = tokio::fs::remove_dir_all(dir).await;
                 let reason = format!(
                     "the plan could not be checked against the target before the apply (nothing was applied; attempt {}): {}",
                     item.attempts,
                     redact(&e.to_string(), inputs.secrets())
                 );
-                return self
-                    .fail_apply(item, tenant, reason, None, 0.0, plan.runner_version.clone())
-                    .await;
+                let version = plan.runner_version.clone();
+                self.fail_apply(item, tenant, reason, None, 0.0, version)
+                    .await?
             }
-        }
+        };
+        Ok(ControlFlow::Break(outcome))
+    }
+
+    /// Runs the runner's apply (once: the caller stores the result before recording it) and
+    /// makes its result what is stored: redacted, cut to the limits, the log kept as an
+    /// artifact, outputs too large to store left out saying so.
+    async fn run_apply(
+        &self,
+        item: &WorkItem,
+        kind: ProvisioningKind,
+        plan: &PlanReceipt,
+        inputs: &Inputs,
+        dir: &Path,
+    ) -> RunnerResult {
+        let runner = &self.ports.runner;
         let runner_version = runner
             .version()
             .await
@@ -522,8 +614,8 @@ impl Workers {
         let started = Instant::now();
         let result = runner.apply(&inputs.runner).await;
         let seconds = started.elapsed().as_secs_f64();
-        let _ = tokio::fs::remove_dir_all(&dir).await;
-        self.metrics.apply_took(request.kind.as_str(), seconds);
+        let _ = tokio::fs::remove_dir_all(dir).await;
+        self.metrics.apply_took(kind.as_str(), seconds);
         let (outputs, apply_result, reason, resource, log) = match result {
             Ok(outcome) => (
                 outcome.outputs,
@@ -585,14 +677,10 @@ impl Workers {
             tracing::warn!(%why, "the apply's outputs are left out of its receipt");
             stored.receipt.outputs = std::collections::BTreeMap::from([(
                 OUTPUTS_LEFT_OUT.to_string(),
-                serde_json::Value::String(why),
+                serde_json::Value::String(why.to_string()),
             )]);
         }
-        if let Err(outcome) = self.store_result(item, &stored).await {
-            return Ok(outcome);
-        }
-        tracing::info!(seconds, result = ?stored.receipt.result, "the runner finished; its result is stored");
-        self.record_result(item, tenant, &stored).await
+        stored
     }
 
     /// Stores the runner's result on the item, retrying a store error for up to a lease
@@ -762,94 +850,22 @@ impl Workers {
             &registration.environment_id,
             SpecificationKind::Environment,
         );
-        // Reuse a version already declared for this program (a retried step declares once).
-        let existing = self
-            .specifications
-            .load(tenant, &spec_id.to_string())
-            .await
-            .map_err(CommandError::into_other)?;
-        let reusable = existing.as_ref().and_then(|(s, _)| {
-            s.latest()
-                .filter(|v| {
-                    v.program_ref == program.program_ref
-                        && v.program_version == program.program_version
-                })
-                .cloned()
-        });
         let metadata = self.metadata(item, tenant, "baseline");
-        let version = match reusable {
-            Some(v) => v,
-            None => {
-                let project = existing
-                    .as_ref()
-                    .and_then(|(s, _)| s.latest().map(|v| v.project_id.clone()))
-                    .or_else(|| ProjectId::parse(registration.environment_id.as_str()).ok());
-                let Some(project_id) = project else {
-                    return Ok(Outcome::Failed(
-                        "cannot name a project for the baseline".to_string(),
-                    ));
-                };
-                let declaration = Declaration {
-                    specification_id: spec_id,
-                    tenant_id: tenant.clone(),
-                    project_id,
-                    environment_id: registration.environment_id.clone(),
-                    kind: SpecificationKind::Environment,
-                    program_ref: program.program_ref.clone(),
-                    program_version: program.program_version.clone(),
-                    release_id: None,
-                    strategy: None,
-                    config_refs: Default::default(),
-                    secret_refs: Default::default(),
-                    declared_by: system("baseline"),
-                    declared_at: Utc::now(),
-                };
-                let done = self
-                    .specifications
-                    .execute(
-                        tenant,
-                        &spec_id.to_string(),
-                        SpecificationCommand::Declare(Box::new(declaration)),
-                        &metadata,
-                        true,
-                    )
-                    .await
-                    .map_err(CommandError::into_other)?;
-                match done.aggregate.latest().cloned() {
-                    Some(v) => v,
-                    None => {
-                        return Ok(Outcome::Failed(
-                            "declared baseline has no version".to_string(),
-                        ))
-                    }
-                }
-            }
-        };
-        // The baseline run of this version: the one a version before issue 37 named (as if
-        // requested with an `Idempotency-Key`, which a tenant could also send) when it
-        // exists and is this baseline, so a baseline under way across the upgrade is not
-        // planned twice; else the unambiguous name.
-        let legacy = ProvisioningRunId::legacy_for_baseline(
-            tenant,
-            &registration.environment_id,
-            version.version,
-        );
-        let is_this_baseline = self
-            .runs
-            .load(tenant, &legacy.to_string())
+        let version = match self
+            .baseline_version(tenant, &registration, &program, spec_id, &metadata)
             .await?
-            .is_some_and(|(run, _)| {
-                run.request().is_some_and(|r| {
-                    r.kind == ProvisioningKind::Baseline
-                        && r.specification_id == spec_id
-                        && r.specification_version == version.version
-                })
-            });
-        let run_id = if is_this_baseline {
-            legacy
-        } else {
-            ProvisioningRunId::for_baseline(tenant, &registration.environment_id, version.version)
+        {
+            ControlFlow::Continue(version) => version,
+            ControlFlow::Break(outcome) => return Ok(outcome),
         };
+        let run_id = self
+            .baseline_run_id(
+                tenant,
+                &registration.environment_id,
+                spec_id,
+                version.version,
+            )
+            .await?;
         let request = RunRequest {
             provisioning_run_id: run_id,
             tenant_id: tenant.clone(),
@@ -885,6 +901,107 @@ impl Workers {
             Err(CommandError::Domain(RunError::AlreadyRequested)) => Ok(Outcome::Done),
             Err(e) => Err(e),
         }
+    }
+
+    /// The specification version the baseline plans: one already declared for this program
+    /// (a retried step declares once), else a new one declared. `Break` is how the step ends
+    /// when none can be had.
+    async fn baseline_version(
+        &self,
+        tenant: &TenantId,
+        registration: &EnvironmentRegistration,
+        program: &BaselineProgram,
+        spec_id: SpecificationId,
+        metadata: &EventMetadata,
+    ) -> Result<ControlFlow<Outcome, SpecificationVersion>, CommandError<RunError>> {
+        // Reuse a version already declared for this program (a retried step declares once).
+        let existing = self
+            .specifications
+            .load(tenant, &spec_id.to_string())
+            .await
+            .map_err(CommandError::into_other)?;
+        let reusable = existing.as_ref().and_then(|(s, _)| {
+            s.latest()
+                .filter(|v| {
+                    v.program_ref == program.program_ref
+                        && v.program_version == program.program_version
+                })
+                .cloned()
+        });
+        if let Some(version) = reusable {
+            return Ok(ControlFlow::Continue(version));
+        }
+        let project = existing
+            .as_ref()
+            .and_then(|(s, _)| s.latest().map(|v| v.project_id.clone()))
+            .or_else(|| ProjectId::parse(registration.environment_id.as_str()).ok());
+        let Some(project_id) = project else {
+            return Ok(ControlFlow::Break(Outcome::Failed(
+                "cannot name a project for the baseline".to_string(),
+            )));
+        };
+        let declaration = Declaration {
+            specification_id: spec_id,
+            tenant_id: tenant.clone(),
+            project_id,
+            environment_id: registration.environment_id.clone(),
+            kind: SpecificationKind::Environment,
+            program_ref: program.program_ref.clone(),
+            program_version: program.program_version.clone(),
+            release_id: None,
+            strategy: None,
+            config_refs: Default::default(),
+            secret_refs: Default::default(),
+            declared_by: system("baseline"),
+            declared_at: Utc::now(),
+        };
+        let done = self
+            .specifications
+            .execute(
+                tenant,
+                &spec_id.to_string(),
+                SpecificationCommand::Declare(Box::new(declaration)),
+                metadata,
+                true,
+            )
+            .await
+            .map_err(CommandError::into_other)?;
+        Ok(match done.aggregate.latest().cloned() {
+            Some(version) => ControlFlow::Continue(version),
+            None => ControlFlow::Break(Outcome::Failed(
+                "declared baseline has no version".to_string(),
+            )),
+        })
+    }
+
+    /// The baseline run of this version: the one a version before issue 37 named (as if
+    /// requested with an `Idempotency-Key`, which a tenant could also send) when it exists
+    /// and is this baseline, so a baseline under way across the upgrade is not planned
+    /// twice; else the unambiguous name.
+    async fn baseline_run_id(
+        &self,
+        tenant: &TenantId,
+        environment: &EnvironmentId,
+        spec_id: SpecificationId,
+        version: u32,
+    ) -> Result<ProvisioningRunId, CommandError<RunError>> {
+        let legacy = ProvisioningRunId::legacy_for_baseline(tenant, environment, version);
+        let is_this_baseline = self
+            .runs
+            .load(tenant, &legacy.to_string())
+            .await?
+            .is_some_and(|(run, _)| {
+                run.request().is_some_and(|r| {
+                    r.kind == ProvisioningKind::Baseline
+                        && r.specification_id == spec_id
+                        && r.specification_version == version
+                })
+            });
+        Ok(if is_this_baseline {
+            legacy
+        } else {
+            ProvisioningRunId::for_baseline(tenant, environment, version)
+        })
     }
 
     async fn expire(

@@ -30,31 +30,89 @@ pub fn is_label_name(name: &str) -> bool {
         && !name.starts_with("__")
 }
 
+/// Why a query cannot be confined to one tenant's series; the text is what the caller is
+/// told (it names the selector or construct refused).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unconfinable {
+    /// The query is not PromQL.
+    #[error("not a PromQL expression: {0}")]
+    NotPromql(Unparsable),
+    /// The rewritten query did not parse again (a parser fault: nothing is sent).
+    #[error("the confined query does not parse again ({0}): refused")]
+    NotReparsed(Unparsable),
+    /// A selector of the rewritten query lacks the tenant's matcher (a rewriting fault).
+    #[error("the confined query's selector {selector} lacks {label}=\"{tenant}\": refused")]
+    Unconfined {
+        /// The selector as read back.
+        selector: String,
+        /// The tenant label.
+        label: String,
+        /// The tenant.
+        tenant: String,
+    },
+    /// The query nests deeper than [`MAX_DEPTH`].
+    #[error("nests deeper than {MAX_DEPTH} levels")]
+    TooDeep,
+    /// A function that reads series beyond its arguments' ([`READS_OTHER_SERIES`]).
+    #[error("{0}() reads series beyond its arguments' and is refused")]
+    ReadsOtherSeries(&'static str),
+    /// An extension expression, whose selectors the walk cannot see.
+    #[error("extension expressions are refused")]
+    Extension,
+    /// `or` inside a selector's braces, which Prometheus reads differently from the parser.
+    #[error("'or' inside a selector's braces is refused")]
+    OrInBraces,
+    /// A selector that names the tenant label other than as the tenant's matcher.
+    #[error(
+        "the selector {selector} names the label {label} other than as {label}=\"{tenant}\": \
+         a query reads only its own tenant's series"
+    )]
+    OtherSeries {
+        /// The selector as written.
+        selector: String,
+        /// The tenant label.
+        label: String,
+        /// The tenant.
+        tenant: String,
+    },
+}
+
+/// Why the parser did not read a query.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unparsable {
+    /// The parser's own message (it reports its errors as text).
+    #[error("{0}")]
+    Parser(String),
+    /// The parser panicked on the text.
+    #[error("the parser could not read it")]
+    Panicked,
+}
+
 /// `query` with `<label>="<tenant>"` on every selector, or why it cannot be confined.
-pub fn confine(query: &str, label: &str, tenant: &str) -> Result<String, String> {
-    let mut expr = parse(query).map_err(|e| format!("not a PromQL expression: {e}"))?;
+pub fn confine(query: &str, label: &str, tenant: &str) -> Result<String, Unconfinable> {
+    let mut expr = parse(query).map_err(Unconfinable::NotPromql)?;
     walk(&mut expr, label, tenant, 0)?;
     let confined = expr.to_string();
     // The text sent must say what was checked: read it back and check every selector.
-    let mut again = parse(&confined)
-        .map_err(|e| format!("the confined query does not parse again ({e}): refused"))?;
+    let mut again = parse(&confined).map_err(Unconfinable::NotReparsed)?;
     verify(&mut again, label, tenant, 0)?;
     Ok(confined)
 }
 
 /// The parser's answer; a tenant's text that made it panic is refused like any other.
-fn parse(query: &str) -> Result<Expr, String> {
+fn parse(query: &str) -> Result<Expr, Unparsable> {
     std::panic::catch_unwind(|| parser::parse(query))
-        .unwrap_or_else(|_| Err("the parser could not read it".to_string()))
+        .map_err(|_| Unparsable::Panicked)?
+        .map_err(Unparsable::Parser)
 }
 
-fn walk(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<(), String> {
+fn walk(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<(), Unconfinable> {
     visit(expr, depth, &mut |selector| {
         confine_selector(selector, label, tenant)
     })
 }
 
-fn verify(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<(), String> {
+fn verify(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<(), Unconfinable> {
     visit(expr, depth, &mut |selector| {
         let ours = selector.matchers.or_matchers.is_empty()
             && selector
@@ -67,9 +125,11 @@ fn verify(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<()
         if ours {
             Ok(())
         } else {
-            Err(format!(
-                "the confined query's selector {selector} lacks {label}=\"{tenant}\": refused"
-            ))
+            Err(Unconfinable::Unconfined {
+                selector: selector.to_string(),
+                label: label.to_string(),
+                tenant: tenant.to_string(),
+            })
         }
     })
 }
@@ -78,10 +138,10 @@ fn verify(expr: &mut Expr, label: &str, tenant: &str, depth: usize) -> Result<()
 fn visit(
     expr: &mut Expr,
     depth: usize,
-    each: &mut dyn FnMut(&mut VectorSelector) -> Result<(), String>,
-) -> Result<(), String> {
+    each: &mut dyn FnMut(&mut VectorSelector) -> Result<(), Unconfinable>,
+) -> Result<(), Unconfinable> {
     if depth > MAX_DEPTH {
-        return Err(format!("nests deeper than {MAX_DEPTH} levels"));
+        return Err(Unconfinable::TooDeep);
     }
     let depth = depth + 1;
     match expr {
@@ -103,10 +163,7 @@ fn visit(
         Expr::Subquery(subquery) => visit(&mut subquery.expr, depth, each),
         Expr::Call(call) => {
             if READS_OTHER_SERIES.contains(&call.func.name) {
-                return Err(format!(
-                    "{}() reads series beyond its arguments' and is refused",
-                    call.func.name
-                ));
+                return Err(Unconfinable::ReadsOtherSeries(call.func.name));
             }
             for arg in &mut call.args.args {
                 visit(arg, depth, each)?;
@@ -115,7 +172,7 @@ fn visit(
         }
         Expr::NumberLiteral(_) | Expr::StringLiteral(_) => Ok(()),
         // The parser makes none; an extension could hide selectors from this walk.
-        Expr::Extension(_) => Err("extension expressions are refused".to_string()),
+        Expr::Extension(_) => Err(Unconfinable::Extension),
     }
 }
 
@@ -124,9 +181,9 @@ fn confine_selector(
     selector: &mut VectorSelector,
     label: &str,
     tenant: &str,
-) -> Result<(), String> {
+) -> Result<(), Unconfinable> {
     if !selector.matchers.or_matchers.is_empty() {
-        return Err("'or' inside a selector's braces is refused".to_string());
+        return Err(Unconfinable::OrInBraces);
     }
     let mut has_ours = false;
     for matcher in selector
@@ -138,10 +195,11 @@ fn confine_selector(
         if matcher.op == MatchOp::Equal && matcher.value == tenant {
             has_ours = true;
         } else {
-            return Err(format!(
-                "the selector {selector} names the label {label} other than as {label}=\"{tenant}\": \
-                 a query reads only its own tenant's series"
-            ));
+            return Err(Unconfinable::OtherSeries {
+                selector: selector.to_string(),
+                label: label.to_string(),
+                tenant: tenant.to_string(),
+            });
         }
     }
     if !has_ours {
@@ -157,7 +215,7 @@ mod tests {
     use super::*;
 
     fn globex(query: &str) -> Result<String, String> {
-        confine(query, "tenant", "globex")
+        confine(query, "tenant", "globex").map_err(|e| e.to_string())
     }
 
     #[test]

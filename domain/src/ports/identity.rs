@@ -73,6 +73,20 @@ fn refused(setting: &'static str, reason: impl Into<String>) -> IdentitySettingE
     }
 }
 
+/// Why a name cannot be a variable of an identity ([`VariableName::parse`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VariableNameError {
+    /// Not `[A-Za-z_][A-Za-z0-9_]*`.
+    #[error("{0:?} is not a variable name")]
+    NotAName(String),
+    /// One of Ferry's own settings (`FERRY_*`, `NATS_*`, `DATABASE_URL`).
+    #[error("{0} is one of Ferry's own settings")]
+    Ferrys(String),
+    /// One the runner sets itself ([`RUNNER_VARIABLES`], `LC_*`).
+    #[error("{0} is set by the runner itself")]
+    Runners(String),
+}
+
 /// A variable an identity sets: `[A-Za-z_][A-Za-z0-9_]*`, neither Ferry's own
 /// (`FERRY_*`, `NATS_*`, `DATABASE_URL`) nor one the runner sets itself.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -80,19 +94,19 @@ pub struct VariableName(String);
 
 impl VariableName {
     /// Validates a name.
-    pub fn parse(name: &str) -> Result<Self, String> {
+    pub fn parse(name: &str) -> Result<Self, VariableNameError> {
         let mut chars = name.chars();
         let first_ok = chars
             .next()
             .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
         if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(format!("{name:?} is not a variable name"));
+            return Err(VariableNameError::NotAName(name.to_string()));
         }
         if is_ferry_variable(name) {
-            return Err(format!("{name} is one of Ferry's own settings"));
+            return Err(VariableNameError::Ferrys(name.to_string()));
         }
         if is_runner_variable(name) {
-            return Err(format!("{name} is set by the runner itself"));
+            return Err(VariableNameError::Runners(name.to_string()));
         }
         Ok(Self(name.to_string()))
     }
@@ -149,8 +163,8 @@ impl RunnerIdentity {
     ) -> Result<Self, IdentitySettingError> {
         let mut vars = BTreeMap::new();
         for name in names {
-            let name =
-                VariableName::parse(name.as_ref()).map_err(|r| refused(SHARED_SETTING, r))?;
+            let name = VariableName::parse(name.as_ref())
+                .map_err(|r| refused(SHARED_SETTING, r.to_string()))?;
             if let Some(value) = lookup(name.as_str()) {
                 vars.insert(name.0, SecretValue::new(value));
             }
@@ -302,8 +316,13 @@ impl RunnerIdentities {
     }
 }
 
+/// A backend that is not a URL ([`check_backend`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("backend {0:?} is not a URL like s3://bucket or https://api.pulumi.com")]
+struct NotABackend(String);
+
 /// A backend URL: `scheme://…`, no control characters, no spaces.
-fn check_backend(backend: &str) -> Result<(), String> {
+fn check_backend(backend: &str) -> Result<(), NotABackend> {
     let scheme_ok = backend.split_once("://").is_some_and(|(scheme, rest)| {
         !scheme.is_empty()
             && scheme
@@ -312,9 +331,7 @@ fn check_backend(backend: &str) -> Result<(), String> {
             && !rest.is_empty()
     });
     if !scheme_ok || backend.chars().any(|c| c.is_control() || c.is_whitespace()) {
-        return Err(format!(
-            "backend {backend:?} is not a URL like s3://bucket or https://api.pulumi.com"
-        ));
+        return Err(NotABackend(backend.to_string()));
     }
     Ok(())
 }

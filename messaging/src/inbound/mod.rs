@@ -422,7 +422,8 @@ pub(crate) async fn process(
         .iter()
         .find(|(n, _)| *n == name)
         .map_or(subject.as_str(), |(_, s)| *s);
-    if let Err(reason) = ctx.trusted.check(name, canonical_subject, &event.source) {
+    if let Err(untrusted) = ctx.trusted.check(name, canonical_subject, &event.source) {
+        let reason = untrusted.to_string();
         ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
         if poster.is_some() {
             // The caller is told; nothing to keep for an operator.
@@ -433,9 +434,9 @@ pub(crate) async fn process(
     }
     // Over HTTP the body's `source` is only a claim: the token's subject must be bound to it.
     if let Some(p) = poster {
-        if let Err(reason) = ctx.trusted.check_poster(&event.source, &p.actor) {
+        if let Err(untrusted) = ctx.trusted.check_poster(&event.source, &p.actor) {
             ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
-            return Outcome::Forbidden(reason);
+            return Outcome::Forbidden(untrusted.to_string());
         }
     }
     let typed = match InboundEvent::decode(name, event.data.clone()) {

@@ -147,6 +147,37 @@ pub enum TrustedSourcesError {
     UnknownEvent(String),
 }
 
+/// Why an event is not accepted from its source, or a poster may not speak for it. The text
+/// is what the poster is told, or what the dead letter says, and names the setting to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Untrusted {
+    /// No service identity is bound to the source.
+    #[error(
+        "no service identity may speak for source {0:?} over HTTP \
+         (FERRY_SOURCE_IDENTITIES binds none to it)"
+    )]
+    Unbound(String),
+    /// The poster is not one of the identities bound to the source.
+    #[error("{poster:?} may not speak for source {claimed:?} (FERRY_SOURCE_IDENTITIES)")]
+    NotBound {
+        /// The poster (a token's subject).
+        poster: String,
+        /// The source the event claims.
+        claimed: String,
+    },
+    /// No entry names the event.
+    #[error("no source is trusted for {0} (FERRY_TRUSTED_SOURCES names none for it)")]
+    NoneTrusted(String),
+    /// The event's entries do not name its source.
+    #[error("source {claimed:?} is not trusted for {subject} (FERRY_TRUSTED_SOURCES)")]
+    NotTrusted {
+        /// The source the event claims.
+        claimed: String,
+        /// The event's subject.
+        subject: String,
+    },
+}
+
 impl TrustedSources {
     /// Every source is trusted (the setting is unset).
     pub fn any() -> Self {
@@ -198,7 +229,7 @@ impl TrustedSources {
 
     /// Whether the service `poster` may speak for `source` over HTTP; the error says why not
     /// and what to configure. Open ([`TrustedSources::is_open`]), anyone may.
-    pub fn check_poster(&self, source: &str, poster: &Actor) -> Result<(), String> {
+    pub fn check_poster(&self, source: &str, poster: &Actor) -> Result<(), Untrusted> {
         if self.is_open() {
             return Ok(());
         }
@@ -207,15 +238,12 @@ impl TrustedSources {
             return Ok(());
         }
         if bound.is_empty() {
-            Err(format!(
-                "no service identity may speak for source {source:?} over HTTP \
-                 (FERRY_SOURCE_IDENTITIES binds none to it)"
-            ))
+            Err(Untrusted::Unbound(source.to_string()))
         } else {
-            Err(format!(
-                "{poster:?} may not speak for source {source:?} (FERRY_SOURCE_IDENTITIES)",
-                poster = poster.as_str()
-            ))
+            Err(Untrusted::NotBound {
+                poster: poster.as_str().to_string(),
+                claimed: source.to_string(),
+            })
         }
     }
 
@@ -279,7 +307,7 @@ impl TrustedSources {
 
     /// Whether `source` may send event `name` (arriving on `subject`); the error says why
     /// not and what to configure.
-    pub fn check(&self, name: &str, subject: &str, source: &str) -> Result<(), String> {
+    pub fn check(&self, name: &str, subject: &str, source: &str) -> Result<(), Untrusted> {
         let Some(entries) = &self.entries else {
             return Ok(());
         };
@@ -288,9 +316,7 @@ impl TrustedSources {
             .filter(|e| e.event == name || subject_matches(&e.event, subject))
             .collect();
         if matching.is_empty() {
-            return Err(format!(
-                "no source is trusted for {subject} (FERRY_TRUSTED_SOURCES names none for it)"
-            ));
+            return Err(Untrusted::NoneTrusted(subject.to_string()));
         }
         let trusted = matching
             .iter()
@@ -299,9 +325,10 @@ impl TrustedSources {
         if trusted {
             Ok(())
         } else {
-            Err(format!(
-                "source {source:?} is not trusted for {subject} (FERRY_TRUSTED_SOURCES)"
-            ))
+            Err(Untrusted::NotTrusted {
+                claimed: source.to_string(),
+                subject: subject.to_string(),
+            })
         }
     }
 }
@@ -329,7 +356,8 @@ mod tests {
             .is_ok());
         let refused = t
             .check("ApprovalDecided", APPROVAL_DECIDED, "urn:env-eu")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("not trusted"), "{refused}");
         assert!(t
             .check("EnvironmentCreated", ENVIRONMENT_CREATED, "urn:env-eu")
@@ -340,7 +368,8 @@ mod tests {
         // Configured, an event no entry names is refused.
         let none = t
             .check("ReleaseReady", RELEASE_READY, "urn:releases")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(none.contains("names none"), "{none}");
         // Event names work as well as subjects.
         let by_name = TrustedSources::parse("ReleaseReady=urn:releases").unwrap();
@@ -361,7 +390,8 @@ mod tests {
         // Sources trusted, no identity bound: no service speaks for any source over HTTP.
         let refused = trusted
             .check_poster("urn:runcontrol", &actor("svc-anything"))
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("FERRY_SOURCE_IDENTITIES"), "{refused}");
         let bound = trusted.with_identities(
             SourceIdentities::parse("urn:runcontrol=svc-runcontrol; urn:env-*=svc-env,svc-env-eu")
@@ -372,7 +402,8 @@ mod tests {
             .is_ok());
         let refused = bound
             .check_poster("urn:runcontrol", &actor("svc-anything"))
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("may not speak"), "{refused}");
         assert!(bound
             .check_poster("urn:env-eu", &actor("svc-env-eu"))

@@ -70,6 +70,24 @@ pub struct Evaluation {
     pub outputs: BTreeMap<String, Val>,
 }
 
+/// Why an expression cannot be evaluated; the text follows the name of the variable,
+/// resource or output that holds it in [`RunnerError::InvalidProgram`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ExprError {
+    /// A `${` without its `}` (the whole string).
+    #[error("unterminated '${{' in '{0}'")]
+    Unterminated(String),
+    /// A reference that is not `root(.key|[index]|["key"])*`.
+    #[error("cannot parse reference '${{{0}}}'")]
+    Unparsable(String),
+    /// A reference to nothing declared.
+    #[error("unknown reference '${{{0}}}'")]
+    Unknown(String),
+    /// A path into a value that does not have it.
+    #[error("'${{{0}}}' names a property that does not exist")]
+    NoProperty(String),
+}
+
 fn invalid(reason: impl Into<String>) -> RunnerError {
     RunnerError::InvalidProgram(reason.into())
 }
@@ -229,7 +247,7 @@ impl Scope {
             .or_else(|| self.config.get(root.strip_prefix(&prefix)?))
     }
 
-    fn lookup(&self, r: &Ref) -> Result<Val, String> {
+    fn lookup(&self, r: &Ref) -> Result<Val, ExprError> {
         let base = if let Some(v) = self.values.get(&r.root) {
             v
         } else if let Some(v) = self.config_key(&r.root) {
@@ -237,13 +255,12 @@ impl Scope {
         } else if r.root == "pulumi" {
             &self.builtins
         } else {
-            return Err(format!("unknown reference '${{{}}}'", r.text));
+            return Err(ExprError::Unknown(r.text.clone()));
         };
         let mut plain = &base.plain;
         let mut masked = Some(&base.masked);
         for seg in &r.path {
-            plain = step(plain, seg)
-                .ok_or_else(|| format!("'${{{}}}' names a property that does not exist", r.text))?;
+            plain = step(plain, seg).ok_or_else(|| ExprError::NoProperty(r.text.clone()))?;
             masked = masked.and_then(|m| step(m, seg));
         }
         // A secret masks its whole subtree, so a path into it is secret too.
@@ -256,7 +273,7 @@ impl Scope {
         })
     }
 
-    fn eval(&self, expr: &Value) -> Result<Val, String> {
+    fn eval(&self, expr: &Value) -> Result<Val, ExprError> {
         match expr {
             Value::String(s) => self.eval_string(s),
             Value::Array(items) => {
@@ -286,7 +303,7 @@ impl Scope {
         }
     }
 
-    fn eval_string(&self, s: &str) -> Result<Val, String> {
+    fn eval_string(&self, s: &str) -> Result<Val, ExprError> {
         let parts = parse_template(s)?;
         // A string that is exactly one reference takes the referenced value as is.
         if let [Part::Ref(r)] = parts.as_slice() {
@@ -455,13 +472,13 @@ enum Part {
 }
 
 /// Every reference in an expression tree.
-fn refs_in(expr: &Value) -> Result<Vec<Ref>, String> {
+fn refs_in(expr: &Value) -> Result<Vec<Ref>, ExprError> {
     let mut out = Vec::new();
     collect_refs(expr, &mut out)?;
     Ok(out)
 }
 
-fn collect_refs(expr: &Value, out: &mut Vec<Ref>) -> Result<(), String> {
+fn collect_refs(expr: &Value, out: &mut Vec<Ref>) -> Result<(), ExprError> {
     match expr {
         Value::String(s) => {
             for p in parse_template(s)? {
@@ -486,7 +503,7 @@ fn collect_refs(expr: &Value, out: &mut Vec<Ref>) -> Result<(), String> {
 }
 
 /// Splits `a-${x.y[0]}-b` into literal and reference parts; `$${` is a literal `${`.
-fn parse_template(s: &str) -> Result<Vec<Part>, String> {
+fn parse_template(s: &str) -> Result<Vec<Part>, ExprError> {
     let mut parts = Vec::new();
     let mut lit = String::new();
     let mut rest = s;
@@ -501,7 +518,7 @@ fn parse_template(s: &str) -> Result<Vec<Part>, String> {
         let after = &rest[pos + 2..];
         let end = after
             .find('}')
-            .ok_or_else(|| format!("unterminated '${{' in '{s}'"))?;
+            .ok_or_else(|| ExprError::Unterminated(s.to_string()))?;
         if !lit.is_empty() {
             parts.push(Part::Lit(std::mem::take(&mut lit)));
         }
@@ -515,8 +532,8 @@ fn parse_template(s: &str) -> Result<Vec<Part>, String> {
     Ok(parts)
 }
 
-fn parse_ref(text: &str) -> Result<Ref, String> {
-    let bad = || format!("cannot parse reference '${{{text}}}'");
+fn parse_ref(text: &str) -> Result<Ref, ExprError> {
+    let bad = || ExprError::Unparsable(text.to_string());
     let root_end = text.find(['.', '[']).unwrap_or(text.len());
     let root = &text[..root_end];
     if root.is_empty() {
