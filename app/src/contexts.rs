@@ -6,12 +6,14 @@
 //! with their schemas) and the background work it starts. [`Contexts`] collects them: the
 //! router and the OpenAPI document are built from every context's routes, the projector
 //! runs every context's projections, the relay and the SSE stream publish through every
-//! context's publishers, and `ferry schemas` documents them all. No other list exists.
+//! context's publishers, inbound events go to the contexts that register for them, and
+//! `ferry schemas` documents them all. No other list exists.
 
 pub mod promotions;
 pub mod provisioning;
 
 use crate::config::Config;
+use crate::inbound::{ContextInbound, InboundParts};
 use crate::server::StartError;
 use aide::axum::ApiRouter;
 use ferry_api::state::AppState;
@@ -65,6 +67,13 @@ pub trait BoundedContext: Send + Sync {
     /// The token scopes its routes name (for `ferry token`). None by default.
     fn scopes(&self) -> &'static [&'static str] {
         &[]
+    }
+
+    /// Its handler of the events Ferry hears, which names the events it handles. None by
+    /// default.
+    fn inbound(&self, parts: &InboundParts) -> Option<Arc<dyn ContextInbound>> {
+        let _ = parts;
+        None
     }
 
     /// Starts its background work (workers, the subscriptions that enqueue their steps).
@@ -128,6 +137,11 @@ impl Contexts {
                 .iter()
                 .fold(ApiRouter::new(), |all, c| all.merge(c.routes()))
         })
+    }
+
+    /// The handler of inbound events: every context's, by the events each registers.
+    pub fn inbound(&self, parts: &InboundParts) -> crate::inbound::FerryInbound {
+        crate::inbound::FerryInbound::new(self.0.iter().filter_map(|c| c.inbound(parts)).collect())
     }
 
     /// Starts every context's background work.

@@ -246,12 +246,12 @@ impl Server {
             shutdown: &shutdown_rx,
             options: &options_rx,
         })?;
-        let handler = std::sync::Arc::new(crate::inbound::FerryInbound::new(
-            db.clone(),
-            metrics.clone(),
-            confinement.clone(),
-            ports.programs.clone(),
-        ));
+        let handler = std::sync::Arc::new(contexts.inbound(&crate::inbound::InboundParts {
+            db: db.clone(),
+            metrics: metrics.clone(),
+            confinement: confinement.clone(),
+            programs: ports.programs.clone(),
+        }));
         // Who may post inbound events: the open single-team default, or sources trusted
         // but spoken for by no service over HTTP, is worth an operator's attention.
         for warning in config.trusted_sources.warnings() {

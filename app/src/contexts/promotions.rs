@@ -19,6 +19,7 @@
 pub mod driver;
 pub mod environments;
 pub mod events;
+pub mod inbound;
 pub mod metrics;
 pub mod probe;
 pub mod routes;
@@ -73,6 +74,13 @@ impl BoundedContext for Promotions {
 
     fn scopes(&self) -> &'static [&'static str] {
         &routes::SCOPES
+    }
+
+    fn inbound(
+        &self,
+        parts: &crate::inbound::InboundParts,
+    ) -> Option<Arc<dyn crate::inbound::ContextInbound>> {
+        Some(Arc::new(inbound::PromotionsInbound::new(parts)))
     }
 
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {

@@ -5,6 +5,7 @@
 //! environments' ignore rules it applies.
 
 pub mod drift;
+pub mod inbound;
 pub mod reconcile;
 
 use super::{BoundedContext, Process};
@@ -46,6 +47,13 @@ impl BoundedContext for Provisioning {
 
     fn publishers(&self) -> Publishers {
         Publishers::provisioning()
+    }
+
+    fn inbound(
+        &self,
+        parts: &crate::inbound::InboundParts,
+    ) -> Option<Arc<dyn crate::inbound::ContextInbound>> {
+        Some(Arc::new(inbound::ProvisioningInbound::new(parts)))
     }
 
     fn start(&self, process: &Process<'_>) -> Result<(), StartError> {
