@@ -406,13 +406,17 @@ pub fn created_answer<V: serde::Serialize>(
     location_prefix: &str,
     created: &crate::idempotent::Created<V>,
 ) -> Response {
-    let mut response = self::created(&format!("{location_prefix}{}", created.id), &created.view);
-    if created.replayed {
-        response
-            .headers_mut()
-            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    let location = format!("{location_prefix}{}", created.id());
+    match created {
+        crate::idempotent::Created::New { view, .. } => self::created(&location, view),
+        crate::idempotent::Created::Replayed { answer, .. } => {
+            let mut response = self::created(&location, answer);
+            response
+                .headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            response
+        }
     }
-    response
 }
 
 #[cfg(test)]

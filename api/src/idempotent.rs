@@ -51,16 +51,46 @@ pub struct Keyed<'a> {
     pub request: &'a Value,
 }
 
-/// What a creating use case answers: the resource as created, and whether this is the
-/// first request's stored answer replayed.
+/// What a creating use case answers: the resource this request created, or, for a retry,
+/// the first request's answer as it was stored (kept as sent, whatever the view's shape in
+/// this version).
 #[derive(Debug)]
-pub struct Created<V> {
+pub enum Created<V> {
+    /// This request created it.
+    New {
+        /// The resource's id.
+        id: String,
+        /// The resource as the command that created it recorded it.
+        view: V,
+    },
+    /// A retry whose first request answered.
+    Replayed {
+        /// The resource's id.
+        id: String,
+        /// The first answer's body.
+        answer: Value,
+    },
+}
+
+impl<V> Created<V> {
     /// The resource's id.
-    pub id: String,
-    /// The resource as the command that created it recorded it.
-    pub view: V,
-    /// True when a retry got the first request's answer.
-    pub replayed: bool,
+    pub fn id(&self) -> &str {
+        match self {
+            Self::New { id, .. } | Self::Replayed { id, .. } => id,
+        }
+    }
+}
+
+impl<V: DeserializeOwned> Created<V> {
+    /// The resource as a view (a replayed answer decoded), for a transport that needs it typed.
+    pub fn into_view(self) -> Result<V, ApiError> {
+        match self {
+            Self::New { view, .. } => Ok(view),
+            Self::Replayed { answer, .. } => {
+                serde_json::from_value(answer).map_err(ApiError::internal)
+            }
+        }
+    }
 }
 
 /// One creating command under an optional idempotency key.
@@ -90,15 +120,14 @@ impl IdempotentCommand<'_> {
     ) -> Result<Created<V>, ApiError>
     where
         Id: Display,
-        V: Serialize + DeserializeOwned,
+        V: Serialize,
         Fut: Future<Output = Result<V, ApiError>>,
     {
         let Some(Keyed { key, request }) = self.keyed else {
             let id = fresh.to_string();
-            return Ok(Created {
+            return Ok(Created::New {
                 view: command(fresh).await?,
                 id,
-                replayed: false,
             });
         };
         let reservation = IdempotentRequest {
@@ -110,10 +139,9 @@ impl IdempotentCommand<'_> {
         };
         let id = match reservation.reserve(self.db, self.tenant.as_str()).await? {
             Reservation::Replay { resource_id, body } => {
-                return Ok(Created {
+                return Ok(Created::Replayed {
                     id: resource_id,
-                    view: serde_json::from_value(body).map_err(ApiError::internal)?,
-                    replayed: true,
+                    answer: body,
                 })
             }
             // The first request's resource, made under whichever names its version derived.
@@ -131,11 +159,7 @@ impl IdempotentCommand<'_> {
                     &body,
                 )
                 .await?;
-                Ok(Created {
-                    id: id_text,
-                    view,
-                    replayed: false,
-                })
+                Ok(Created::New { id: id_text, view })
             }
             Err(e) => {
                 idempotency::release(self.db, self.tenant.as_str(), key.as_str(), &self.owner)

@@ -467,14 +467,14 @@ pub async fn plan(
             },
         )
         .await?;
-    if !planned.replayed {
+    if let Created::New { view, .. } = &planned {
         state.telemetry().run_reached(
             caller.tenant.as_str(),
-            planned.view.kind.as_str(),
-            planned.view.state.as_str(),
+            view.kind.as_str(),
+            view.state.as_str(),
         );
     }
-    tracing::info!(provisioning_run_id = %planned.id, "provisioning requested");
+    tracing::info!(provisioning_run_id = %planned.id(), "provisioning requested");
     Ok(planned)
 }
 

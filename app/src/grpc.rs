@@ -335,7 +335,8 @@ impl PromotionsService {
         let view = use_cases::request(&self.state, &caller, ids, body, keyed)
             .await
             .map_err(status)?
-            .view;
+            .into_view()
+            .map_err(status)?;
         Ok(pb::delivery::Promotion {
             promotion_id: view.promotion_id.to_string(),
             tenant_id: view.tenant_id.to_string(),

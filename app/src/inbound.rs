@@ -21,10 +21,11 @@
 use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::ProgramSource;
 use ferry_domain::{Actor, TenantId};
+use ferry_domain::{StoredAggregate, TenantOwned};
 use ferry_messaging::inbound::{
     ApprovalDecided, Handled, InboundEnvelope, InboundError, InboundHandler,
 };
-use ferry_store::{CommandError, Database, EventMetadata};
+use ferry_store::{CommandError, Database, EventMetadata, Executed, Repository};
 use ferry_workers::metrics::Metrics;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -88,6 +89,31 @@ impl InboundHandler for FerryInbound {
         tracing::info!(event = envelope.event.name(), subject = %envelope.subject, id = %envelope.id, "heard; nothing of Ferry's to do (another service's promotions are not driven by Ferry)");
         Ok(Handled::NothingToDo)
     }
+}
+
+/// Runs `command` on the aggregate `id` as the message's sender, committed with the
+/// message's "handled" mark in one transaction (so the effect and the mark are one).
+pub(crate) async fn execute_marked<A>(
+    repository: &Repository<A>,
+    envelope: &InboundEnvelope,
+    id: &str,
+    command: A::Command,
+    may_create: bool,
+) -> Result<Executed<A>, CommandError<A::Error>>
+where
+    A: StoredAggregate + TenantOwned + Clone + Send + Sync + 'static,
+    A::Command: Clone,
+{
+    repository
+        .execute_linked(
+            &envelope.tenant_id,
+            id,
+            command,
+            &metadata(envelope, envelope.actor.clone()),
+            may_create,
+            Some(&envelope.mark),
+        )
+        .await
 }
 
 /// The answer to a command on a record another event creates: a record not there yet is

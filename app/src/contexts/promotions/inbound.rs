@@ -8,7 +8,7 @@
 
 use super::metrics::observe;
 use crate::inbound::{
-    check_decider, classify, metadata, recorded_once_there, same_tenant, ContextInbound,
+    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ContextInbound,
     InboundParts,
 };
 use chrono::Utc;
@@ -99,17 +99,15 @@ impl PromotionsInbound {
             recorded_by: envelope.actor.clone(),
             recorded_at: Utc::now(),
         };
-        self.releases
-            .execute_linked(
-                &tenant,
-                &Release::aggregate_id(&tenant, r.release_id),
-                ReleaseCommand::Record(Box::new(record)),
-                &metadata(envelope, envelope.actor.clone()),
-                true,
-                Some(&envelope.mark),
-            )
-            .await
-            .map_err(classify)?;
+        execute_marked(
+            &self.releases,
+            envelope,
+            &Release::aggregate_id(&tenant, r.release_id),
+            ReleaseCommand::Record(Box::new(record)),
+            true,
+        )
+        .await
+        .map_err(classify)?;
         Ok(Handled::Recorded)
     }
 
@@ -121,24 +119,21 @@ impl PromotionsInbound {
     ) -> Result<Handled, InboundError> {
         let tenant = envelope.tenant_id.clone();
         same_tenant(&w.tenant_id, &tenant)?;
-        let result = self
-            .releases
-            .execute_linked(
-                &tenant,
-                &Release::aggregate_id(&tenant, w.release_id),
-                ReleaseCommand::Withdraw {
-                    reason: w
-                        .reason
-                        .clone()
-                        .unwrap_or_else(|| "withdrawn by the release service".to_string()),
-                    by: envelope.actor.clone(),
-                    at: envelope.time.unwrap_or_else(Utc::now),
-                },
-                &metadata(envelope, envelope.actor.clone()),
-                false,
-                Some(&envelope.mark),
-            )
-            .await;
+        let result = execute_marked(
+            &self.releases,
+            envelope,
+            &Release::aggregate_id(&tenant, w.release_id),
+            ReleaseCommand::Withdraw {
+                reason: w
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| "withdrawn by the release service".to_string()),
+                by: envelope.actor.clone(),
+                at: envelope.time.unwrap_or_else(Utc::now),
+            },
+            false,
+        )
+        .await;
         // It may arrive before ReleaseReady: try again later.
         recorded_once_there(result, || {
             format!("release {} is not recorded yet", w.release_id)
@@ -151,7 +146,6 @@ impl PromotionsInbound {
         envelope: &InboundEnvelope,
         a: &ApprovalDecided,
     ) -> Result<Handled, InboundError> {
-        let tenant = envelope.tenant_id.clone();
         if a.provisioning_run_id.is_some() {
             return Ok(Handled::NothingToDo);
         }
@@ -165,44 +159,38 @@ impl PromotionsInbound {
             ApprovalDecision::Approve => (Decision::Approve, a.reason.clone()),
             ApprovalDecision::Reject => (Decision::Reject, a.reason.clone()),
             ApprovalDecision::Expire => {
-                let expired = self
-                    .promotions
-                    .execute_linked(
-                        &tenant,
-                        &promotion.to_string(),
-                        PromotionCommand::ExpireApproval {
-                            at: a.decided_at.unwrap_or_else(Utc::now),
-                        },
-                        &metadata(envelope, envelope.actor.clone()),
-                        false,
-                        Some(&envelope.mark),
-                    )
-                    .await
-                    .map_err(classify)?;
+                let expired = execute_marked(
+                    &self.promotions,
+                    envelope,
+                    &promotion.to_string(),
+                    PromotionCommand::ExpireApproval {
+                        at: a.decided_at.unwrap_or_else(Utc::now),
+                    },
+                    false,
+                )
+                .await
+                .map_err(classify)?;
                 observe(&expired.aggregate, &expired.events);
                 return Ok(Handled::Recorded);
             }
         };
         // The decision must name the promotion's pending approval; the approver
         // named in the payload is checked against the requester by the domain.
-        let decided = self
-            .promotions
-            .execute_linked(
-                &tenant,
-                &promotion.to_string(),
-                PromotionCommand::DecideApproval {
-                    approval_id: Some(a.approval_id),
-                    decision,
-                    decided_by: a.decided_by.clone(),
-                    reason,
-                    at: a.decided_at.unwrap_or_else(Utc::now),
-                },
-                &metadata(envelope, envelope.actor.clone()),
-                false,
-                Some(&envelope.mark),
-            )
-            .await
-            .map_err(classify)?;
+        let decided = execute_marked(
+            &self.promotions,
+            envelope,
+            &promotion.to_string(),
+            PromotionCommand::DecideApproval {
+                approval_id: Some(a.approval_id),
+                decision,
+                decided_by: a.decided_by.clone(),
+                reason,
+                at: a.decided_at.unwrap_or_else(Utc::now),
+            },
+            false,
+        )
+        .await
+        .map_err(classify)?;
         observe(&decided.aggregate, &decided.events);
         Ok(Handled::Recorded)
     }

@@ -418,7 +418,7 @@ pub async fn request(
             },
         )
         .await?;
-    tracing::info!(promotion_id = %created.id, "promotion requested");
+    tracing::info!(promotion_id = %created.id(), "promotion requested");
     Ok(created)
 }
 

@@ -5,7 +5,7 @@
 //! are in `crate::inbound`.
 
 use crate::inbound::{
-    check_decider, classify, metadata, recorded_once_there, same_tenant, ContextInbound,
+    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ContextInbound,
     InboundParts,
 };
 use chrono::Utc;
@@ -91,17 +91,15 @@ impl ProvisioningInbound {
             recorded_by: envelope.actor.clone(),
             recorded_at: Utc::now(),
         };
-        self.environments
-            .execute_linked(
-                &tenant,
-                &Environment::aggregate_id(&tenant, &e.environment_id),
-                EnvironmentCommand::Register(Box::new(registration)),
-                &metadata(envelope, envelope.actor.clone()),
-                true,
-                Some(&envelope.mark),
-            )
-            .await
-            .map_err(classify)?;
+        execute_marked(
+            &self.environments,
+            envelope,
+            &Environment::aggregate_id(&tenant, &e.environment_id),
+            EnvironmentCommand::Register(Box::new(registration)),
+            true,
+        )
+        .await
+        .map_err(classify)?;
         Ok(Handled::Recorded)
     }
 
@@ -119,17 +117,14 @@ impl ProvisioningInbound {
             // Ordered by when the environment service observed it.
             at: envelope.time.unwrap_or_else(Utc::now),
         };
-        let result = self
-            .environments
-            .execute_linked(
-                &tenant,
-                &Environment::aggregate_id(&tenant, &e.environment_id),
-                command,
-                &metadata(envelope, envelope.actor.clone()),
-                false,
-                Some(&envelope.mark),
-            )
-            .await;
+        let result = execute_marked(
+            &self.environments,
+            envelope,
+            &Environment::aggregate_id(&tenant, &e.environment_id),
+            command,
+            false,
+        )
+        .await;
         // It may arrive before EnvironmentCreated: try again later.
         recorded_once_there(result, || {
             format!("environment {} is not recorded yet", e.environment_id)
@@ -189,16 +184,7 @@ impl ProvisioningInbound {
         };
         // The approver named in the payload is recorded on the decision; the event's
         // actor is the service that reported it.
-        let done = self
-            .runs
-            .execute_linked(
-                &tenant,
-                &run_id.to_string(),
-                command,
-                &metadata(envelope, envelope.actor.clone()),
-                false,
-                Some(&envelope.mark),
-            )
+        let done = execute_marked(&self.runs, envelope, &run_id.to_string(), command, false)
             .await
             .map_err(classify)?;
         if let (Some(r), Some(state)) = (done.aggregate.request(), done.aggregate.state()) {
