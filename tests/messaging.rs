@@ -1,6 +1,6 @@
 //! End-to-end messaging through a running Ferry: real Postgres, a real nats-server started
 //! by the test, HTTP. (The relay's crash and outage behaviour is tested in
-//! `messaging/tests/`.)
+//! `app/tests/`.)
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 mod common;
