@@ -53,8 +53,8 @@ enum Command {
         /// (people), or factory.events.publish (a service posting other services' events).
         #[arg(long, default_value = "")]
         scopes: String,
-        /// Space-separated roles of a person: Operator, PlatformAdmin, Observer (none for a
-        /// service).
+        /// Space-separated roles of a person: Operator, PlatformAdmin, Observer, Reviewer,
+        /// WorkspaceAdmin (none for a service).
         #[arg(long, default_value = "")]
         roles: String,
         /// Lifetime in seconds.
@@ -353,11 +353,9 @@ fn token(
     let scopes: Vec<&str> = scopes.split_whitespace().collect();
     let roles: Vec<&str> = roles.split_whitespace().collect();
     for role in &roles {
-        if !matches!(
-            *role,
-            "Operator" | "PlatformAdmin" | "Observer" | "Reviewer" | "WorkspaceAdmin"
-        ) {
-            bail!("--roles: {role:?} is not Operator, PlatformAdmin, Observer, Reviewer or WorkspaceAdmin");
+        if ferry_api::auth::Role::parse(role).is_none() {
+            let known: Vec<&str> = ferry_api::auth::Role::ALL.map(|r| r.as_str()).to_vec();
+            bail!("--roles: {role:?} is not one of {}", known.join(", "));
         }
     }
     let known = Contexts::builtin().scopes();

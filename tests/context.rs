@@ -1,9 +1,10 @@
 //! A bounded context added in one file: a counter aggregate with its command route, its
-//! read model, its published events and its documentation, registered through
-//! [`BoundedContext`] and nothing else. It shows what ARCHITECTURE.md's "Adding an
-//! aggregate" promises: the process serves the route and documents it, projects the
-//! events, publishes them to NATS, and refuses another tenant, without a line of Ferry's
-//! own crates naming it.
+//! read model, its published events, an event of another service it hears, and their
+//! documentation, registered through [`BoundedContext`] and nothing else. It shows what
+//! ARCHITECTURE.md's "Adding an aggregate" promises: the process serves the route and
+//! documents it, projects the events, publishes them to NATS, consumes the event it hears
+//! over NATS and HTTP (once per message), and refuses another tenant, without a line of
+//! Ferry's own crates naming it.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 mod common;
@@ -20,8 +21,10 @@ use ferry_api::extract::{RequestIds, ValidJson};
 use ferry_api::openapi::{Doc, APPLY, READ};
 use ferry_api::problem::ApiError;
 use ferry_api::state::AppState;
+use ferry_app::inbound::{classify, execute_marked, ContextInbound, InboundParts};
 use ferry_app::{BoundedContext, Contexts, Server};
 use ferry_domain::{EventType, StoredAggregate, TenantId, TenantOwned};
+use ferry_messaging::inbound::{Handled, InboundEnvelope, InboundError, InboundEvent, InboundKind};
 use ferry_messaging::testing::Nats;
 use ferry_messaging::{DomainEvents, Publishers};
 use ferry_projections::projection::TableNames;
@@ -257,6 +260,47 @@ impl Subscriber<Counter> for CounterRows {
     }
 }
 
+/// `counters.v1.bump-requested`: another service asks for a counter to go up.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+struct BumpRequested {
+    tenant_id: TenantId,
+    counter_id: String,
+    by: u64,
+}
+
+impl InboundEvent for BumpRequested {
+    const NAME: &'static str = "BumpRequested";
+    const SUBJECT: &'static str = "counters.v1.bump-requested";
+    const SUMMARY: &'static str = "Another service asks for a counter to go up.";
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+}
+
+/// What the context does with the events it hears.
+struct CountersInbound {
+    counters: ferry_store::Repository<Counter>,
+}
+
+#[async_trait::async_trait]
+impl ContextInbound for CountersInbound {
+    async fn handle(&self, envelope: &InboundEnvelope) -> Result<Handled, InboundError> {
+        let Some(bump) = envelope.event.get::<BumpRequested>() else {
+            return Ok(Handled::NothingToDo);
+        };
+        let command = CounterCommand::Add {
+            tenant: envelope.tenant_id.clone(),
+            by: bump.by,
+        };
+        // The effect commits with the message's "handled" mark.
+        execute_marked(&self.counters, envelope, &bump.counter_id, command, true)
+            .await
+            .map_err(classify)?;
+        Ok(Handled::Recorded)
+    }
+}
+
 /// The whole registration.
 struct Counters;
 
@@ -297,6 +341,16 @@ impl BoundedContext for Counters {
 
     fn publishers(&self) -> Publishers {
         Publishers::new().with(Arc::new(DomainEvents::<Counter>::new()))
+    }
+
+    fn inbound_events(&self) -> Vec<InboundKind> {
+        vec![InboundKind::of::<BumpRequested>()]
+    }
+
+    fn inbound(&self, parts: &InboundParts) -> Option<Arc<dyn ContextInbound>> {
+        Some(Arc::new(CountersInbound {
+            counters: ferry_store::Repository::new(parts.db.clone(), ()),
+        }))
     }
 }
 
@@ -395,6 +449,74 @@ async fn a_context_registered_in_one_place_is_served_documented_projected_and_pu
         json!({"tenantId": "acme", "by": 3, "total": 5})
     );
     assert_eq!(event["tenantid"], "acme");
+
+    // Heard over HTTP: a service's event goes to the context's handler, once per message.
+    let bump = |id: &str, by: u64| {
+        json!({"specversion": "1.0", "id": id, "source": "urn:counter-service",
+               "type": "BumpRequested", "tenantid": "acme",
+               "data": {"tenantId": "acme", "counterId": "c-1", "by": by}})
+    };
+    let (status, body) = s
+        .post_event(&service("acme", "svc"), &bump("b-1", 10))
+        .await;
+    assert_eq!(
+        (status, body["event"].clone()),
+        (202, json!("BumpRequested")),
+        "{body}"
+    );
+    let (status, body) = s
+        .post_event(&service("acme", "svc"), &bump("b-1", 10))
+        .await;
+    assert_eq!(
+        (status, body["duplicate"].clone()),
+        (202, json!(true)),
+        "{body}"
+    );
+    let total_reaches = |total: u64| {
+        let (server, reader) = (&s, &alice);
+        eventually_showing("the counter's read model", 15, move || async move {
+            let (_, body) = server.get(reader, "/tests/counters/c-1").await;
+            (body["total"] == total)
+                .then_some(())
+                .ok_or(body.to_string())
+        })
+    };
+    total_reaches(15).await;
+    // A payload that breaks the event's types is refused with the field.
+    let mut bad = bump("b-2", 1);
+    bad["data"]["by"] = json!("many");
+    let (status, body) = s.post_event(&service("acme", "svc"), &bad).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("BumpRequested payload is invalid"),
+        "{body}"
+    );
+
+    // Heard over NATS: Ferry consumes the subject the context declared.
+    let mut over_nats = bump("b-3", 5);
+    over_nats["type"] = json!("counters.v1.bump-requested");
+    let over_nats = &over_nats;
+    // The consumers set up the stream storing the subject as they start: publish once it is.
+    eventually_showing("the subject stored by a stream", 15, || async move {
+        let ack = js
+            .publish("counters.v1.bump-requested", over_nats.to_string().into())
+            .await
+            .map_err(|e| e.to_string())?;
+        ack.await.map_err(|e| e.to_string())
+    })
+    .await;
+    total_reaches(20).await;
+
+    // Documented among the events Ferry consumes.
+    let files = Contexts::builtin()
+        .with(Arc::new(Counters))
+        .published_schemas();
+    assert!(files
+        .iter()
+        .any(|(path, _)| path == "events/inbound/bump-requested.schema.json"));
 
     // Known to every reader of the stream, so Ferry's own subscriptions pass over it.
     assert!(ferry_store::events::is_known("Counter"));

@@ -43,15 +43,29 @@ pub enum Role {
 }
 
 impl Role {
-    fn parse(s: &str) -> Option<Self> {
-        match s {
-            "Operator" => Some(Self::Operator),
-            "PlatformAdmin" => Some(Self::PlatformAdmin),
-            "Observer" => Some(Self::Observer),
-            "Reviewer" => Some(Self::Reviewer),
-            "WorkspaceAdmin" => Some(Self::WorkspaceAdmin),
-            _ => None,
+    /// Every role a token may carry.
+    pub const ALL: [Self; 5] = [
+        Self::Operator,
+        Self::PlatformAdmin,
+        Self::Observer,
+        Self::Reviewer,
+        Self::WorkspaceAdmin,
+    ];
+
+    /// Its name in a token's `roles` claim.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Operator => "Operator",
+            Self::PlatformAdmin => "PlatformAdmin",
+            Self::Observer => "Observer",
+            Self::Reviewer => "Reviewer",
+            Self::WorkspaceAdmin => "WorkspaceAdmin",
         }
+    }
+
+    /// The role a claim names, if it is one.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|role| role.as_str() == s)
     }
 }
 

@@ -4,50 +4,12 @@
 //! ARCHITECTURE.md, "Crates and what each may depend on").
 
 use axum::response::sse::Event;
-use ferry_domain::{Actor, TenantId};
+use ferry_domain::TenantId;
 use ferry_store::stream::SubscriptionStatus;
 use futures::stream::BoxStream;
 use std::convert::Infallible;
 
-/// Who posted an event over HTTP: the verified token's tenant and subject.
-#[derive(Debug, Clone)]
-pub struct Poster {
-    /// The token's tenant: the event must be for it.
-    pub tenant: TenantId,
-    /// The token's subject: the actor of the event's effects.
-    pub actor: Actor,
-}
-
-/// An event taken in.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Accepted {
-    /// The CloudEvent id.
-    pub id: String,
-    /// The event name (`ReleaseReady`, …).
-    pub event: String,
-    /// True when the id was handled before (nothing happened this time).
-    pub duplicate: bool,
-}
-
-/// Why an event posted over HTTP was not taken in; each variant is one HTTP status.
-#[derive(Debug, thiserror::Error)]
-pub enum IntakeError {
-    /// Not a valid CloudEvent or payload, or an unknown type: 400.
-    #[error("malformed event: {0}")]
-    Malformed(String),
-    /// Another tenant's event, or an untrusted source: 403.
-    #[error("{0}")]
-    Forbidden(String),
-    /// A domain rule refused it: 422.
-    #[error("event refused: {0}")]
-    Rejected(String),
-    /// The same id is being handled right now: 409, retry later.
-    #[error("event {0} is being handled; retry later")]
-    InProgress(String),
-    /// The store did not answer: 503.
-    #[error("the store is unavailable: {0}")]
-    Unavailable(String),
-}
+pub use ferry_domain::cloudevent::{Accepted, IntakeError, Poster};
 
 /// `POST /factory/events`: the same validation, de-duplication and dead-lettering as the
 /// NATS consumers.

@@ -3,11 +3,12 @@
 //!
 //! A [`BoundedContext`] names the aggregates it stores, its routes with their
 //! documentation, its projections, its publishers (the subjects and payloads of its events,
-//! with their schemas) and the background work it starts. [`Contexts`] collects them: the
+//! with their schemas), the events it hears with its handler, and the background work it
+//! starts. [`Contexts`] collects them: the
 //! router and the OpenAPI document are built from every context's routes, the projector
 //! runs every context's projections, the relay and the SSE stream publish through every
-//! context's publishers, inbound events go to the contexts that register for them, and
-//! `ferry schemas` documents them all. No other list exists.
+//! context's publishers, the events each context declares it hears are consumed and go to
+//! its handler, and `ferry schemas` documents them all. No other list exists.
 
 pub mod promotions;
 pub mod provisioning;
@@ -18,7 +19,7 @@ use crate::server::StartError;
 use aide::axum::ApiRouter;
 use ferry_api::state::AppState;
 use ferry_api::Api;
-use ferry_messaging::Publishers;
+use ferry_messaging::{InboundKind, InboundKinds, Publishers};
 use ferry_projections::Projection;
 use ferry_store::Database;
 use std::sync::Arc;
@@ -69,8 +70,15 @@ pub trait BoundedContext: Send + Sync {
         &[]
     }
 
-    /// Its handler of the events Ferry hears, which names the events it handles. None by
-    /// default.
+    /// The events of other services it hears (`InboundKind::of::<Payload>()` for each):
+    /// their names, subjects, payload types and rules. Its [`inbound`](Self::inbound)
+    /// handler gets them. None by default.
+    fn inbound_events(&self) -> Vec<InboundKind> {
+        Vec::new()
+    }
+
+    /// Its handler of the events it declares in
+    /// [`inbound_events`](Self::inbound_events). None by default.
     fn inbound(&self, parts: &InboundParts) -> Option<Arc<dyn ContextInbound>> {
         let _ = parts;
         None
@@ -139,9 +147,19 @@ impl Contexts {
         })
     }
 
-    /// The handler of inbound events: every context's, by the events each registers.
+    /// Every event some context hears, each once.
+    pub fn inbound_kinds(&self) -> InboundKinds {
+        InboundKinds::new(self.0.iter().flat_map(|c| c.inbound_events()))
+    }
+
+    /// The handler of inbound events: every context's, with the events each declares.
     pub fn inbound(&self, parts: &InboundParts) -> crate::inbound::FerryInbound {
-        crate::inbound::FerryInbound::new(self.0.iter().filter_map(|c| c.inbound(parts)).collect())
+        crate::inbound::FerryInbound::new(
+            self.0
+                .iter()
+                .filter_map(|c| Some((c.inbound_events(), c.inbound(parts)?)))
+                .collect(),
+        )
     }
 
     /// Starts every context's background work.
@@ -157,7 +175,10 @@ impl Contexts {
     /// the message schemas with the AsyncAPI document.
     pub fn published_schemas(&self) -> Vec<(String, String)> {
         let mut files = vec![("openapi.json".to_string(), self.api().document_text())];
-        files.extend(ferry_messaging::published_schemas(&self.publishers()));
+        files.extend(ferry_messaging::published_schemas(
+            &self.publishers(),
+            &self.inbound_kinds(),
+        ));
         files
     }
 }

@@ -5,7 +5,7 @@
 use axum::response::sse::Event;
 use ferry_api::ports::{Accepted, EventFeed, EventIntake, IntakeError, Poster};
 use ferry_domain::TenantId;
-use ferry_messaging::inbound::{AcceptError, InboundContext};
+use ferry_messaging::inbound::InboundContext;
 use ferry_store::Database;
 use futures::stream::{BoxStream, StreamExt};
 use std::convert::Infallible;
@@ -25,24 +25,7 @@ impl Intake {
 #[async_trait::async_trait]
 impl EventIntake for Intake {
     async fn accept(&self, poster: &Poster, body: &[u8]) -> Result<Accepted, IntakeError> {
-        let poster = ferry_messaging::inbound::Poster {
-            tenant: poster.tenant.clone(),
-            actor: poster.actor.clone(),
-        };
-        match ferry_messaging::inbound::accept_cloud_event(&self.inbound, &poster, body).await {
-            Ok(a) => Ok(Accepted {
-                id: a.id,
-                event: a.event,
-                duplicate: a.duplicate,
-            }),
-            Err(e) => Err(match e {
-                AcceptError::Malformed(r) => IntakeError::Malformed(r),
-                AcceptError::Forbidden(r) => IntakeError::Forbidden(r),
-                AcceptError::Rejected(r) => IntakeError::Rejected(r),
-                AcceptError::InProgress(r) => IntakeError::InProgress(r),
-                AcceptError::Unavailable(r) => IntakeError::Unavailable(r),
-            }),
-        }
+        ferry_messaging::inbound::accept_cloud_event(&self.inbound, poster, body).await
     }
 }
 

@@ -1,15 +1,10 @@
 //! What Ferry does with the events it hears (over NATS or `POST /factory/events`): each
-//! bounded context registers the events it handles and its handler
-//! (`BoundedContext::inbound`); [`FerryInbound`] hands each event to them.
-//!
-//! | event | effect |
-//! |---|---|
-//! | `EnvironmentCreated` | records the environment (class, health URL, baseline program): its baseline is planned |
-//! | `EnvironmentStateChanged` | records its readiness |
-//! | `ApprovalDecided` | decides the named promotion's pending approval (it must name that approval), or approves or rejects the named run awaiting approval (expired = rejected); a promotion's run is decided only through its promotion |
-//! | `ReleaseReady` | records the release (it needs its program, commit and version to be promotable; a commit or folder its repository does not hold is recorded as the release's problem, and its promotions are rejected at the pipeline gate) |
-//! | `ReleaseWithdrawn` | withdraws the release: promotions of it not yet deploying are rejected |
-//! | `ProvisioningApplied`, `ProvisioningFailed` | logged only: Ferry's promotions follow their runs in process (the promotions driver) |
+//! bounded context declares the events it hears (`BoundedContext::inbound_events`: their
+//! payload types, names and subjects) and its handler (`BoundedContext::inbound`);
+//! [`FerryInbound`] hands each event to the handlers of the contexts that declared it, and
+//! the transport accepts only what some context declared. What each context does with its
+//! events is in its `inbound` module. [`ApprovalDecided`] is here because two contexts
+//! hear it: provisioning when it names a run, promotions when it names a promotion.
 //!
 //! Every effect is committed with the message's "handled" mark (one transaction), and its
 //! actor is who sent the event (the token's subject over HTTP, `nats:<source>` over NATS),
@@ -18,15 +13,19 @@
 //! are permanent (the message is dead-lettered with the reason); a concurrent change or an
 //! unavailable store is transient (redelivered later).
 
+use chrono::{DateTime, Utc};
 use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::ProgramSource;
 use ferry_domain::{Actor, TenantId};
+use ferry_domain::{ApprovalId, PromotionId, ProvisioningRunId};
 use ferry_domain::{StoredAggregate, TenantOwned};
 use ferry_messaging::inbound::{
-    ApprovalDecided, Handled, InboundEnvelope, InboundError, InboundHandler,
+    BrokenRule, Handled, InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundKind,
+    InboundKinds,
 };
 use ferry_store::{CommandError, Database, EventMetadata, Executed, Repository};
 use ferry_workers::metrics::Metrics;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -42,12 +41,9 @@ pub struct InboundParts {
     pub programs: Arc<dyn ProgramSource>,
 }
 
-/// A context's handler of the events it registers.
+/// A context's handler of the events it registers (`BoundedContext::inbound_events`).
 #[async_trait::async_trait]
 pub trait ContextInbound: Send + Sync {
-    /// The events (by name) it handles.
-    fn events(&self) -> &'static [&'static str];
-
     /// Handles one; [`Handled::NothingToDo`] when this one is not the context's (another
     /// context registered for the same event may take it).
     async fn handle(&self, envelope: &InboundEnvelope) -> Result<Handled, InboundError>;
@@ -56,24 +52,37 @@ pub trait ContextInbound: Send + Sync {
 /// The handler of inbound events: each to the contexts registered for it, in order; the
 /// first that does something answers.
 pub struct FerryInbound {
+    kinds: InboundKinds,
     handlers: BTreeMap<&'static str, Vec<Arc<dyn ContextInbound>>>,
 }
 
 impl FerryInbound {
-    /// A handler over the contexts' `handlers`.
-    pub fn new(handlers: Vec<Arc<dyn ContextInbound>>) -> Self {
+    /// A handler over the contexts' handlers, each with the events it registers.
+    pub fn new(handlers: Vec<(Vec<InboundKind>, Arc<dyn ContextInbound>)>) -> Self {
         let mut by_event: BTreeMap<&'static str, Vec<Arc<dyn ContextInbound>>> = BTreeMap::new();
-        for handler in handlers {
-            for event in handler.events() {
-                by_event.entry(event).or_default().push(handler.clone());
+        let mut kinds = Vec::new();
+        for (events, handler) in handlers {
+            for kind in events {
+                by_event
+                    .entry(kind.name())
+                    .or_default()
+                    .push(handler.clone());
+                kinds.push(kind);
             }
         }
-        Self { handlers: by_event }
+        Self {
+            kinds: InboundKinds::new(kinds),
+            handlers: by_event,
+        }
     }
 }
 
 #[async_trait::async_trait]
 impl InboundHandler for FerryInbound {
+    fn kinds(&self) -> InboundKinds {
+        self.kinds.clone()
+    }
+
     async fn handle(&self, envelope: InboundEnvelope) -> Result<Handled, InboundError> {
         for handler in self
             .handlers
@@ -93,7 +102,7 @@ impl InboundHandler for FerryInbound {
 
 /// Runs `command` on the aggregate `id` as the message's sender, committed with the
 /// message's "handled" mark in one transaction (so the effect and the mark are one).
-pub(crate) async fn execute_marked<A>(
+pub async fn execute_marked<A>(
     repository: &Repository<A>,
     envelope: &InboundEnvelope,
     id: &str,
@@ -150,7 +159,9 @@ pub(crate) fn check_decider(a: &ApprovalDecided) -> Result<(), InboundError> {
     }
 }
 
-pub(crate) fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
+/// What a refused command means for the message: a domain refusal or a missing record is
+/// permanent (dead-lettered), a concurrent change or an unavailable store transient.
+pub fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError {
     match e {
         CommandError::Domain(d) => InboundError::Permanent(d.to_string()),
         CommandError::NotFound => {
@@ -166,7 +177,9 @@ pub(crate) fn classify<E: std::error::Error>(e: CommandError<E>) -> InboundError
     }
 }
 
-pub(crate) fn metadata(envelope: &InboundEnvelope, actor: Actor) -> EventMetadata {
+/// The metadata of a command an inbound message causes: its tenant, `actor`, and the
+/// message's correlation and causation ids where they are uuids.
+pub fn metadata(envelope: &InboundEnvelope, actor: Actor) -> EventMetadata {
     let request_id = uuid::Uuid::new_v4();
     let correlation_id = envelope
         .correlation_id
@@ -181,5 +194,107 @@ pub(crate) fn metadata(envelope: &InboundEnvelope, actor: Actor) -> EventMetadat
         correlation_id,
         causation_id,
         request_id,
+    }
+}
+
+/// The decision carried by `ApprovalDecided`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ApprovalDecision {
+    /// Approved.
+    #[serde(alias = "approved")]
+    Approve,
+    /// Rejected.
+    #[serde(alias = "rejected")]
+    Reject,
+    /// Expired without a decision (treat as a rejection).
+    #[serde(alias = "expired")]
+    Expire,
+}
+
+// Both contexts hear it: provisioning when it names a run, promotions when it names a
+// promotion. (Its doc comment is its schema's description.)
+/// `runcontrol.approvals.v1.approval-decided`: a person decided an approval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalDecided {
+    /// The approval.
+    pub approval_id: ApprovalId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The run waiting for it (baseline and reconciliation applies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioning_run_id: Option<ProvisioningRunId>,
+    /// The promotion waiting for it (production promotions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promotion_id: Option<PromotionId>,
+    /// approve | reject | expire.
+    pub decision: ApprovalDecision,
+    /// Who decided.
+    pub decided_by: Actor,
+    /// Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// When.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decided_at: Option<DateTime<Utc>>,
+}
+
+impl InboundEvent for ApprovalDecided {
+    const NAME: &'static str = "ApprovalDecided";
+    const SUBJECT: &'static str = "runcontrol.approvals.v1.approval-decided";
+    const SUMMARY: &'static str = "Run control decided an approval for a run or a promotion.";
+
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+
+    fn check(&self) -> Result<(), BrokenRule> {
+        if self.provisioning_run_id.is_none() && self.promotion_id.is_none() {
+            return Err(BrokenRule(
+                "names neither provisioningRunId nor promotionId".to_string(),
+            ));
+        }
+        // Deserialising takes an actor's name as stored events hold it; one that arrives
+        // must not hide what it is (`Actor::parse`).
+        Actor::parse(self.decided_by.as_str())
+            .map(|_| ())
+            .map_err(|e| BrokenRule(format!("decidedBy: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_approval_must_name_what_it_decides_and_a_visible_decider() {
+        let kind = InboundKind::of::<ApprovalDecided>();
+        let err = kind
+            .decode(
+                json!({"approvalId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a11", "tenantId": "acme",
+                           "decision": "approve", "decidedBy": "bob"}),
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("neither"), "{err}");
+        // An approver's name that hides characters is refused when it arrives.
+        for hidden in ["alice\u{200B}", "\u{202E}ecila", "alice\u{061C}"] {
+            let err = kind
+                .decode(json!({"approvalId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a11",
+                               "tenantId": "acme",
+                               "promotionId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a12",
+                               "decision": "approve", "decidedBy": hidden}))
+                .unwrap_err();
+            assert!(err.to_string().contains("decidedBy"), "{hidden:?}: {err}");
+        }
+        let heard = kind
+            .decode(json!({"approvalId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a11",
+                           "tenantId": "acme",
+                           "promotionId": "6f1b5c2e-7d7a-4f0e-9c3b-2a1d0e5f4a12",
+                           "decision": "approved", "decidedBy": "bob"}))
+            .unwrap();
+        let decided = heard.get::<ApprovalDecided>().unwrap();
+        assert_eq!(decided.decision, ApprovalDecision::Approve);
     }
 }

@@ -252,55 +252,22 @@ impl Server {
             confinement: confinement.clone(),
             programs: ports.programs.clone(),
         }));
+        // An entry naming no event any context hears would trust nothing, silently.
+        config
+            .trusted_sources
+            .check_events(&contexts.inbound_kinds())
+            .map_err(|e| crate::ConfigError {
+                setting: "FERRY_TRUSTED_SOURCES".to_string(),
+                source_name: "configuration".to_string(),
+                reason: e.to_string(),
+            })?;
         // Who may post inbound events: the open single-team default, or sources trusted
         // but spoken for by no service over HTTP, is worth an operator's attention.
         for warning in config.trusted_sources.warnings() {
             tracing::warn!(%warning, "inbound trust");
         }
-        let (inbound, nats, messaging) = match &config.nats_url {
-            Some(url) => {
-                let relay_config = ferry_messaging::RelayConfig {
-                    nats_url: url.clone(),
-                    nats_auth: config.nats_auth.clone(),
-                    stream_name: config.nats_stream.clone(),
-                    poll: config.poll_interval,
-                    subjects: ferry_messaging::subjects::stream_subjects(&publishers),
-                    publishers: publishers.clone(),
-                    ..ferry_messaging::RelayConfig::default()
-                };
-                let relay = ferry_messaging::Relay::start(
-                    db.clone(),
-                    relay_config.clone(),
-                    shutdown_rx.clone(),
-                )
-                .await?;
-                let inbound = ferry_messaging::inbound::Inbound::start_with(
-                    ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
-                        .with_trusted_sources(config.trusted_sources.clone()),
-                    ferry_messaging::inbound::InboundConfig {
-                        nats_auth: config.nats_auth.clone(),
-                        ..ferry_messaging::inbound::InboundConfig::new(url)
-                    },
-                    shutdown_rx.clone(),
-                )
-                .await?;
-                relay.metrics().register(&registry, &config.nats_stream)?;
-                inbound.statuses().register(&registry)?;
-                let health = NatsHealth {
-                    stream: config.nats_stream.clone(),
-                    checkpoint: relay_config.checkpoint_name(),
-                    relay: relay.metrics(),
-                    consumers: inbound.statuses(),
-                };
-                (inbound.context(), Some(health), Some((relay, inbound)))
-            }
-            None => (
-                ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
-                    .with_trusted_sources(config.trusted_sources.clone()),
-                None,
-                None,
-            ),
-        };
+        let (inbound, nats, messaging) =
+            start_messaging(config, &db, handler, &publishers, &registry, &shutdown_rx).await?;
         inbound.metrics.register(&registry)?;
         let grpc_metrics = crate::grpc::GrpcMetrics::new(&registry)?;
         let services = ferry_api::state::Services {
@@ -318,31 +285,12 @@ impl Server {
             programs: ports.programs.clone(),
         };
         let state = AppState::new(db.clone(), reads, services);
-        let listener = tokio::net::TcpListener::bind(config.http_addr)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: config.http_addr,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: config.http_addr,
-            source,
-        })?;
+        let (addr, handle) =
+            serve_http(config, state.clone(), &contexts, shutdown_rx.clone()).await?;
         let grpc = match config.grpc_addr {
-            Some(addr) => Some(
-                crate::grpc::serve(state.clone(), grpc_metrics, addr, shutdown_rx.clone()).await?,
-            ),
+            Some(addr) => Some(crate::grpc::serve(state, grpc_metrics, addr, shutdown_rx).await?),
             None => None,
         };
-        let mut stop = shutdown_rx;
-        let app = ferry_api::router(state, contexts.api());
-        let handle = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await
-        });
         tracing::info!(%addr, backend = ?db.backend(), "ferry is serving");
         let (grpc_addr, grpc) = match grpc {
             Some((addr, handle)) => (Some(addr), Some(handle)),
@@ -459,4 +407,90 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = terminate => {},
     }
+}
+
+/// The relay and the inbound consumers when NATS is configured; without it, only the
+/// inbound context `POST /factory/events` uses.
+async fn start_messaging(
+    config: &Config,
+    db: &Database,
+    handler: std::sync::Arc<crate::inbound::FerryInbound>,
+    publishers: &ferry_messaging::Publishers,
+    registry: &prometheus::Registry,
+    shutdown_rx: &watch::Receiver<bool>,
+) -> Result<
+    (
+        ferry_messaging::inbound::InboundContext,
+        Option<NatsHealth>,
+        Option<(ferry_messaging::Relay, ferry_messaging::inbound::Inbound)>,
+    ),
+    StartError,
+> {
+    let context = ferry_messaging::inbound::InboundContext::new(db.clone(), handler)
+        .with_trusted_sources(config.trusted_sources.clone());
+    let Some(url) = &config.nats_url else {
+        return Ok((context, None, None));
+    };
+    let relay_config = ferry_messaging::RelayConfig {
+        nats_url: url.clone(),
+        nats_auth: config.nats_auth.clone(),
+        stream_name: config.nats_stream.clone(),
+        poll: config.poll_interval,
+        subjects: ferry_messaging::subjects::stream_subjects(publishers),
+        publishers: publishers.clone(),
+        ..ferry_messaging::RelayConfig::default()
+    };
+    let relay =
+        ferry_messaging::Relay::start(db.clone(), relay_config.clone(), shutdown_rx.clone())
+            .await?;
+    let inbound = ferry_messaging::inbound::Inbound::start_with(
+        context,
+        ferry_messaging::inbound::InboundConfig {
+            nats_auth: config.nats_auth.clone(),
+            ..ferry_messaging::inbound::InboundConfig::new(url)
+        },
+        shutdown_rx.clone(),
+    )
+    .await?;
+    relay.metrics().register(registry, &config.nats_stream)?;
+    inbound.statuses().register(registry)?;
+    let health = NatsHealth {
+        stream: config.nats_stream.clone(),
+        checkpoint: relay_config.checkpoint_name(),
+        relay: relay.metrics(),
+        consumers: inbound.statuses(),
+    };
+    Ok((inbound.context(), Some(health), Some((relay, inbound))))
+}
+
+/// Binds the HTTP port and serves every context's routes until shutdown.
+async fn serve_http(
+    config: &Config,
+    state: AppState,
+    contexts: &Contexts,
+    mut stop: watch::Receiver<bool>,
+) -> Result<
+    (
+        std::net::SocketAddr,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ),
+    StartError,
+> {
+    let bind_error = |source| StartError::Bind {
+        addr: config.http_addr,
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .map_err(bind_error)?;
+    let addr = listener.local_addr().map_err(bind_error)?;
+    let app = ferry_api::router(state, contexts.api());
+    let handle = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    Ok((addr, handle))
 }

@@ -5,10 +5,13 @@ mod common;
 
 use async_nats::jetstream;
 use common::*;
+use ferry_app::contexts::promotions::inbound::ReleaseReady;
+use ferry_app::contexts::provisioning::inbound::EnvironmentCreated;
 use ferry_messaging::inbound::store::dead_letters;
+use ferry_messaging::payloads::ProvisioningAppliedPayload;
 use ferry_messaging::{
-    accept_cloud_event, AcceptError, Handled, Inbound, InboundConfig, InboundContext,
-    InboundEnvelope, InboundError, InboundEvent, InboundHandler, Poster, Relay, RelayConfig,
+    accept_cloud_event, Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope,
+    InboundError, InboundHandler, InboundKinds, IntakeError, Poster, Relay, RelayConfig,
 };
 use ferry_store::testing::TestDatabase;
 use ferry_store::Backend;
@@ -29,6 +32,10 @@ struct Recorder {
 
 #[async_trait::async_trait]
 impl InboundHandler for Recorder {
+    fn kinds(&self) -> InboundKinds {
+        ferry_app::Contexts::builtin().inbound_kinds()
+    }
+
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         if self
@@ -38,7 +45,7 @@ impl InboundHandler for Recorder {
         {
             return Err(InboundError::Transient("store briefly down".into()));
         }
-        if let InboundEvent::ReleaseReady(r) = &event.event {
+        if let Some(r) = event.event.get::<ReleaseReady>() {
             if r.project_id.as_str() == "blocked" {
                 return Err(InboundError::Permanent("project blocked".into()));
             }
@@ -165,7 +172,7 @@ async fn a_redelivered_inbound_event_has_one_effect() {
         assert_eq!(e.tenant_id.as_str(), "acme");
         assert_eq!(e.source, "urn:test");
         assert_eq!(e.via, "nats");
-        let InboundEvent::EnvironmentCreated(c) = &e.event else {
+        let Some(c) = e.event.get::<EnvironmentCreated>() else {
             panic!("wrong event {:?}", e.event)
         };
         assert_eq!(c.environment_id.as_str(), "payments-prod");
@@ -177,7 +184,9 @@ async fn a_redelivered_inbound_event_has_one_effect() {
         let r = recorder.clone();
         async move {
             r.seen.lock().unwrap().iter().any(|e| {
-                matches!(&e.event, InboundEvent::ProvisioningApplied(p) if p.provisioning_run_id == run)
+                e.event
+                    .get::<ProvisioningAppliedPayload>()
+                    .is_some_and(|p| p.provisioning_run_id == run)
             })
         }
     })
@@ -323,14 +332,13 @@ async fn http_events(backend: Backend) {
     let err = accept_cloud_event(&ctx, &poster("globex"), &ok)
         .await
         .unwrap_err();
-    assert!(matches!(err, AcceptError::Forbidden(_)), "{err:?}");
-    assert_eq!(err.status(), axum::http::StatusCode::FORBIDDEN);
+    assert!(matches!(err, IntakeError::Forbidden(_)), "{err:?}");
 
     // Malformed and unknown: dead-lettered with the reason.
     let err = accept_cloud_event(&ctx, &poster("acme"), b"[]")
         .await
         .unwrap_err();
-    assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
+    assert!(matches!(err, IntakeError::Malformed(_)), "{err:?}");
     let unknown = body(cloud_event(
         "h-2",
         "releases.releases.v1.release-burned",
@@ -352,12 +360,12 @@ async fn http_events(backend: Backend) {
     let err = accept_cloud_event(&ctx, &poster("acme"), &refused)
         .await
         .unwrap_err();
-    assert_eq!(err, AcceptError::Rejected("project blocked".into()));
+    assert_eq!(err, IntakeError::Rejected("project blocked".into()));
     let calls = recorder.calls.load(Ordering::SeqCst);
     let err = accept_cloud_event(&ctx, &poster("acme"), &refused)
         .await
         .unwrap_err();
-    assert_eq!(err, AcceptError::Rejected("project blocked".into()));
+    assert_eq!(err, IntakeError::Rejected("project blocked".into()));
     assert_eq!(
         recorder.calls.load(Ordering::SeqCst),
         calls,
@@ -377,7 +385,7 @@ async fn http_events(backend: Backend) {
     let err = accept_cloud_event(&ctx, &poster("acme"), &approval)
         .await
         .unwrap_err();
-    assert_eq!(err.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(matches!(err, IntakeError::Unavailable(_)), "{err:?}");
     let done = accept_cloud_event(&ctx, &poster("acme"), &approval)
         .await
         .unwrap();
@@ -414,6 +422,10 @@ struct RunRecorder {
 
 #[async_trait::async_trait]
 impl InboundHandler for RunRecorder {
+    fn kinds(&self) -> InboundKinds {
+        ferry_app::Contexts::builtin().inbound_kinds()
+    }
+
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
         if self.take_over_first.swap(false, Ordering::SeqCst) {
             // Another delivery takes over the claim while this one still works.
@@ -464,7 +476,7 @@ async fn effects_commit_with_their_mark(backend: Backend) {
     let err = accept_cloud_event(&ctx, &poster("acme"), &body)
         .await
         .unwrap_err();
-    assert_eq!(err.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    assert!(matches!(err, IntakeError::Unavailable(_)), "{err:?}");
     assert_eq!(run_events(&t.db).await, 0, "no effect without its mark");
 
     // The claim taken over, then abandoned: once its lease is given back, a redelivery

@@ -7,11 +7,13 @@
 mod common;
 
 use common::*;
+use ferry_app::inbound::ApprovalDecided;
 use ferry_domain::ports::SecretValue;
 use ferry_messaging::nats::{NatsAuth, NatsCredentials};
+use ferry_messaging::payloads::ProvisioningAppliedPayload;
 use ferry_messaging::{
-    Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope, InboundError, InboundEvent,
-    InboundHandler, Relay, RelayConfig,
+    Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope, InboundError, InboundHandler,
+    InboundKinds, Relay, RelayConfig,
 };
 use ferry_store::testing::TestDatabase;
 use ferry_store::Backend;
@@ -53,6 +55,10 @@ struct Recorder(Mutex<Vec<InboundEnvelope>>);
 
 #[async_trait::async_trait]
 impl InboundHandler for Recorder {
+    fn kinds(&self) -> InboundKinds {
+        ferry_app::Contexts::builtin().inbound_kinds()
+    }
+
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
         self.0.lock().unwrap().push(event);
         Ok(Handled::NothingToDo)
@@ -65,7 +71,7 @@ impl Recorder {
             .lock()
             .unwrap()
             .iter()
-            .filter(|e| matches!(e.event, InboundEvent::ApprovalDecided(_)))
+            .filter(|e| e.event.get::<ApprovalDecided>().is_some())
             .map(|e| e.id.clone())
             .collect()
     }
@@ -185,7 +191,9 @@ async fn only_run_controls_nats_user_gets_an_approval_to_ferry() {
         let recorder = recorder.clone();
         async move {
             recorder.0.lock().unwrap().iter().any(|e| {
-                matches!(&e.event, InboundEvent::ProvisioningApplied(p) if p.provisioning_run_id == run)
+                e.event
+                    .get::<ProvisioningAppliedPayload>()
+                    .is_some_and(|p| p.provisioning_run_id == run)
             })
         }
     })

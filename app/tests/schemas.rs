@@ -14,9 +14,10 @@ fn schemas_dir() -> PathBuf {
 fn the_schema_files_are_current() {
     let dir = schemas_dir();
     let mut stale = Vec::new();
-    for (path, content) in
-        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
-    {
+    for (path, content) in ferry_messaging::published_schemas(
+        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::Contexts::builtin().inbound_kinds(),
+    ) {
         assert!(content.ends_with('\n'), "{path} ends with a newline");
         if path == "asyncapi.json" {
             continue;
@@ -34,9 +35,10 @@ fn the_schema_files_are_current() {
 
 #[test]
 fn every_schema_is_a_valid_json_schema() {
-    for (path, content) in
-        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
-    {
+    for (path, content) in ferry_messaging::published_schemas(
+        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::Contexts::builtin().inbound_kinds(),
+    ) {
         let value: serde_json::Value = serde_json::from_str(&content).unwrap();
         if path.ends_with(".schema.json") {
             jsonschema::validator_for(&value)

@@ -113,6 +113,48 @@ impl CloudEvent {
     }
 }
 
+/// Who posted an event over HTTP (`POST /factory/events`): the verified token's tenant and
+/// subject, never the body's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poster {
+    /// The token's tenant: the event must be for it.
+    pub tenant: crate::TenantId,
+    /// The token's subject: the actor of the event's effects.
+    pub actor: crate::Actor,
+}
+
+/// An event posted over HTTP and taken in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Accepted {
+    /// The CloudEvent id.
+    pub id: String,
+    /// The event name (`ReleaseReady`, …).
+    pub event: String,
+    /// True when the id was handled before (nothing happened this time).
+    pub duplicate: bool,
+}
+
+/// Why an event posted over HTTP was not taken in; the API answers each with one status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IntakeError {
+    /// Not a valid CloudEvent or payload, or an unknown type (dead-lettered): 400.
+    #[error("malformed event: {0}")]
+    Malformed(String),
+    /// Another tenant's event, or an untrusted source: 403.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A domain rule refused it (dead-lettered): 422.
+    #[error("event refused: {0}")]
+    Rejected(String),
+    /// The same id is being handled right now: 409, retry later.
+    #[error("event {0} is being handled; retry later")]
+    InProgress(String),
+    /// The store or a dependency is unavailable: 503, retry later.
+    #[error("temporarily unavailable: {0}")]
+    Unavailable(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

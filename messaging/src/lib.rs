@@ -55,7 +55,7 @@
 //!   ([`nats::NatsAuth`], the `FERRY_NATS_*` settings). Both return at once even when NATS is down and stop when the shutdown signal
 //!   turns true.
 //! * `POST /factory/events` (scope-protected): [`accept_cloud_event`] with the token's
-//!   tenant; map [`AcceptError::status`] to problem+json.
+//!   tenant; the API maps each [`IntakeError`] to one problem+json status.
 //! * `GET /factory/events/stream`: `Sse::new(sse_stream(db, tenant, start_position(
 //!   last_event_id_header, after_query), db.subscribe_commits())).keep_alive(..)`.
 //! * `/metrics`: [`RelayMetrics::register`], [`InboundMetrics::register`] and
@@ -83,9 +83,9 @@ pub mod testing;
 
 pub use cloudevent::CloudEvent;
 pub use inbound::{
-    accept_cloud_event, AcceptError, Accepted, Handled, Inbound, InboundConfig, InboundContext,
-    InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundMetrics, Poster,
-    SourceIdentities, TrustedSources,
+    accept_cloud_event, Accepted, Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope,
+    InboundError, InboundEvent, InboundHandler, InboundKind, InboundKinds, InboundMetrics,
+    IntakeError, Poster, SourceIdentities, TrustedSources,
 };
 pub use outbound::{parse_position, position_token, Outbound};
 pub use publish::{DomainEvents, EncodeError, Encoded, Message, Publisher, Publishers};

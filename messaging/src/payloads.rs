@@ -105,3 +105,24 @@ pub struct ProvisioningFailedPayload {
     /// Why it failed (names the failing resource or reference where known).
     pub reason: String,
 }
+
+// Ferry's own run outcomes come back through the inbound consumers when an operator's
+// stream stores them; a context may register them (`InboundKind::echo`).
+impl crate::inbound::InboundEvent for ProvisioningAppliedPayload {
+    const NAME: &'static str = "ProvisioningApplied";
+    const SUBJECT: &'static str = crate::subjects::PROVISIONING_APPLIED;
+    const SUMMARY: &'static str =
+        "Provisioning reports the desired state applied (promotions start verification).";
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+}
+
+impl crate::inbound::InboundEvent for ProvisioningFailedPayload {
+    const NAME: &'static str = "ProvisioningFailed";
+    const SUBJECT: &'static str = crate::subjects::PROVISIONING_FAILED;
+    const SUMMARY: &'static str = "Provisioning reports failure (promotions fail).";
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+}

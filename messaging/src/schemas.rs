@@ -10,9 +10,7 @@
 //!   and messages, referring to the files above.
 
 use crate::cloudevent::CloudEvent;
-use crate::inbound::{
-    ApprovalDecided, EnvironmentCreated, EnvironmentStateChanged, ReleaseReady, ReleaseWithdrawn,
-};
+use crate::inbound::InboundKinds;
 use crate::publish::Publishers;
 use crate::subjects::{self, kebab};
 use serde_json::{json, Map, Value};
@@ -189,73 +187,44 @@ pub fn domain_schema_path(aggregate: &str, event: &str) -> String {
     )
 }
 
-/// The subjects Ferry consumes, with their payload schemas.
-fn inbound_docs() -> Documents {
-    let doc = |subject: &str, event: &str, schema: Value, summary: &str| {
-        let path = format!("events/inbound/{}.schema.json", kebab(event));
-        (
-            SubjectDoc {
-                subject: subject.to_string(),
-                event: event.to_string(),
-                schema: path.clone(),
-                direction: Direction::In,
-                summary: summary.to_string(),
-            },
-            (path, schema),
-        )
-    };
-    let (subjects, files) = [
-        doc(
-            subjects::ENVIRONMENT_CREATED,
-            "EnvironmentCreated",
-            schema_value::<EnvironmentCreated>(),
-            "A new environment gets its baseline specification planned.",
-        ),
-        doc(
-            subjects::ENVIRONMENT_STATE_CHANGED,
-            "EnvironmentStateChanged",
-            schema_value::<EnvironmentStateChanged>(),
-            "An environment's readiness changed (EnvironmentReady gate).",
-        ),
-        doc(
-            subjects::APPROVAL_DECIDED,
-            "ApprovalDecided",
-            schema_value::<ApprovalDecided>(),
-            "Run control decided an approval for a run or a promotion.",
-        ),
-        doc(
-            subjects::RELEASE_READY,
-            "ReleaseReady",
-            schema_value::<ReleaseReady>(),
-            "A release is ready and may be promoted.",
-        ),
-        doc(
-            subjects::RELEASE_WITHDRAWN,
-            "ReleaseWithdrawn",
-            schema_value::<ReleaseWithdrawn>(),
-            "A release was withdrawn; pending promotions of it are rejected.",
-        ),
-    ]
-    .into_iter()
-    .unzip();
+/// The subjects Ferry consumes (the documented ones of `inbound`), with their payload
+/// schemas.
+fn inbound_docs(inbound: &InboundKinds) -> Documents {
+    let (subjects, files) = inbound
+        .iter()
+        .filter(|kind| kind.documented())
+        .map(|kind| {
+            let path = format!("events/inbound/{}.schema.json", kebab(kind.name()));
+            (
+                SubjectDoc {
+                    subject: kind.subject().to_string(),
+                    event: kind.name().to_string(),
+                    schema: path.clone(),
+                    direction: Direction::In,
+                    summary: kind.summary().to_string(),
+                },
+                (path, kind.schema()),
+            )
+        })
+        .unzip();
     Documents { subjects, files }
 }
 
 /// Everything documented: the inbound subjects and files, then the publishers'.
-fn documents(publishers: &Publishers) -> Documents {
-    let mut docs = inbound_docs();
+fn documents(publishers: &Publishers, inbound: &InboundKinds) -> Documents {
+    let mut docs = inbound_docs(inbound);
     docs.extend(publishers.documents());
     docs
 }
 
 /// Every subject Ferry publishes (through `publishers`) or consumes, with its payload schema.
-pub fn subject_docs(publishers: &Publishers) -> Vec<SubjectDoc> {
-    documents(publishers).subjects
+pub fn subject_docs(publishers: &Publishers, inbound: &InboundKinds) -> Vec<SubjectDoc> {
+    documents(publishers, inbound).subjects
 }
 
 /// Every generated file: (path relative to `schemas/`, content ending in a newline).
-pub fn published_schemas(publishers: &Publishers) -> Vec<(String, String)> {
-    let docs = documents(publishers);
+pub fn published_schemas(publishers: &Publishers, inbound: &InboundKinds) -> Vec<(String, String)> {
+    let docs = documents(publishers, inbound);
     let mut files: Vec<(String, String)> = vec![(
         "events/cloudevent.schema.json".into(),
         pretty(&schema_value::<CloudEvent>()),
@@ -270,8 +239,12 @@ pub fn published_schemas(publishers: &Publishers) -> Vec<(String, String)> {
 }
 
 /// Writes [`published_schemas`] under `dir` (the repository's `schemas/`).
-pub fn write_schemas(dir: &Path, publishers: &Publishers) -> std::io::Result<()> {
-    for (path, content) in published_schemas(publishers) {
+pub fn write_schemas(
+    dir: &Path,
+    publishers: &Publishers,
+    inbound: &InboundKinds,
+) -> std::io::Result<()> {
+    for (path, content) in published_schemas(publishers, inbound) {
         let target = dir.join(path);
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent)?;
@@ -315,9 +288,10 @@ fn message(name: &str, subject_const: Option<&str>, schema: &str, summary: &str)
     })
 }
 
-/// The AsyncAPI 3.0 document of every subject `publishers` publish on and Ferry consumes.
-pub fn asyncapi(publishers: &Publishers) -> Value {
-    asyncapi_of(&subject_docs(publishers))
+/// The AsyncAPI 3.0 document of every subject `publishers` publish on and of the events
+/// `inbound` Ferry consumes.
+pub fn asyncapi(publishers: &Publishers, inbound: &InboundKinds) -> Value {
+    asyncapi_of(&subject_docs(publishers, inbound))
 }
 
 fn asyncapi_of(subject_docs: &[SubjectDoc]) -> Value {
@@ -442,9 +416,26 @@ mod tests {
         }
     }
 
+    /// An event a context hears.
+    #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+    struct Bumped {
+        #[serde(rename = "tenantId")]
+        tenant_id: ferry_domain::TenantId,
+    }
+
+    impl crate::inbound::InboundEvent for Bumped {
+        const NAME: &'static str = "Bumped";
+        const SUBJECT: &'static str = "counters.v1.bumped";
+        const SUMMARY: &'static str = "A counter was bumped.";
+        fn tenant_id(&self) -> &ferry_domain::TenantId {
+            &self.tenant_id
+        }
+    }
+
     #[test]
     fn asyncapi_lists_every_subject_in_and_out() {
-        let doc = asyncapi(&Publishers::provisioning());
+        let inbound = InboundKinds::new([crate::inbound::InboundKind::of::<Bumped>()]);
+        let doc = asyncapi(&Publishers::provisioning(), &inbound);
         let addresses: Vec<&str> = doc["channels"]
             .as_object()
             .unwrap()
@@ -453,8 +444,7 @@ mod tests {
             .collect();
         for s in [
             subjects::PROVISIONING_PLANNED,
-            subjects::RELEASE_READY,
-            subjects::APPROVAL_DECIDED,
+            "counters.v1.bumped",
             "ferry.events.provisioning-run.provisioning-cancelled",
             "ferry.events.{aggregate}.{event}",
         ] {
@@ -464,17 +454,19 @@ mod tests {
             doc["operations"]["consumeProvisioningApplied"]["action"],
             "receive"
         );
+        assert_eq!(doc["operations"]["consumeBumped"]["action"], "receive");
         assert_eq!(
             doc["operations"]["publishProvisioningApplied"]["action"],
             "send"
         );
         // Every referenced schema file is generated.
         let publishers = Publishers::provisioning();
-        let files: Vec<String> = published_schemas(&publishers)
+        let files: Vec<String> = published_schemas(&publishers, &inbound)
             .into_iter()
             .map(|(p, _)| p)
             .collect();
-        for d in subject_docs(&publishers) {
+        assert!(files.contains(&"events/inbound/bumped.schema.json".to_string()));
+        for d in subject_docs(&publishers, &inbound) {
             assert!(files.contains(&d.schema), "{} not generated", d.schema);
         }
     }

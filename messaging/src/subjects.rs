@@ -20,17 +20,6 @@ pub const PROVISIONING_APPLIED: &str = "provisioning.runs.v1.provisioning-applie
 /// `ProvisioningFailed` (integration).
 pub const PROVISIONING_FAILED: &str = "provisioning.runs.v1.provisioning-failed";
 
-/// Inbound: the environment service created an environment.
-pub const ENVIRONMENT_CREATED: &str = "environments.v1.environment-created";
-/// Inbound: an environment's state (readiness) changed.
-pub const ENVIRONMENT_STATE_CHANGED: &str = "environments.v1.environment-state-changed";
-/// Inbound: run control decided an approval.
-pub const APPROVAL_DECIDED: &str = "runcontrol.approvals.v1.approval-decided";
-/// Inbound: a release is ready to be promoted.
-pub const RELEASE_READY: &str = "releases.releases.v1.release-ready";
-/// Inbound: a release was withdrawn.
-pub const RELEASE_WITHDRAWN: &str = "releases.releases.v1.release-withdrawn";
-
 /// Prefix of the subjects of domain events that are not integration events.
 pub const DOMAIN_PREFIX: &str = "ferry.events";
 

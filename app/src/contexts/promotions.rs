@@ -76,6 +76,10 @@ impl BoundedContext for Promotions {
         &routes::SCOPES
     }
 
+    fn inbound_events(&self) -> Vec<ferry_messaging::InboundKind> {
+        inbound::events()
+    }
+
     fn inbound(
         &self,
         parts: &crate::inbound::InboundParts,

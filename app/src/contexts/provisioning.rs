@@ -49,6 +49,10 @@ impl BoundedContext for Provisioning {
         Publishers::provisioning()
     }
 
+    fn inbound_events(&self) -> Vec<ferry_messaging::InboundKind> {
+        inbound::events()
+    }
+
     fn inbound(
         &self,
         parts: &crate::inbound::InboundParts,
@@ -81,10 +85,10 @@ impl BoundedContext for Provisioning {
             if let Some(pattern) = &process.config.reconcile_schedule {
                 // Checked when the configuration loaded.
                 let schedule =
-                    reconcile::Schedule::parse(pattern).map_err(|reason| crate::ConfigError {
+                    reconcile::Schedule::parse(pattern).map_err(|e| crate::ConfigError {
                         setting: "FERRY_RECONCILE_SCHEDULE".to_string(),
                         source_name: "configuration".to_string(),
-                        reason,
+                        reason: e.to_string(),
                     })?;
                 reconcile::spawn_schedule(process.db.clone(), schedule, process.shutdown.clone());
             }

@@ -249,9 +249,12 @@ pub async fn declare(db: &Database, t: &str) -> SpecificationId {
 pub fn assert_valid(message: &Stored) {
     static FILES: std::sync::OnceLock<BTreeMap<String, String>> = std::sync::OnceLock::new();
     let files = FILES.get_or_init(|| {
-        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
-            .into_iter()
-            .collect()
+        ferry_messaging::published_schemas(
+            &ferry_messaging::Publishers::provisioning(),
+            &ferry_app::Contexts::builtin().inbound_kinds(),
+        )
+        .into_iter()
+        .collect()
     });
     let check = |path: &str, instance: &Value| {
         let schema: Value = serde_json::from_str(&files[path]).unwrap();
@@ -267,10 +270,13 @@ pub fn assert_valid(message: &Stored) {
         );
     };
     check("events/cloudevent.schema.json", &message.body);
-    let doc = ferry_messaging::schemas::subject_docs(&ferry_messaging::Publishers::provisioning())
-        .into_iter()
-        .find(|d| d.subject == message.subject)
-        .unwrap_or_else(|| panic!("no schema documented for {}", message.subject));
+    let doc = ferry_messaging::schemas::subject_docs(
+        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::Contexts::builtin().inbound_kinds(),
+    )
+    .into_iter()
+    .find(|d| d.subject == message.subject)
+    .unwrap_or_else(|| panic!("no schema documented for {}", message.subject));
     check(&doc.schema, &message.body["data"]);
 }
 

@@ -21,10 +21,8 @@ mod nats;
 pub mod store;
 pub mod trust;
 
-pub use events::{
-    inbound_name, ApprovalDecided, ApprovalDecision, EnvironmentCreated, EnvironmentStateChanged,
-    InboundEvent, ReleaseReady, ReleaseWithdrawn, INBOUND,
-};
+pub use events::{BrokenRule, DecodeError, Heard, InboundEvent, InboundKind, InboundKinds};
+pub use ferry_domain::cloudevent::{Accepted, IntakeError, Poster};
 pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
 pub use trust::{SourceIdentities, SourceIdentitiesError, TrustedSources, TrustedSourcesError};
 
@@ -62,8 +60,8 @@ pub struct InboundEnvelope {
     pub actor: Actor,
     /// Marks the message handled: commit it in the same transaction as the effect.
     pub mark: LinkedWrite,
-    /// The typed event.
-    pub event: InboundEvent,
+    /// The typed event ([`Heard::get`] reads its payload).
+    pub event: Heard,
 }
 
 /// How a handler dealt with an event it accepted.
@@ -94,6 +92,10 @@ pub enum InboundError {
 /// [`InboundEnvelope::mark`] (see the module documentation).
 #[async_trait::async_trait]
 pub trait InboundHandler: Send + Sync {
+    /// The events it hears: nothing else is accepted, and the NATS consumers consume their
+    /// subjects.
+    fn kinds(&self) -> InboundKinds;
+
     /// Applies the event.
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError>;
 }
@@ -211,6 +213,8 @@ pub struct InboundContext {
     pub db: Database,
     /// The integrator's handler.
     pub handler: Arc<dyn InboundHandler>,
+    /// The events it hears (the handler's, read once).
+    pub kinds: InboundKinds,
     /// Counters.
     pub metrics: Arc<InboundMetrics>,
     /// How long one handler call may hold a message (then it counts as abandoned).
@@ -224,6 +228,7 @@ impl InboundContext {
     pub fn new(db: Database, handler: Arc<dyn InboundHandler>) -> Self {
         Self {
             db,
+            kinds: handler.kinds(),
             handler,
             metrics: Arc::new(InboundMetrics::default()),
             lease: Duration::from_secs(300),
@@ -235,61 +240,6 @@ impl InboundContext {
     pub fn with_trusted_sources(mut self, trusted: TrustedSources) -> Self {
         self.trusted = trusted;
         self
-    }
-}
-
-/// The verified caller of `POST /factory/events`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Poster {
-    /// The token's tenant: the event must be for it.
-    pub tenant: TenantId,
-    /// The token's subject: the actor of the event's effects.
-    pub actor: Actor,
-}
-
-/// A CloudEvent accepted over HTTP.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Accepted {
-    /// The CloudEvent id.
-    pub id: String,
-    /// The event name (`ReleaseReady`, …).
-    pub event: String,
-    /// True when the id was handled before (nothing happened this time).
-    pub duplicate: bool,
-}
-
-/// Why an HTTP CloudEvent was not accepted. [`AcceptError::status`] gives the HTTP status.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AcceptError {
-    /// Not a valid CloudEvent or payload, or an unknown type (dead-lettered): 400.
-    #[error("malformed event: {0}")]
-    Malformed(String),
-    /// The CloudEvent's tenant is not the caller's, or its source is not trusted: 403.
-    #[error("{0}")]
-    Forbidden(String),
-    /// A domain rule refused it (dead-lettered): 422.
-    #[error("event refused: {0}")]
-    Rejected(String),
-    /// The same id is being handled right now: 409, retry later.
-    #[error("event {0} is being handled; retry later")]
-    InProgress(String),
-    /// The store or a dependency is unavailable: 503, retry later.
-    #[error("temporarily unavailable: {0}")]
-    Unavailable(String),
-}
-
-impl AcceptError {
-    /// The HTTP status for this error.
-    pub fn status(&self) -> axum::http::StatusCode {
-        use axum::http::StatusCode;
-        match self {
-            Self::Malformed(_) => StatusCode::BAD_REQUEST,
-            Self::Forbidden(_) => StatusCode::FORBIDDEN,
-            Self::Rejected(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InProgress(_) => StatusCode::CONFLICT,
-            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-        }
     }
 }
 
@@ -319,7 +269,7 @@ pub async fn accept_cloud_event(
     ctx: &InboundContext,
     poster: &Poster,
     body: &[u8],
-) -> Result<Accepted, AcceptError> {
+) -> Result<Accepted, IntakeError> {
     match process(ctx, "http", None, Some(poster), body).await {
         Outcome::Handled { id, event } => Ok(Accepted {
             id,
@@ -331,11 +281,11 @@ pub async fn accept_cloud_event(
             event: event.to_string(),
             duplicate: true,
         }),
-        Outcome::Malformed(r) => Err(AcceptError::Malformed(r)),
-        Outcome::Rejected(r) => Err(AcceptError::Rejected(r)),
-        Outcome::Forbidden(r) => Err(AcceptError::Forbidden(r)),
-        Outcome::Busy(id) => Err(AcceptError::InProgress(id)),
-        Outcome::Transient(r) => Err(AcceptError::Unavailable(r)),
+        Outcome::Malformed(r) => Err(IntakeError::Malformed(r)),
+        Outcome::Rejected(r) => Err(IntakeError::Rejected(r)),
+        Outcome::Forbidden(r) => Err(IntakeError::Forbidden(r)),
+        Outcome::Busy(id) => Err(IntakeError::InProgress(id)),
+        Outcome::Transient(r) => Err(IntakeError::Unavailable(r)),
     }
 }
 
@@ -345,6 +295,160 @@ fn nats_actor(source: &str) -> Actor {
     Actor::parse(name).unwrap_or_else(|_| {
         Actor::parse("nats:unnamed-source").expect("a constant actor name is valid")
     })
+}
+
+/// One message as it arrived: where it came from, and how to dead-letter it.
+struct Delivery<'a> {
+    ctx: &'a InboundContext,
+    via: &'static str,
+    body: &'a [u8],
+}
+
+impl Delivery<'_> {
+    /// Records the message as a dead letter with `reason` (and gives the reason back).
+    async fn dead(
+        &self,
+        subject: &str,
+        id: Option<&str>,
+        tenant: Option<&str>,
+        reason: String,
+    ) -> String {
+        self.ctx
+            .metrics
+            .dead_lettered
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(via = self.via, %subject, id = ?id, %reason, "inbound message dead-lettered");
+        let letter = DeadLetter {
+            via: self.via,
+            subject,
+            message_id: id,
+            tenant_id: tenant,
+            reason: &reason,
+            payload: self.body,
+        };
+        if let Err(error) = store::dead_letter(&self.ctx.db, &letter).await {
+            // Still terminated: redelivering a malformed message cannot fix it.
+            tracing::error!(%error, "cannot record a dead letter");
+        }
+        reason
+    }
+}
+
+/// A message identified, trusted and decoded: ready to be claimed and handled.
+struct Admitted {
+    event: CloudEvent,
+    /// The event's name.
+    name: &'static str,
+    /// The NATS subject, or the CloudEvent type over HTTP.
+    subject: String,
+    /// The CloudEvent's `tenantid`, equal to the payload's tenant.
+    tenant: String,
+    heard: Heard,
+}
+
+/// Parses, identifies, trusts and decodes the message; the outcome when it goes no further.
+async fn admit(
+    delivery: &Delivery<'_>,
+    nats_subject: Option<&str>,
+    poster: Option<&Poster>,
+) -> Result<Admitted, Outcome> {
+    let ctx = delivery.ctx;
+    let caller_tenant = poster.map(|p| p.tenant.as_str());
+    let event = match CloudEvent::parse(delivery.body) {
+        Ok(e) => e,
+        Err(e) => {
+            let subject = nats_subject.unwrap_or("http:/factory/events");
+            let reason = delivery
+                .dead(subject, None, caller_tenant, e.to_string())
+                .await;
+            return Err(Outcome::Malformed(reason));
+        }
+    };
+    let tenant = event.tenantid.clone().unwrap_or_default();
+    if caller_tenant.is_some_and(|caller| caller != tenant) {
+        ctx.metrics.forbidden.fetch_add(1, Ordering::Relaxed);
+        return Err(Outcome::Forbidden(format!(
+            "the event belongs to tenant {tenant:?}, not to the caller's tenant"
+        )));
+    }
+    let subject = nats_subject.unwrap_or(&event.event_type).to_string();
+    let dead = |reason: String| async {
+        let reason = delivery
+            .dead(&subject, Some(&event.id), Some(&tenant), reason)
+            .await;
+        Outcome::Malformed(reason)
+    };
+    let Some(kind) = ctx.kinds.find(&subject) else {
+        return Err(dead(format!("unknown event type {subject:?}")).await);
+    };
+    let name = kind.name();
+    // Over NATS the subject decides; a `type` naming another known event is a contradiction.
+    if let Some(other) = ctx
+        .kinds
+        .find(&event.event_type)
+        .filter(|o| o.name() != name)
+    {
+        let reason = format!(
+            "type {:?} ({}) does not match subject {subject:?} ({name})",
+            event.event_type,
+            other.name()
+        );
+        return Err(dead(reason).await);
+    }
+    trust(delivery, kind, &event, poster, &subject).await?;
+    let heard = match kind.decode(event.data.clone()) {
+        Ok(heard) => heard,
+        Err(e) => return Err(dead(e.to_string()).await),
+    };
+    if heard.tenant_id().as_str() != tenant {
+        let reason = format!(
+            "payload tenantId {:?} differs from the tenantid attribute {tenant:?}",
+            heard.tenant_id().as_str()
+        );
+        return Err(dead(reason).await);
+    }
+    Ok(Admitted {
+        event,
+        name,
+        subject,
+        tenant,
+        heard,
+    })
+}
+
+/// Whether the event's source is trusted for it and, over HTTP, the poster may speak for
+/// that source.
+async fn trust(
+    delivery: &Delivery<'_>,
+    kind: &InboundKind,
+    event: &CloudEvent,
+    poster: Option<&Poster>,
+    subject: &str,
+) -> Result<(), Outcome> {
+    let ctx = delivery.ctx;
+    if let Err(untrusted) = ctx
+        .trusted
+        .check(kind.name(), kind.subject(), &event.source)
+    {
+        ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
+        if poster.is_some() {
+            // The caller is told; nothing to keep for an operator.
+            return Err(Outcome::Forbidden(untrusted.to_string()));
+        }
+        let tenant = event.tenantid.as_deref();
+        let reason = delivery
+            .dead(subject, Some(&event.id), tenant, untrusted.to_string())
+            .await;
+        return Err(Outcome::Rejected(reason));
+    }
+    // Over HTTP the body's `source` is only a claim: the token's subject must be bound to it.
+    if let Some(p) = poster {
+        if let Err(untrusted) = ctx.trusted.check_poster(&event.source, &p.actor) {
+            ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
+            return Err(Outcome::Forbidden(untrusted.to_string()));
+        }
+    }
+    Ok(())
 }
 
 /// Processes one message. `nats_subject` is set for NATS deliveries; `poster` for HTTP
@@ -357,123 +461,31 @@ pub(crate) async fn process(
     body: &[u8],
 ) -> Outcome {
     ctx.metrics.received.fetch_add(1, Ordering::Relaxed);
-    let fallback_subject = nats_subject.unwrap_or("http:/factory/events");
-    let caller_tenant = poster.map(|p| p.tenant.as_str());
-    let dead = |subject: String, id: Option<String>, tenant: Option<String>, reason: String| async move {
-        ctx.metrics.dead_lettered.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(via, %subject, id = ?id, %reason, "inbound message dead-lettered");
-        let letter = DeadLetter {
-            via,
-            subject: &subject,
-            message_id: id.as_deref(),
-            tenant_id: tenant.as_deref(),
-            reason: &reason,
-            payload: body,
-        };
-        if let Err(error) = store::dead_letter(&ctx.db, &letter).await {
-            // Still terminated: redelivering a malformed message cannot fix it.
-            tracing::error!(%error, "cannot record a dead letter");
-        }
+    let delivery = Delivery { ctx, via, body };
+    let admitted = match admit(&delivery, nats_subject, poster).await {
+        Ok(admitted) => admitted,
+        Err(outcome) => return outcome,
     };
-    let event = match CloudEvent::parse(body) {
-        Ok(e) => e,
-        Err(e) => {
-            let reason = e.to_string();
-            dead(
-                fallback_subject.to_string(),
-                None,
-                caller_tenant.map(str::to_string),
-                reason.clone(),
-            )
-            .await;
-            return Outcome::Malformed(reason);
-        }
-    };
-    let tenant_attr = event.tenantid.clone().unwrap_or_default();
-    if let Some(caller) = caller_tenant {
-        if caller != tenant_attr {
-            ctx.metrics.forbidden.fetch_add(1, Ordering::Relaxed);
-            return Outcome::Forbidden(format!(
-                "the event belongs to tenant {tenant_attr:?}, not to the caller's tenant"
-            ));
-        }
-    }
-    let subject = nats_subject.unwrap_or(&event.event_type).to_string();
-    let id = Some(event.id.clone());
-    let tenant = Some(tenant_attr.clone());
-    let name = match inbound_name(&subject) {
-        Some(n) => n,
-        None => {
-            let reason = format!("unknown event type {subject:?}");
-            dead(subject, id, tenant, reason.clone()).await;
-            return Outcome::Malformed(reason);
-        }
-    };
-    // Over NATS the subject decides; a `type` naming another known event is a contradiction.
-    if let Some(other) = inbound_name(&event.event_type).filter(|o| *o != name) {
-        let reason = format!(
-            "type {:?} ({other}) does not match subject {subject:?} ({name})",
-            event.event_type
-        );
-        dead(subject, id, tenant, reason.clone()).await;
-        return Outcome::Malformed(reason);
-    }
-    let canonical_subject = INBOUND
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map_or(subject.as_str(), |(_, s)| *s);
-    if let Err(untrusted) = ctx.trusted.check(name, canonical_subject, &event.source) {
-        let reason = untrusted.to_string();
-        ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
-        if poster.is_some() {
-            // The caller is told; nothing to keep for an operator.
-            return Outcome::Forbidden(reason);
-        }
-        dead(subject, id, tenant, reason.clone()).await;
-        return Outcome::Rejected(reason);
-    }
-    // Over HTTP the body's `source` is only a claim: the token's subject must be bound to it.
-    if let Some(p) = poster {
-        if let Err(untrusted) = ctx.trusted.check_poster(&event.source, &p.actor) {
-            ctx.metrics.untrusted.fetch_add(1, Ordering::Relaxed);
-            return Outcome::Forbidden(untrusted.to_string());
-        }
-    }
-    let typed = match InboundEvent::decode(name, event.data.clone()) {
-        Ok(t) => t,
-        Err(reason) => {
-            dead(subject, id, tenant, reason.clone()).await;
-            return Outcome::Malformed(reason);
-        }
-    };
-    if typed.tenant_id().as_str() != tenant_attr {
-        let reason = format!(
-            "payload tenantId {:?} differs from the tenantid attribute {tenant_attr:?}",
-            typed.tenant_id().as_str()
-        );
-        dead(subject, id, tenant, reason.clone()).await;
-        return Outcome::Malformed(reason);
-    }
-    let tenant_id = typed.tenant_id().clone();
+    let event = &admitted.event;
     let key = MessageKey {
-        tenant: &tenant_attr,
+        tenant: &admitted.tenant,
         source: &event.source,
         id: &event.id,
     };
-    let token = match store::claim(&ctx.db, key, name, ctx.lease).await {
+    let token = match store::claim(&ctx.db, key, admitted.name, ctx.lease).await {
         Ok(Claim::Claimed(token)) => token,
         Ok(Claim::Done) => {
             ctx.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
             return Outcome::Duplicate {
-                id: event.id,
-                event: name,
+                id: event.id.clone(),
+                event: admitted.name,
             };
         }
         Ok(Claim::Rejected(reason)) => {
             ctx.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
             return Outcome::Rejected(reason);
         }
-        Ok(Claim::Busy) => return Outcome::Busy(event.id),
+        Ok(Claim::Busy) => return Outcome::Busy(event.id.clone()),
         Err(error) => {
             ctx.metrics
                 .transient_failures
@@ -484,19 +496,33 @@ pub(crate) async fn process(
     let envelope = InboundEnvelope {
         id: event.id.clone(),
         source: event.source.clone(),
-        tenant_id,
-        subject: subject.clone(),
+        tenant_id: admitted.heard.tenant_id().clone(),
+        subject: admitted.subject.clone(),
         time: event.time,
         correlation_id: event.correlationid.clone(),
         via,
         actor: poster.map_or_else(|| nats_actor(&event.source), |p| p.actor.clone()),
         mark: store::handled_mark(&ctx.db, key, &token),
-        event: typed,
+        event: admitted.heard.clone(),
     };
     let result = match tokio::time::timeout(ctx.lease, ctx.handler.handle(envelope)).await {
         Ok(r) => r,
         Err(_) => Err(InboundError::Transient("the handler timed out".to_string())),
     };
+    conclude(&delivery, &admitted, key, &token, result).await
+}
+
+/// Records how the handler dealt with a claimed message and says what to answer.
+async fn conclude(
+    delivery: &Delivery<'_>,
+    admitted: &Admitted,
+    key: MessageKey<'_>,
+    token: &str,
+    result: Result<Handled, InboundError>,
+) -> Outcome {
+    let ctx = delivery.ctx;
+    let id = admitted.event.id.clone();
+    let event = admitted.name;
     let transient = |reason: String| {
         ctx.metrics
             .transient_failures
@@ -506,43 +532,36 @@ pub(crate) async fn process(
     match result {
         Ok(Handled::Recorded) => {
             ctx.metrics.handled.fetch_add(1, Ordering::Relaxed);
-            Outcome::Handled {
-                id: event.id,
-                event: name,
-            }
+            Outcome::Handled { id, event }
         }
         Ok(handled @ (Handled::NothingToDo | Handled::AlreadyRecorded)) => {
-            match store::finish(&ctx.db, key, &token, None).await {
+            match store::finish(&ctx.db, key, token, None).await {
                 Ok(true) if handled == Handled::AlreadyRecorded => {
                     ctx.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
-                    Outcome::Duplicate {
-                        id: event.id,
-                        event: name,
-                    }
+                    Outcome::Duplicate { id, event }
                 }
                 Ok(true) => {
                     ctx.metrics.handled.fetch_add(1, Ordering::Relaxed);
-                    Outcome::Handled {
-                        id: event.id,
-                        event: name,
-                    }
+                    Outcome::Handled { id, event }
                 }
                 // Another delivery took the claim over: it decides.
-                Ok(false) => Outcome::Busy(event.id),
+                Ok(false) => Outcome::Busy(id),
                 Err(error) => transient(format!("handled, but cannot mark it: {error}")),
             }
         }
         Err(InboundError::Permanent(reason)) => {
-            match store::finish(&ctx.db, key, &token, Some(&reason)).await {
+            match store::finish(&ctx.db, key, token, Some(&reason)).await {
                 Ok(true) => {}
-                Ok(false) => return Outcome::Busy(event.id),
+                Ok(false) => return Outcome::Busy(id),
                 Err(error) => tracing::error!(%error, "cannot mark a refused message"),
             }
-            dead(subject, id, tenant, reason.clone()).await;
+            let reason = delivery
+                .dead(&admitted.subject, Some(&id), Some(&admitted.tenant), reason)
+                .await;
             Outcome::Rejected(reason)
         }
         Err(InboundError::Transient(reason)) => {
-            if let Err(error) = store::release(&ctx.db, key, &token).await {
+            if let Err(error) = store::release(&ctx.db, key, token).await {
                 tracing::warn!(%error, "cannot release a claim; it expires with its lease");
             }
             transient(reason)

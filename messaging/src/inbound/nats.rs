@@ -7,7 +7,7 @@
 //! own stream (`provisioning.>`) wait for the relay's stream
 //! rather than create an overlapping one.
 
-use super::{process, InboundContext, InboundHandler, InboundMetrics, Outcome, INBOUND};
+use super::{process, InboundContext, InboundHandler, InboundMetrics, Outcome};
 use crate::health::{self, ConsumerStatuses, ErrorReport, NatsFailure};
 use crate::subjects::{kebab, STREAM_SUBJECTS};
 use async_nats::jetstream::{self, consumer, stream, AckKind};
@@ -31,7 +31,8 @@ pub struct InboundConfig {
     pub inbound_stream: String,
     /// Prefix of the durable consumer names.
     pub durable_prefix: String,
-    /// Subjects to consume (default: every subject of [`INBOUND`]).
+    /// Subjects to consume; empty (the default) is every subject the handler hears
+    /// ([`InboundContext::kinds`]).
     pub subjects: Vec<String>,
     /// How long NATS waits for an ack before redelivering.
     pub ack_wait: Duration,
@@ -49,7 +50,7 @@ impl InboundConfig {
             nats_auth: crate::nats::NatsAuth::default(),
             inbound_stream: "FERRY_INBOUND".to_string(),
             durable_prefix: "ferry-inbound".to_string(),
-            subjects: INBOUND.iter().map(|(_, s)| s.to_string()).collect(),
+            subjects: Vec::new(),
             ack_wait: Duration::from_secs(60),
             duplicate_window: Duration::from_secs(2 * 60 * 60),
             status_interval: Duration::from_secs(5),
@@ -96,6 +97,10 @@ impl Inbound {
         config: InboundConfig,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Self, InboundStartError> {
+        let mut config = config;
+        if config.subjects.is_empty() {
+            config.subjects = context.kinds.subjects();
+        }
         let connection =
             crate::nats::connect(&config.nats_url, &config.nats_auth, "ferry-inbound").await?;
         let js = jetstream::new(connection.client);
@@ -336,7 +341,10 @@ impl Consumer {
         let name = format!(
             "{}-{}",
             self.config.durable_prefix,
-            super::inbound_name(&self.subject).map_or_else(|| kebab(&self.subject), kebab)
+            self.ctx
+                .kinds
+                .find(&self.subject)
+                .map_or_else(|| kebab(&self.subject), |k| kebab(k.name()))
         );
         let mut consumer: consumer::PullConsumer = stream
             .get_or_create_consumer(

@@ -201,18 +201,26 @@ impl TrustedSources {
             if event.is_empty() || sources.is_empty() {
                 return Err(TrustedSourcesError::Malformed(raw.to_string()));
             }
-            let known = super::INBOUND
-                .iter()
-                .any(|(name, subject)| *name == event || subject_matches(&event, subject));
-            if !known {
-                return Err(TrustedSourcesError::UnknownEvent(event));
-            }
             entries.push(Entry { event, sources });
         }
         Ok(Self {
             entries: Some(entries),
             identities: SourceIdentities::default(),
         })
+    }
+
+    /// Refuses an entry that names none of the events the process hears (`kinds`): a typo
+    /// would otherwise trust nothing, silently.
+    pub fn check_events(&self, kinds: &super::InboundKinds) -> Result<(), TrustedSourcesError> {
+        for entry in self.entries.iter().flatten() {
+            let known = kinds.iter().any(|kind| {
+                kind.name() == entry.event || subject_matches(&entry.event, kind.subject())
+            });
+            if !known {
+                return Err(TrustedSourcesError::UnknownEvent(entry.event.clone()));
+            }
+        }
+        Ok(())
     }
 
     /// The same, with the service identities bound to each source.
@@ -336,7 +344,10 @@ impl TrustedSources {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::subjects::{APPROVAL_DECIDED, ENVIRONMENT_CREATED, RELEASE_READY};
+
+    const APPROVAL_DECIDED: &str = "runcontrol.approvals.v1.approval-decided";
+    const ENVIRONMENT_CREATED: &str = "environments.v1.environment-created";
+    const RELEASE_READY: &str = "releases.releases.v1.release-ready";
 
     #[test]
     fn unset_trusts_every_source() {
@@ -472,8 +483,20 @@ mod tests {
             TrustedSources::parse("ApprovalDecided="),
             Err(TrustedSourcesError::Malformed(_))
         ));
+        // An entry must name an event the process hears, by name or by a subject pattern.
+        let kinds = crate::inbound::InboundKinds::new([crate::inbound::InboundKind::echo::<
+            crate::payloads::ProvisioningAppliedPayload,
+        >()]);
+        for known in ["ProvisioningApplied=urn:x", "provisioning.runs.v1.*=urn:x"] {
+            assert!(TrustedSources::parse(known)
+                .unwrap()
+                .check_events(&kinds)
+                .is_ok());
+        }
         assert!(matches!(
-            TrustedSources::parse("orders.v1.*=urn:x"),
+            TrustedSources::parse("orders.v1.*=urn:x")
+                .unwrap()
+                .check_events(&kinds),
             Err(TrustedSourcesError::UnknownEvent(_))
         ));
     }

@@ -38,8 +38,8 @@ use ferry_domain::environment::{Environment, SloObjective};
 use ferry_domain::ports::sources::{DeploymentPolicy, DeploymentPolicyInput};
 use ferry_domain::promotion::gates::{self, Readiness};
 use ferry_domain::promotion::{
-    ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Promotion, PromotionCommand,
-    PromotionState, VerificationOutcome,
+    ApprovalRequest, CheckKind, GateKind, GateOutcome, GateResult, Measurement, Promotion,
+    PromotionCommand, PromotionState, VerificationOutcome,
 };
 use ferry_domain::release::Release;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunEvent, RunRequest};
@@ -90,7 +90,23 @@ pub struct Driver {
     http: reqwest::Client,
     /// Reaches tenants' health URLs and smoke checks: public addresses only
     /// ([`super::probe`]); `Err` says why there is none.
-    probes: Result<reqwest::Client, String>,
+    probes: Result<reqwest::Client, super::probe::NoProbeClient>,
+}
+
+/// What a promotion's gates are decided on.
+struct GateFacts<'a> {
+    tenant: &'a TenantId,
+    request: &'a ferry_domain::promotion::PromotionRequest,
+    /// The release as recorded (none: it is not).
+    record: Option<&'a ferry_domain::release::ReleaseRecord>,
+    withdrawn: bool,
+    /// The policy's decision (none when the release is not recorded).
+    decision: Option<
+        &'a Result<
+            ferry_domain::ports::sources::DeploymentDecision,
+            ferry_domain::ports::sources::PolicyError,
+        >,
+    >,
 }
 
 /// How the driver behaves.
@@ -290,9 +306,8 @@ impl Driver {
                 .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .unwrap_or_default(),
-            probes: super::probe::client(Duration::from_secs(5)).map_err(|error| {
-                tracing::error!(%error, "the probe client could not be built; no URL will be probed");
-                format!("the probe client could not be built: {error}")
+            probes: super::probe::client(Duration::from_secs(5)).inspect_err(|error| {
+                tracing::error!(%error, "no URL will be probed");
             }),
         }
     }
@@ -661,91 +676,28 @@ impl Driver {
         let record = release.as_ref().and_then(|(r, _)| r.record().cloned());
         let withdrawn = release.as_ref().is_some_and(|(r, _)| r.is_withdrawn());
         let decision = match &record {
-            Some(record) => Some(
-                self.policy
-                    .evaluate_promotion(&DeploymentPolicyInput {
-                        environment_id: request.environment_id.to_string(),
-                        environment_class: Some(request.environment_class),
-                        project_id: request.project_id.to_string(),
-                        release_id: request.release_id.to_string(),
-                        release_version: record.version.to_string(),
-                        hotfix: request.hotfix.as_ref().map(|h| h.reason.clone()),
-                        rollback: request.rollback_of.is_some(),
-                        has_agent_generated_assets: record.has_agent_generated_assets,
-                    })
-                    .map_err(|e| e.to_string()),
-            ),
+            Some(record) => Some(self.policy.evaluate_promotion(&DeploymentPolicyInput {
+                environment_id: request.environment_id.to_string(),
+                environment_class: Some(request.environment_class),
+                project_id: request.project_id.to_string(),
+                release_id: request.release_id.to_string(),
+                release_version: record.version.to_string(),
+                hotfix: request.hotfix.as_ref().map(|h| h.reason.clone()),
+                rollback: request.rollback_of.is_some(),
+                has_agent_generated_assets: record.has_agent_generated_assets,
+            })),
             None => None,
         };
         for kind in GateKind::ORDER.iter().skip(recorded.len()) {
             let now = Utc::now();
-            let gate = match (kind, &record) {
-                (_, None) => GateResult {
-                    kind: *kind,
-                    outcome: GateOutcome::Failed,
-                    reasons: vec![format!("release {} is not recorded", request.release_id)],
-                    evidence: serde_json::json!({"releaseId": request.release_id}),
-                    evaluated_at: now,
-                },
-                (GateKind::PipelineResults, Some(record)) => {
-                    gates::pipeline_results(record, withdrawn, now)
-                }
-                (GateKind::Policy, Some(_)) => match &decision {
-                    Some(Ok(decision)) => gates::policy(decision, now).0,
-                    // Failing safe: a policy that cannot decide lets nothing through.
-                    Some(Err(error)) => GateResult {
-                        kind: *kind,
-                        outcome: GateOutcome::Failed,
-                        reasons: vec![format!("policy could not decide: {error}")],
-                        evidence: serde_json::json!({"error": error}),
-                        evaluated_at: now,
-                    },
-                    None => GateResult {
-                        kind: *kind,
-                        outcome: GateOutcome::Failed,
-                        reasons: vec!["policy was not evaluated".to_string()],
-                        evidence: serde_json::Value::Null,
-                        evaluated_at: now,
-                    },
-                },
-                (GateKind::PriorEnvironment, Some(_)) => {
-                    let completions =
-                        views::completions(&self.db, tenant, request.release_id).await?;
-                    let hotfix_allowed = match &decision {
-                        Some(Ok(d)) => d.hotfix_allowed.clone(),
-                        _ => Vec::new(),
-                    };
-                    gates::prior_environment(
-                        &self.settings.options.borrow().promotion_path.clone(),
-                        request.environment_class,
-                        &completions,
-                        request.hotfix.as_ref(),
-                        &hotfix_allowed,
-                        now,
-                    )
-                }
-                (GateKind::EnvironmentReady, Some(_)) => {
-                    let readiness = self.readiness(tenant, &request.environment_id).await?;
-                    match (&request.rollback_of, &readiness) {
-                        // A rollback restores an environment whose health failed; only the
-                        // environment service saying it cannot take changes stops it.
-                        (Some(rollback), Readiness::Probed { .. }) => GateResult {
-                            kind: *kind,
-                            outcome: GateOutcome::NotApplicable,
-                            reasons: vec![format!(
-                                "a rollback of release {} restores the environment whose health failed; verification measures it after",
-                                rollback.release_id
-                            )],
-                            evidence: serde_json::json!(readiness),
-                            evaluated_at: now,
-                        },
-                        _ => gates::environment_ready(&request.environment_id, &readiness, now),
-                    }
-                }
-                (GateKind::EvaluationEvidence, Some(record)) => {
-                    gates::evaluation_evidence(record, now)
-                }
+            let facts = GateFacts {
+                tenant,
+                request: &request,
+                record: record.as_ref(),
+                withdrawn,
+                decision: decision.as_ref(),
             };
+            let gate = self.gate(*kind, &facts, now).await?;
             let failed = gate.outcome == GateOutcome::Failed;
             recorded.push(gate.clone());
             let applied = self
@@ -784,6 +736,85 @@ impl Driver {
             tracing::info!(promotion_id = %promotion, "gates passed");
         }
         Ok(())
+    }
+
+    /// The result of gate `kind` now.
+    async fn gate(
+        &self,
+        kind: GateKind,
+        facts: &GateFacts<'_>,
+        now: chrono::DateTime<Utc>,
+    ) -> Result<GateResult, DriverError> {
+        Ok(match (kind, facts.record) {
+            (_, None) => GateResult {
+                kind,
+                outcome: GateOutcome::Failed,
+                reasons: vec![format!(
+                    "release {} is not recorded",
+                    facts.request.release_id
+                )],
+                evidence: serde_json::json!({"releaseId": facts.request.release_id}),
+                evaluated_at: now,
+            },
+            (GateKind::PipelineResults, Some(record)) => {
+                gates::pipeline_results(record, facts.withdrawn, now)
+            }
+            (GateKind::Policy, Some(_)) => match facts.decision {
+                Some(Ok(decision)) => gates::policy(decision, now).0,
+                // Failing safe: a policy that cannot decide lets nothing through.
+                Some(Err(error)) => GateResult {
+                    kind,
+                    outcome: GateOutcome::Failed,
+                    reasons: vec![format!("policy could not decide: {error}")],
+                    evidence: serde_json::json!({"error": error.to_string()}),
+                    evaluated_at: now,
+                },
+                None => GateResult {
+                    kind,
+                    outcome: GateOutcome::Failed,
+                    reasons: vec!["policy was not evaluated".to_string()],
+                    evidence: serde_json::Value::Null,
+                    evaluated_at: now,
+                },
+            },
+            (GateKind::PriorEnvironment, Some(_)) => {
+                let completions =
+                    views::completions(&self.db, facts.tenant, facts.request.release_id).await?;
+                let hotfix_allowed = match facts.decision {
+                    Some(Ok(d)) => d.hotfix_allowed.clone(),
+                    _ => Vec::new(),
+                };
+                gates::prior_environment(
+                    &self.settings.options.borrow().promotion_path.clone(),
+                    facts.request.environment_class,
+                    &completions,
+                    facts.request.hotfix.as_ref(),
+                    &hotfix_allowed,
+                    now,
+                )
+            }
+            (GateKind::EnvironmentReady, Some(_)) => {
+                let readiness = self
+                    .readiness(facts.tenant, &facts.request.environment_id)
+                    .await?;
+                match (&facts.request.rollback_of, &readiness) {
+                    // A rollback restores an environment whose health failed; only the
+                    // environment service saying it cannot take changes stops it.
+                    (Some(rollback), Readiness::Probed { .. }) => GateResult {
+                        kind,
+                        outcome: GateOutcome::NotApplicable,
+                        reasons: vec![format!(
+                            "a rollback of release {} restores the environment whose health failed; verification measures it after",
+                            rollback.release_id
+                        )],
+                        evidence: serde_json::json!(readiness),
+                        evaluated_at: now,
+                    },
+                    _ => gates::environment_ready(&facts.request.environment_id, &readiness, now),
+                }
+            }
+            (GateKind::EvaluationEvidence, Some(record)) => gates::evaluation_evidence(record, now),
+        })
     }
 
     /// The promotion's run of this attempt, requested now if it does not exist yet: a new
@@ -1185,38 +1216,7 @@ impl Driver {
         let now = Utc::now();
         match view.verification.outcome {
             Some(VerificationOutcome::Failed) => {
-                let reason = format!(
-                    "verification failed: {}",
-                    view.verification.reason.as_deref().unwrap_or("no reason")
-                );
-                // A rollback under way is followed from the rollback promotion's side.
-                if view.rollback.is_some() {
-                    return Ok(());
-                }
-                let Some((_, request)) = self.load(tenant, promotion).await? else {
-                    return Ok(());
-                };
-                match request.previous_release_id {
-                    // Restore the release that completed here before, through a promotion
-                    // of its own (same gates, no approval), unless this is a rollback.
-                    Some(previous)
-                        if self.settings.options.borrow().auto_rollback
-                            && request.rollback_of.is_none() =>
-                    {
-                        self.start_rollback(tenant, &request, previous, true, actor(), reason)
-                            .await?;
-                    }
-                    _ => {
-                        self.command(
-                            tenant,
-                            promotion,
-                            PromotionCommand::Fail { reason, at: now },
-                            None,
-                        )
-                        .await?;
-                    }
-                }
-                return Ok(());
+                return self.verification_failed(tenant, promotion, &view).await;
             }
             Some(_) => return Ok(()),
             None => {}
@@ -1253,7 +1253,7 @@ impl Driver {
             let first_round = view.verification.measurements.is_empty();
             let measurements = checks
                 .measure(
-                    self.probes.as_ref().map_err(String::as_str),
+                    self.probes.as_ref(),
                     &self.http,
                     self.settings.prometheus_url.as_deref(),
                     first_round,
@@ -1274,31 +1274,7 @@ impl Driver {
                 }
                 taken += 1;
             }
-            // The release's fault first; then a check that could not run holds it.
-            let failed = measurements.iter().find(|m| m.passed == Some(false));
-            let broken = measurements.iter().find(|m| m.passed.is_none());
-            let verdict = match (failed, broken) {
-                (Some(m), _) => Some((
-                    VerificationOutcome::Failed,
-                    format!(
-                        "the {} check {} measured {} (must be {})",
-                        m.kind.as_str(),
-                        m.name,
-                        m.value,
-                        m.threshold.as_deref().unwrap_or("met")
-                    ),
-                )),
-                (None, Some(m)) => Some((
-                    VerificationOutcome::Error,
-                    format!(
-                        "the {} check {} could not run ({}); an Operator decides",
-                        m.kind.as_str(),
-                        m.name,
-                        m.value
-                    ),
-                )),
-                (None, None) => None,
-            };
+            let verdict = verdict(&measurements);
             if let Some((outcome, reason)) = verdict {
                 self.command(tenant, promotion, conclude(outcome, reason), None)
                     .await?;
@@ -1315,6 +1291,46 @@ impl Driver {
         );
         if self.command(tenant, promotion, passed, None).await? {
             tracing::info!(promotion_id = %promotion, "verified; promotion completed");
+        }
+        Ok(())
+    }
+
+    /// After a failed verification: a rollback to the release completed here before
+    /// (automatic rollback on, and this is no rollback itself), or the promotion fails.
+    async fn verification_failed(
+        &self,
+        tenant: &TenantId,
+        promotion: PromotionId,
+        view: &views::PromotionView,
+    ) -> Result<(), DriverError> {
+        let reason = format!(
+            "verification failed: {}",
+            view.verification.reason.as_deref().unwrap_or("no reason")
+        );
+        // A rollback under way is followed from the rollback promotion's side.
+        if view.rollback.is_some() {
+            return Ok(());
+        }
+        let Some((_, request)) = self.load(tenant, promotion).await? else {
+            return Ok(());
+        };
+        match request.previous_release_id {
+            // Restore the release that completed here before, through a promotion of its
+            // own (same gates, no approval), unless this is a rollback.
+            Some(previous)
+                if self.settings.options.borrow().auto_rollback
+                    && request.rollback_of.is_none() =>
+            {
+                self.start_rollback(tenant, &request, previous, true, actor(), reason)
+                    .await?;
+            }
+            _ => {
+                let fail = PromotionCommand::Fail {
+                    reason,
+                    at: Utc::now(),
+                };
+                self.command(tenant, promotion, fail, None).await?;
+            }
         }
         Ok(())
     }
@@ -1434,7 +1450,7 @@ impl Driver {
         let client = match (confined, &self.probes) {
             (Ok(()), Ok(client)) => client,
             (Err(reason), _) => return Ok(not_probed(&reason)),
-            (_, Err(reason)) => return Ok(not_probed(reason)),
+            (_, Err(reason)) => return Ok(not_probed(&reason.to_string())),
         };
         Ok(match client.get(&url).send().await {
             Ok(response) => Readiness::Probed {
@@ -1451,6 +1467,35 @@ impl Driver {
                 },
             },
         })
+    }
+}
+
+/// The verdict a round of measurements gives, if any: the release's fault first; then a
+/// check that could not run holds it for an Operator.
+fn verdict(measurements: &[Measurement]) -> Option<(VerificationOutcome, String)> {
+    let failed = measurements.iter().find(|m| m.passed == Some(false));
+    let broken = measurements.iter().find(|m| m.passed.is_none());
+    match (failed, broken) {
+        (Some(m), _) => Some((
+            VerificationOutcome::Failed,
+            format!(
+                "the {} check {} measured {} (must be {})",
+                m.kind.as_str(),
+                m.name,
+                m.value,
+                m.threshold.as_deref().unwrap_or("met")
+            ),
+        )),
+        (None, Some(m)) => Some((
+            VerificationOutcome::Error,
+            format!(
+                "the {} check {} could not run ({}); an Operator decides",
+                m.kind.as_str(),
+                m.name,
+                m.value
+            ),
+        )),
+        (None, None) => None,
     }
 }
 

@@ -8,21 +8,103 @@
 
 use super::metrics::observe;
 use crate::inbound::{
-    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ContextInbound,
-    InboundParts,
+    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ApprovalDecided,
+    ApprovalDecision, ContextInbound, InboundParts,
 };
 use chrono::Utc;
 use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::{ProgramSource, SourceError};
 use ferry_domain::promotion::{Promotion, PromotionCommand};
+use ferry_domain::release::{EvaluationEvidence, PipelineResult, SmokeCheck};
 use ferry_domain::release::{Release, ReleaseCommand, ReleaseRecord, ReleaseVersion};
 use ferry_domain::run::Decision;
-use ferry_messaging::inbound::{
-    ApprovalDecided, ApprovalDecision, Handled, InboundEnvelope, InboundError, InboundEvent,
-    ReleaseReady, ReleaseWithdrawn,
-};
+use ferry_domain::{ProgramRef, ProgramVersion, ProjectId, ReleaseId, TenantId};
+use ferry_messaging::inbound::{Handled, InboundEnvelope, InboundError, InboundEvent, InboundKind};
+use ferry_messaging::payloads::{ProvisioningAppliedPayload, ProvisioningFailedPayload};
 use ferry_store::Repository;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+
+/// The events the promotions context hears. Ferry's own run outcomes may come back from an
+/// operator's stream: they are accepted and only logged, as the driver follows runs in
+/// process.
+pub fn events() -> Vec<InboundKind> {
+    vec![
+        InboundKind::of::<ReleaseReady>(),
+        InboundKind::of::<ReleaseWithdrawn>(),
+        InboundKind::of::<ApprovalDecided>(),
+        InboundKind::echo::<ProvisioningAppliedPayload>(),
+        InboundKind::echo::<ProvisioningFailedPayload>(),
+    ]
+}
+
+/// `releases.releases.v1.release-ready`: only ready releases are promotable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseReady {
+    /// The release.
+    pub release_id: ReleaseId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The project.
+    pub project_id: ProjectId,
+    /// The release's version label (e.g. `2.3.0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// True when the release carries agent-generated assets (evaluation evidence gate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub has_agent_generated_assets: Option<bool>,
+    /// The release's infrastructure program, `<repository>#<folder>` (needed to promote it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_ref: Option<ProgramRef>,
+    /// The program's commit (needed to promote it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_version: Option<ProgramVersion>,
+    /// The pipeline's stages and their results (the pipeline-results gate).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipeline: Vec<PipelineResult>,
+    /// The evaluation of its agent-generated assets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation_evidence: Option<EvaluationEvidence>,
+    /// Its smoke suite (from the pipeline), run by verification after each apply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub smoke_checks: Vec<SmokeCheck>,
+}
+
+impl InboundEvent for ReleaseReady {
+    const NAME: &'static str = "ReleaseReady";
+    const SUBJECT: &'static str = "releases.releases.v1.release-ready";
+    const SUMMARY: &'static str = "A release is ready and may be promoted.";
+
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+}
+
+/// `releases.releases.v1.release-withdrawn`: pending promotions of it are rejected.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseWithdrawn {
+    /// The release.
+    pub release_id: ReleaseId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The project.
+    pub project_id: ProjectId,
+    /// Why it was withdrawn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl InboundEvent for ReleaseWithdrawn {
+    const NAME: &'static str = "ReleaseWithdrawn";
+    const SUBJECT: &'static str = "releases.releases.v1.release-withdrawn";
+    const SUMMARY: &'static str = "A release was withdrawn; pending promotions of it are rejected.";
+
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+}
 
 /// The promotions context's inbound handler.
 pub struct PromotionsInbound {
@@ -198,16 +280,31 @@ impl PromotionsInbound {
 
 #[async_trait::async_trait]
 impl ContextInbound for PromotionsInbound {
-    fn events(&self) -> &'static [&'static str] {
-        &["ReleaseReady", "ReleaseWithdrawn", "ApprovalDecided"]
-    }
-
     async fn handle(&self, envelope: &InboundEnvelope) -> Result<Handled, InboundError> {
-        match &envelope.event {
-            InboundEvent::ReleaseReady(r) => self.release_ready(envelope, r).await,
-            InboundEvent::ReleaseWithdrawn(w) => self.release_withdrawn(envelope, w).await,
-            InboundEvent::ApprovalDecided(a) => self.promotion_approval(envelope, a).await,
-            _ => Ok(Handled::NothingToDo),
+        let event = &envelope.event;
+        if let Some(r) = event.get::<ReleaseReady>() {
+            self.release_ready(envelope, r).await
+        } else if let Some(w) = event.get::<ReleaseWithdrawn>() {
+            self.release_withdrawn(envelope, w).await
+        } else if let Some(a) = event.get::<ApprovalDecided>() {
+            self.promotion_approval(envelope, a).await
+        } else {
+            // ProvisioningApplied and ProvisioningFailed: logged by the dispatcher.
+            Ok(Handled::NothingToDo)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_release_needs_its_id() {
+        let err = InboundKind::of::<ReleaseReady>()
+            .decode(json!({"tenantId": "acme"}))
+            .unwrap_err();
+        assert!(err.to_string().contains("releaseId"), "{err}");
     }
 }

@@ -65,14 +65,20 @@ impl Resolve for PublicOnly {
     }
 }
 
+/// Why tenants' URLs are not probed at all: the probe client could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("the probe client could not be built: {0}")]
+pub struct NoProbeClient(#[source] reqwest::Error);
+
 /// The client for a tenant's probes: public addresses only, no redirects, no proxy.
-pub fn client(timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
+pub fn client(timeout: Duration) -> Result<reqwest::Client, NoProbeClient> {
     reqwest::Client::builder()
         .timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())
         .no_proxy()
         .dns_resolver(Arc::new(PublicOnly))
         .build()
+        .map_err(NoProbeClient)
 }
 
 /// Why a probe's request failed because its address was refused, if it was.

@@ -288,8 +288,18 @@ pub async fn lift_quarantine(
 
 /// Every delivery route with its documentation.
 pub fn routes() -> ApiRouter<AppState> {
-    let release_path = || json!({"type": "string", "format": "uuid"});
-    let promotion_path = || json!({"type": "string", "format": "uuid"});
+    release_routes()
+        .merge(promotion_routes())
+        .merge(promotion_action_routes())
+}
+
+fn uuid_path() -> serde_json::Value {
+    json!({"type": "string", "format": "uuid"})
+}
+
+/// Releases and their quarantines.
+fn release_routes() -> ApiRouter<AppState> {
+    let release_path = uuid_path;
     ApiRouter::new()
         .api_route(
             "/factory/delivery/releases",
@@ -345,6 +355,12 @@ pub fn routes() -> ApiRouter<AppState> {
                     .errors(&[400, 401, 403, 404, 409, 415, 422])
             }),
         )
+}
+
+/// Requesting, reading and deciding promotions; the environments they go into.
+fn promotion_routes() -> ApiRouter<AppState> {
+    let promotion_path = uuid_path;
+    ApiRouter::new()
         .api_route(
             "/factory/delivery/promotions",
             get_with(list_promotions, |op| {
@@ -407,6 +423,13 @@ pub fn routes() -> ApiRouter<AppState> {
                     .errors(&[400, 401, 403])
             }),
         )
+}
+
+/// What follows a promotion: its plan log, rollback and verification verdict, and the
+/// release current in an environment.
+fn promotion_action_routes() -> ApiRouter<AppState> {
+    let promotion_path = uuid_path;
+    ApiRouter::new()
         .api_route(
             "/factory/delivery/promotions/{promotionId}/approval/plan-log",
             get_with(approval_plan_log, move |op| {

@@ -17,6 +17,7 @@
 //! Health URLs and smoke checks go through the probe client ([`super::probe`]), which
 //! connects only to public addresses; the SLO query is the tenant's confined one.
 
+use super::probe::NoProbeClient;
 use chrono::{DateTime, Utc};
 use ferry_domain::environment::SloObjective;
 use ferry_domain::promotion::{CheckKind, Measurement};
@@ -50,7 +51,7 @@ impl Checks {
     /// the probe client (`Err`: why there is none); `http` reaches Prometheus.
     pub async fn measure(
         &self,
-        probes: Result<&reqwest::Client, &str>,
+        probes: Result<&reqwest::Client, &NoProbeClient>,
         http: &reqwest::Client,
         prometheus: Option<&str>,
         first_round: bool,
@@ -86,7 +87,7 @@ impl Checks {
 /// A probe's answer: its status, or why there is none and whether that is the release's
 /// fault (`Some(false)`: it did not answer) or says nothing (`None`: not probed).
 async fn probe(
-    probes: Result<&reqwest::Client, &str>,
+    probes: Result<&reqwest::Client, &NoProbeClient>,
     url: &str,
 ) -> Result<u16, (String, Option<bool>)> {
     let client = probes.map_err(|why| (format!("not probed: {why}"), None))?;
@@ -100,7 +101,7 @@ async fn probe(
 }
 
 async fn health(
-    probes: Result<&reqwest::Client, &str>,
+    probes: Result<&reqwest::Client, &NoProbeClient>,
     url: &str,
     now: DateTime<Utc>,
 ) -> Measurement {
@@ -119,7 +120,7 @@ async fn health(
 }
 
 async fn smoke(
-    probes: Result<&reqwest::Client, &str>,
+    probes: Result<&reqwest::Client, &NoProbeClient>,
     check: &SmokeCheck,
     now: DateTime<Utc>,
 ) -> Measurement {
@@ -144,7 +145,7 @@ async fn slo(
     now: DateTime<Utc>,
 ) -> Measurement {
     let value = match prometheus {
-        None => Err("no Prometheus is configured (FERRY_PROMETHEUS_URL)".to_string()),
+        None => Err(Unmeasured::NoPrometheus),
         Some(base) => query(http, base, &objective.query).await,
     };
     let (value, passed) = match value {
@@ -161,62 +162,95 @@ async fn slo(
     }
 }
 
+/// Why an objective's query gave no value (recorded as "not measured: …").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unmeasured {
+    /// No Prometheus is configured.
+    #[error("no Prometheus is configured (FERRY_PROMETHEUS_URL)")]
+    NoPrometheus,
+    /// Prometheus could not be reached.
+    #[error("Prometheus did not answer: {0}")]
+    NoAnswer(String),
+    /// Its answer was not JSON.
+    #[error("Prometheus answered {status} without JSON: {reason}")]
+    NotJson {
+        /// The HTTP status.
+        status: u16,
+        /// What the parser said.
+        reason: String,
+    },
+    /// It refused the query.
+    #[error("Prometheus refused the query: {0}")]
+    Refused(String),
+    /// The query matched nothing.
+    #[error("the query returned no series (no data yet?)")]
+    NoSeries,
+    /// The query matched more than one series.
+    #[error("the query returned {0} series; an objective needs exactly one")]
+    ManySeries(usize),
+    /// The answer has no result list.
+    #[error("the answer has no result list")]
+    NoResultList,
+    /// The answer is of another type (a matrix, a string).
+    #[error("the query returned {0}; an objective needs a scalar or one series")]
+    WrongType(String),
+    /// The sample carries no value.
+    #[error("the sample has no value")]
+    NoValue,
+    /// The sample's value is not a number.
+    #[error("the sample {0:?} is not a number")]
+    NotANumber(String),
+    /// The value is NaN or infinite.
+    #[error("the value is {0}")]
+    NotFinite(String),
+}
+
 /// The value of `expression` now, from Prometheus at `base`.
-async fn query(http: &reqwest::Client, base: &str, expression: &str) -> Result<f64, String> {
+async fn query(http: &reqwest::Client, base: &str, expression: &str) -> Result<f64, Unmeasured> {
     let url = format!("{}/api/v1/query", base.trim_end_matches('/'));
     let response = http
         .get(&url)
         .query(&[("query", expression)])
         .send()
         .await
-        .map_err(|e| format!("Prometheus did not answer: {e}"))?;
+        .map_err(|e| Unmeasured::NoAnswer(e.to_string()))?;
     let status = response.status();
-    let body: Value = response
-        .json()
-        .await
-        .map_err(|e| format!("Prometheus answered {status} without JSON: {e}"))?;
+    let body: Value = response.json().await.map_err(|e| Unmeasured::NotJson {
+        status: status.as_u16(),
+        reason: e.to_string(),
+    })?;
     prometheus_value(&body)
 }
 
 /// The one value of an instant query's answer: a scalar, or a vector of exactly one series.
-pub fn prometheus_value(body: &Value) -> Result<f64, String> {
+pub fn prometheus_value(body: &Value) -> Result<f64, Unmeasured> {
     if body["status"] != "success" {
-        return Err(format!(
-            "Prometheus refused the query: {}",
-            body["error"].as_str().unwrap_or("no reason given")
-        ));
+        let reason = body["error"].as_str().unwrap_or("no reason given");
+        return Err(Unmeasured::Refused(reason.to_string()));
     }
     let data = &body["data"];
     let sample = match data["resultType"].as_str() {
         Some("scalar") => &data["result"],
         Some("vector") => match data["result"].as_array().map(Vec::as_slice) {
             Some([one]) => &one["value"],
-            Some([]) => return Err("the query returned no series (no data yet?)".to_string()),
-            Some(many) => {
-                return Err(format!(
-                    "the query returned {} series; an objective needs exactly one",
-                    many.len()
-                ))
-            }
-            None => return Err("the answer has no result list".to_string()),
+            Some([]) => return Err(Unmeasured::NoSeries),
+            Some(many) => return Err(Unmeasured::ManySeries(many.len())),
+            None => return Err(Unmeasured::NoResultList),
         },
         other => {
-            return Err(format!(
-                "the query returned {}; an objective needs a scalar or one series",
-                other.unwrap_or("nothing")
+            return Err(Unmeasured::WrongType(
+                other.unwrap_or("nothing").to_string(),
             ))
         }
     };
-    let text = sample[1]
-        .as_str()
-        .ok_or_else(|| "the sample has no value".to_string())?;
+    let text = sample[1].as_str().ok_or(Unmeasured::NoValue)?;
     let value: f64 = text
         .parse()
-        .map_err(|_| format!("the sample {text:?} is not a number"))?;
+        .map_err(|_| Unmeasured::NotANumber(text.to_string()))?;
     if value.is_finite() {
         Ok(value)
     } else {
-        Err(format!("the value is {text}"))
+        Err(Unmeasured::NotFinite(text.to_string()))
     }
 }
 
@@ -238,21 +272,31 @@ mod tests {
     #[test]
     fn no_single_value_is_an_error_not_a_pass() {
         let none = json!({"status": "success", "data": {"resultType": "vector", "result": []}});
-        assert!(prometheus_value(&none).unwrap_err().contains("no series"));
+        assert!(prometheus_value(&none)
+            .unwrap_err()
+            .to_string()
+            .contains("no series"));
         let two = json!({"status": "success", "data": {"resultType": "vector", "result": [
             {"metric": {"pod": "a"}, "value": [0, "1"]},
             {"metric": {"pod": "b"}, "value": [0, "2"]}]}});
-        assert!(prometheus_value(&two).unwrap_err().contains("2 series"));
+        assert!(prometheus_value(&two)
+            .unwrap_err()
+            .to_string()
+            .contains("2 series"));
         let refused = json!({"status": "error", "errorType": "bad_data",
             "error": "parse error at char 5"});
         assert!(prometheus_value(&refused)
             .unwrap_err()
+            .to_string()
             .contains("parse error at char 5"));
         let nan = json!({"status": "success", "data": {"resultType": "scalar",
             "result": [0, "NaN"]}});
         assert!(prometheus_value(&nan).is_err());
         let matrix = json!({"status": "success", "data": {"resultType": "matrix",
             "result": []}});
-        assert!(prometheus_value(&matrix).unwrap_err().contains("matrix"));
+        assert!(prometheus_value(&matrix)
+            .unwrap_err()
+            .to_string()
+            .contains("matrix"));
     }
 }

@@ -377,47 +377,10 @@ impl PromotionView {
                     PromotionState::Approved
                 };
             }
-            E::ApprovalRequested(approval) => {
-                self.desired_state_ref = Some(approval.desired_state_ref.clone());
-                self.provisioning_run_id = Some(approval.provisioning_run_id);
-                self.approval = Some((**approval).clone());
-                self.approval_decision = None;
-            }
-            E::ApprovalVoided { .. } => {
-                self.approval = None;
-                self.approval_decision = None;
-                self.provisioning_run_id = None;
-                self.state = PromotionState::AwaitingApproval;
-            }
-            E::ApprovalGranted {
-                approval_id,
-                decided_by,
-                reason,
-                decided_at,
-            } => {
-                self.approval_decision = Some(ApprovalDecisionView {
-                    approval_id: *approval_id,
-                    decision: "approve".to_string(),
-                    decided_by: decided_by.clone(),
-                    reason: reason.clone(),
-                    decided_at: *decided_at,
-                });
-                self.state = PromotionState::Approved;
-            }
-            E::ApprovalRejected {
-                approval_id,
-                decided_by,
-                reason,
-                decided_at,
-            } => {
-                self.approval_decision = Some(ApprovalDecisionView {
-                    approval_id: *approval_id,
-                    decision: "reject".to_string(),
-                    decided_by: decided_by.clone(),
-                    reason: reason.clone(),
-                    decided_at: *decided_at,
-                });
-            }
+            E::ApprovalRequested(_)
+            | E::ApprovalVoided { .. }
+            | E::ApprovalGranted { .. }
+            | E::ApprovalRejected { .. } => self.apply_approval(event),
             E::PromotionRejected {
                 reason,
                 gate,
@@ -463,6 +426,80 @@ impl PromotionView {
                 self.completed_at = Some(*completed_at);
                 self.state = PromotionState::Completed;
             }
+            E::RollbackStarted { .. } | E::RollbackFailed { .. } | E::RollbackCompleted { .. } => {
+                self.apply_rollback(event)
+            }
+            E::PromotionFailed {
+                reason,
+                rolled_back,
+                failed_at,
+            } => {
+                self.failure = Some(Outcome {
+                    reason: reason.clone(),
+                    gate: None,
+                    rolled_back: Some(*rolled_back),
+                    at: *failed_at,
+                });
+                if !rolled_back {
+                    self.state = PromotionState::Failed;
+                }
+            }
+        }
+    }
+
+    /// An approval asked for, voided or decided.
+    fn apply_approval(&mut self, event: &PromotionEvent) {
+        use PromotionEvent as E;
+        match event {
+            E::ApprovalRequested(approval) => {
+                self.desired_state_ref = Some(approval.desired_state_ref.clone());
+                self.provisioning_run_id = Some(approval.provisioning_run_id);
+                self.approval = Some((**approval).clone());
+                self.approval_decision = None;
+            }
+            E::ApprovalVoided { .. } => {
+                self.approval = None;
+                self.approval_decision = None;
+                self.provisioning_run_id = None;
+                self.state = PromotionState::AwaitingApproval;
+            }
+            E::ApprovalGranted {
+                approval_id,
+                decided_by,
+                reason,
+                decided_at,
+            } => {
+                self.approval_decision = Some(ApprovalDecisionView {
+                    approval_id: *approval_id,
+                    decision: "approve".to_string(),
+                    decided_by: decided_by.clone(),
+                    reason: reason.clone(),
+                    decided_at: *decided_at,
+                });
+                self.state = PromotionState::Approved;
+            }
+            E::ApprovalRejected {
+                approval_id,
+                decided_by,
+                reason,
+                decided_at,
+            } => {
+                self.approval_decision = Some(ApprovalDecisionView {
+                    approval_id: *approval_id,
+                    decision: "reject".to_string(),
+                    decided_by: decided_by.clone(),
+                    reason: reason.clone(),
+                    decided_at: *decided_at,
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// A rollback started, failed or completed.
+    fn apply_rollback(&mut self, event: &PromotionEvent) {
+        use PromotionEvent as E;
+        match event {
             E::RollbackStarted {
                 rollback_promotion_id,
                 restored_release_id,
@@ -494,21 +531,7 @@ impl PromotionView {
                 }
                 self.state = PromotionState::RolledBack;
             }
-            E::PromotionFailed {
-                reason,
-                rolled_back,
-                failed_at,
-            } => {
-                self.failure = Some(Outcome {
-                    reason: reason.clone(),
-                    gate: None,
-                    rolled_back: Some(*rolled_back),
-                    at: *failed_at,
-                });
-                if !rolled_back {
-                    self.state = PromotionState::Failed;
-                }
-            }
+            _ => {}
         }
     }
 }

@@ -5,8 +5,8 @@
 //! are in `crate::inbound`.
 
 use crate::inbound::{
-    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ContextInbound,
-    InboundParts,
+    check_decider, classify, execute_marked, recorded_once_there, same_tenant, ApprovalDecided,
+    ApprovalDecision, ContextInbound, InboundParts,
 };
 use chrono::Utc;
 use ferry_domain::confinement::Confinement;
@@ -14,13 +14,100 @@ use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration,
 };
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand};
+use ferry_domain::{
+    EnvironmentClass, EnvironmentId, ProgramRef, ProgramVersion, ProjectId, TenantId,
+};
 use ferry_messaging::inbound::{
-    ApprovalDecided, ApprovalDecision, EnvironmentCreated, EnvironmentStateChanged, Handled,
-    InboundEnvelope, InboundError, InboundEvent,
+    BrokenRule, Handled, InboundEnvelope, InboundError, InboundEvent, InboundKind,
 };
 use ferry_store::Repository;
 use ferry_workers::metrics::Metrics;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+
+/// The events the provisioning context hears.
+pub fn events() -> Vec<InboundKind> {
+    vec![
+        InboundKind::of::<EnvironmentCreated>(),
+        InboundKind::of::<EnvironmentStateChanged>(),
+        InboundKind::of::<ApprovalDecided>(),
+    ]
+}
+
+/// `environments.v1.environment-created`: a new environment gets its baseline planned.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvironmentCreated {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// development | test | staging | production.
+    pub environment_class: EnvironmentClass,
+    /// Where its health can be probed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_url: Option<String>,
+    /// The baseline program (`<repository>#<folder>`), if the environment has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_ref: Option<ProgramRef>,
+    /// The baseline program's commit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_version: Option<ProgramVersion>,
+    /// The project the environment serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_id: Option<ProjectId>,
+}
+
+impl InboundEvent for EnvironmentCreated {
+    const NAME: &'static str = "EnvironmentCreated";
+    const SUBJECT: &'static str = "environments.v1.environment-created";
+    const SUMMARY: &'static str = "A new environment gets its baseline specification planned.";
+
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+
+    fn check(&self) -> Result<(), BrokenRule> {
+        if self.program_version.is_some() && self.program_ref.is_none() {
+            return Err(BrokenRule(
+                "has programVersion without programRef".to_string(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `environments.v1.environment-state-changed`: readiness for the EnvironmentReady gate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvironmentStateChanged {
+    /// The environment.
+    pub environment_id: EnvironmentId,
+    /// The tenant.
+    pub tenant_id: TenantId,
+    /// The state as the environment service names it (`ready`, `degraded`, …).
+    pub state: String,
+    /// Where its health can be probed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_url: Option<String>,
+}
+
+impl InboundEvent for EnvironmentStateChanged {
+    const NAME: &'static str = "EnvironmentStateChanged";
+    const SUBJECT: &'static str = "environments.v1.environment-state-changed";
+    const SUMMARY: &'static str = "An environment's readiness changed (EnvironmentReady gate).";
+
+    fn tenant_id(&self) -> &TenantId {
+        &self.tenant_id
+    }
+
+    fn check(&self) -> Result<(), BrokenRule> {
+        if self.state.trim().is_empty() {
+            return Err(BrokenRule("has an empty state".to_string()));
+        }
+        Ok(())
+    }
+}
 
 /// The provisioning context's inbound handler.
 pub struct ProvisioningInbound {
@@ -197,22 +284,56 @@ impl ProvisioningInbound {
 
 #[async_trait::async_trait]
 impl ContextInbound for ProvisioningInbound {
-    fn events(&self) -> &'static [&'static str] {
-        &[
-            "EnvironmentCreated",
-            "EnvironmentStateChanged",
-            "ApprovalDecided",
-        ]
+    async fn handle(&self, envelope: &InboundEnvelope) -> Result<Handled, InboundError> {
+        let event = &envelope.event;
+        if let Some(e) = event.get::<EnvironmentCreated>() {
+            self.environment_created(envelope, e).await
+        } else if let Some(e) = event.get::<EnvironmentStateChanged>() {
+            self.environment_state_changed(envelope, e).await
+        } else if let Some(a) = event.get::<ApprovalDecided>() {
+            self.run_approval(envelope, a).await
+        } else {
+            Ok(Handled::NothingToDo)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_environment_created_event_decodes_with_its_class() {
+        let heard = InboundKind::of::<EnvironmentCreated>()
+            .decode(json!({"environmentId": "payments-prod", "tenantId": "acme",
+                           "environmentClass": "production", "healthUrl": "https://h/healthz",
+                           "someNewField": 1}))
+            .unwrap();
+        let created = heard.get::<EnvironmentCreated>().unwrap();
+        assert_eq!(created.environment_class, EnvironmentClass::Production);
     }
 
-    async fn handle(&self, envelope: &InboundEnvelope) -> Result<Handled, InboundError> {
-        match &envelope.event {
-            InboundEvent::EnvironmentCreated(e) => self.environment_created(envelope, e).await,
-            InboundEvent::EnvironmentStateChanged(e) => {
-                self.environment_state_changed(envelope, e).await
-            }
-            InboundEvent::ApprovalDecided(a) => self.run_approval(envelope, a).await,
-            _ => Ok(Handled::NothingToDo),
-        }
+    #[test]
+    fn invalid_payloads_are_refused_with_a_reason() {
+        let err = InboundKind::of::<EnvironmentCreated>()
+            .decode(json!({"environmentId": "e", "tenantId": "acme", "environmentClass": "moon"}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("environmentClass") || err.contains("moon"),
+            "{err}"
+        );
+        let err = InboundKind::of::<EnvironmentCreated>()
+            .decode(json!({"environmentId": "e", "tenantId": "acme",
+                           "environmentClass": "test", "programVersion": "3f2a9c1"}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("without programRef"), "{err}");
+        let err = InboundKind::of::<EnvironmentStateChanged>()
+            .decode(json!({"environmentId": "e", "tenantId": "acme", "state": " "}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("empty state"), "{err}");
     }
 }

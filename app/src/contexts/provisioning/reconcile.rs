@@ -101,10 +101,8 @@ pub struct Schedule(croner::Cron);
 
 impl Schedule {
     /// Parses `pattern` (e.g. `0 */4 * * *`).
-    pub fn parse(pattern: &str) -> Result<Self, String> {
-        croner::Cron::from_str(pattern)
-            .map(Self)
-            .map_err(|e| e.to_string())
+    pub fn parse(pattern: &str) -> Result<Self, croner::errors::CronError> {
+        croner::Cron::from_str(pattern).map(Self)
     }
 
     /// The first window after `now`.
