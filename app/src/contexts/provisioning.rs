@@ -1,10 +1,12 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
-//! runs. Its parts predate the registration and live in the layer crates (domain, api,
-//! projections, workers, messaging); this module is where the process collects them, and
-//! holds what came after: [`reconcile`], the GitOps reconciler, and [`drift`], the
-//! environments' ignore rules it applies.
+//! runs. Some of its parts predate the registration and still live in the layer crates
+//! (domain, api, projections, workers); this module is where the process collects them, and
+//! holds what has moved or came after: [`events`], its publishers; [`reconcile`], the GitOps
+//! reconciler; [`drift`], the environments' ignore rules it applies; [`inbound`], what it
+//! does with other services' events.
 
 pub mod drift;
+pub mod events;
 pub mod inbound;
 pub mod reconcile;
 
@@ -46,7 +48,7 @@ impl BoundedContext for Provisioning {
     }
 
     fn publishers(&self) -> Publishers {
-        Publishers::provisioning()
+        events::publishers()
     }
 
     fn inbound(

@@ -249,7 +249,7 @@ pub async fn declare(db: &Database, t: &str) -> SpecificationId {
 pub fn assert_valid(message: &Stored) {
     static FILES: std::sync::OnceLock<BTreeMap<String, String>> = std::sync::OnceLock::new();
     let files = FILES.get_or_init(|| {
-        ferry_messaging::published_schemas(&ferry_messaging::Publishers::provisioning())
+        ferry_messaging::published_schemas(&ferry_app::contexts::provisioning::events::publishers())
             .into_iter()
             .collect()
     });
@@ -267,10 +267,12 @@ pub fn assert_valid(message: &Stored) {
         );
     };
     check("events/cloudevent.schema.json", &message.body);
-    let doc = ferry_messaging::schemas::subject_docs(&ferry_messaging::Publishers::provisioning())
-        .into_iter()
-        .find(|d| d.subject == message.subject)
-        .unwrap_or_else(|| panic!("no schema documented for {}", message.subject));
+    let doc = ferry_messaging::schemas::subject_docs(
+        &ferry_app::contexts::provisioning::events::publishers(),
+    )
+    .into_iter()
+    .find(|d| d.subject == message.subject)
+    .unwrap_or_else(|| panic!("no schema documented for {}", message.subject));
     check(&doc.schema, &message.body["data"]);
 }
 
