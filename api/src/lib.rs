@@ -1,12 +1,14 @@
-//! Ferry's HTTP API: bearer-token auth, problem+json errors, the provisioning, environment
-//! and event routes, the OpenAPI document, and the operational endpoints. It is HTTP only:
-//! what it needs from NATS, the workers and the adapters comes through the traits in
-//! [`ports`], which the application crate (`ferry-app`) implements and wires.
+//! Ferry's HTTP API machinery, which knows no bounded context: bearer-token auth,
+//! problem+json errors, extractors, creation under an `Idempotency-Key` ([`idempotent`]),
+//! commands decided on a basis ([`basis`]), the event routes, the router and the OpenAPI
+//! document built from every context's routes, and the operational endpoints. Each context's
+//! routes and use cases live in its folder of the application crate (`ferry-app`). It is
+//! HTTP only: what it needs from NATS, the workers and the adapters comes through the traits
+//! in [`ports`], which the application crate implements and wires.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod basis;
-pub mod environments;
 pub mod events;
 pub mod extract;
 pub mod idempotent;
@@ -14,7 +16,6 @@ pub mod openapi;
 pub mod ports;
 pub mod problem;
 pub mod router;
-pub mod routes;
 pub mod state;
 
-pub use router::{provisioning_routes, router, Api};
+pub use router::{router, Api};

@@ -1,12 +1,14 @@
-//! The router: every route of the HTTP API, the request-id and tracing layers, and the
-//! operational endpoints (`/healthz`, `/readyz`, `/metrics`, `/openapi.json`).
+//! The router: the process's own routes (events in and out, and the operational endpoints
+//! `/healthz`, `/readyz`, `/metrics`, `/openapi.json`), merged with every bounded context's
+//! routes into the router and the OpenAPI document ([`Api`]), with the request-id, tracing
+//! and problem+json layers.
 
+use crate::events;
 use crate::extract::{RequestIds, MAX_BODY};
-use crate::openapi::{schema_of, Doc, APPLY, PUBLISH, READ};
+use crate::openapi::{Doc, PUBLISH, READ};
 use crate::problem::ApiError;
 use crate::state::AppState;
-use crate::{environments, events, routes};
-use aide::axum::routing::{get_with, post_with, put_with};
+use aide::axum::routing::{get_with, post_with};
 use aide::axum::ApiRouter;
 use aide::openapi::OpenApi;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -14,10 +16,6 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json, Router};
-use ferry_domain::specification::SpecificationVersion;
-use ferry_domain::{ProvisioningKind, ProvisioningState, SpecificationKind};
-use ferry_projections::views::CurrentSpecificationView;
-use ferry_projections::{Page, RunView};
 use ferry_store::stream;
 use serde_json::json;
 use tower_http::trace::TraceLayer;
@@ -224,167 +222,6 @@ async fn not_found() -> ApiError {
 
 async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
-}
-
-/// The provisioning context's routes with their documentation.
-pub fn provisioning_routes() -> ApiRouter<AppState> {
-    let run = "/factory/provisioning/runs/{provisioningRunId}";
-    let run_id = || json!({"type": "string", "format": "uuid"});
-    let environment_id = || json!({"type": "string"});
-    ApiRouter::new()
-        .api_route(
-            "/factory/provisioning/specifications",
-            get_with(routes::list_specifications, |op| {
-                op.id("ListSpecifications")
-                    .summary("Every declared specification version, newest first.")
-                    .scope(READ)
-                    .query("environmentId", "Only this environment.", json!({"type": "string"}))
-                    .query("projectId", "Only this project.", json!({"type": "string"}))
-                    .query("kind", "Only this kind.", schema_of::<SpecificationKind>())
-                    .query(
-                        "specificationId",
-                        "Only this specification's versions.",
-                        json!({"type": "string", "format": "uuid"}),
-                    )
-                    .paging()
-                    .response_with::<200, Json<Page<SpecificationVersion>>, _>(|r| {
-                        r.description("A page of versions.")
-                    })
-                    .errors(&[400, 401, 403])
-            })
-            .post_with(routes::declare_specification, |op| {
-                op.id("DeclareSpecification")
-                    .summary("Declare a new immutable version of an environment's desired state.")
-                    .scope(APPLY)
-                    .response_with::<201, Json<routes::DeclaredSpecification>, _>(|r| {
-                        r.description("The new version, with warnings (e.g. an environment not recorded, treated as production).")
-                    })
-                    .errors(&[400, 401, 403, 409, 415, 422])
-            }),
-        )
-        .api_route(
-            "/factory/provisioning/runs",
-            get_with(routes::list_runs, |op| {
-                op.id("ListProvisioningRuns")
-                    .summary("Runs by environment, kind and state, with receipts, newest first.")
-                    .scope(READ)
-                    .query("environmentId", "Only this environment.", json!({"type": "string"}))
-                    .query("kind", "Only this kind.", schema_of::<ProvisioningKind>())
-                    .query("state", "Only this state.", schema_of::<ProvisioningState>())
-                    .paging()
-                    .response_with::<200, Json<Page<RunView>>, _>(|r| r.description("A page of runs."))
-                    .errors(&[400, 401, 403])
-            })
-            .post_with(routes::plan_provisioning, |op| {
-                op.id("PlanProvisioning")
-                    .summary("Plan a specification version against an environment; the run starts in Requested.")
-                    .scope(APPLY)
-                    .idempotency_key()
-                    .response_with::<201, Json<RunView>, _>(|r| r.description("The run."))
-                    .errors(&[400, 401, 403, 409, 415, 422])
-            }),
-        )
-        .api_route(
-            run,
-            get_with(routes::get_run, move |op| {
-                op.id("GetProvisioningRun")
-                    .summary("One run with its plan, approval, apply receipt and logs.")
-                    .scope(READ)
-                    .path("provisioningRunId", "The run.", run_id())
-                    .response_with::<200, Json<RunView>, _>(|r| r.description("The run."))
-                    .errors(&[401, 403, 404])
-            }),
-        )
-        .api_route(
-            &format!("{run}/cancel"),
-            post_with(routes::cancel_run, move |op| {
-                op.id("CancelProvisioning")
-                    .summary("Cancel a run before apply.")
-                    .scope(APPLY)
-                    .path("provisioningRunId", "The run.", run_id())
-                    .response_with::<200, Json<RunView>, _>(|r| r.description("The cancelled run."))
-                    .errors(&[401, 403, 404, 409, 415, 422])
-            }),
-        )
-        .api_route(
-            &format!("{run}/approval"),
-            post_with(routes::decide_approval, move |op| {
-                op.id("DecideApproval")
-                    .summary("Approve or reject a run awaiting approval; the requester cannot approve.")
-                    .scope(APPLY)
-                    .path("provisioningRunId", "The run.", run_id())
-                    .response_with::<200, Json<RunView>, _>(|r| {
-                        r.description("The run after the decision.")
-                    })
-                    .errors(&[401, 403, 404, 409, 415, 422])
-            }),
-        )
-        .api_route(
-            &format!("{run}/logs"),
-            get_with(routes::run_logs, move |op| {
-                op.id("GetProvisioningRunLogs")
-                    .summary("The run's plan and apply logs as text (secrets redacted before storage).")
-                    .scope(READ)
-                    .path("provisioningRunId", "The run.", run_id())
-                    .text(200, "The logs.", "text/plain")
-                    .errors(&[401, 403, 404])
-            }),
-        )
-        .api_route(
-            "/factory/provisioning/environments/{environmentId}/current-specification",
-            get_with(routes::current_specification, move |op| {
-                op.id("GetCurrentSpecification")
-                    .summary("The newest declared and the last applied specification of each kind for an environment.")
-                    .scope(READ)
-                    .path("environmentId", "The environment.", environment_id())
-                    .response_with::<200, Json<CurrentSpecificationView>, _>(|r| {
-                        r.description("The environment's specifications.")
-                    })
-                    .errors(&[400, 401, 403, 404])
-            }),
-        )
-        .api_route(
-            "/factory/environments/{environmentId}",
-            put_with(environments::put_environment, move |op| {
-                op.id("PutEnvironment")
-                    .summary("Record an environment (PlatformAdmin); a new one gets its baseline declared and planned.")
-                    .scope(APPLY)
-                    .path("environmentId", "The environment.", environment_id())
-                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
-                        r.description("Updated or unchanged (201 when recorded for the first time).")
-                    })
-                    .response_with::<201, Json<environments::EnvironmentView>, _>(|r| {
-                        r.description("Recorded for the first time.")
-                    })
-                    .response_with::<202, Json<environments::EnvironmentView>, _>(|r| {
-                        r.description("Lowering the class out of production waits for a second PlatformAdmin (pendingClassLowering); the class is unchanged until then.")
-                    })
-                    .errors(&[400, 401, 403, 409, 415, 422])
-            })
-            .get_with(environments::get_environment, move |op| {
-                op.id("GetEnvironment")
-                    .summary("An environment as Ferry knows it.")
-                    .scope(READ)
-                    .path("environmentId", "The environment.", environment_id())
-                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
-                        r.description("The environment.")
-                    })
-                    .errors(&[400, 401, 403, 404])
-            }),
-        )
-        .api_route(
-            "/factory/environments/{environmentId}/class-lowering",
-            post_with(environments::decide_class_lowering, move |op| {
-                op.id("DecideClassLowering")
-                    .summary("Approve or reject lowering an environment's class out of production (PlatformAdmin; never the one who asked for it).")
-                    .scope(APPLY)
-                    .path("environmentId", "The environment.", environment_id())
-                    .response_with::<200, Json<environments::EnvironmentView>, _>(|r| {
-                        r.description("The environment after the decision.")
-                    })
-                    .errors(&[400, 401, 403, 404, 409, 415, 422])
-            }),
-        )
 }
 
 /// The process's own routes: events in and out, metrics, health, readiness, this document.

@@ -125,6 +125,7 @@ async fn a_redelivered_inbound_event_has_one_effect() {
         RelayConfig {
             nats_url: nats.url(),
             poll: Duration::from_millis(100),
+            publishers: ferry_app::contexts::provisioning::events::publishers(),
             ..RelayConfig::default()
         },
         shutdown,

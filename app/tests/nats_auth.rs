@@ -112,6 +112,7 @@ async fn only_run_controls_nats_user_gets_an_approval_to_ferry() {
             nats_url: nats.url(),
             nats_auth: ferry_user(),
             poll: Duration::from_millis(100),
+            publishers: ferry_app::contexts::provisioning::events::publishers(),
             ..RelayConfig::default()
         },
         shutdown,

@@ -5,7 +5,7 @@
 mod common;
 
 use common::wait_events;
-use ferry_messaging::Publishers;
+use ferry_app::contexts::provisioning::events::publishers;
 use ferry_store::stream::read_after;
 use ferry_store::testing::TestDatabase;
 use ferry_store::{Backend, Database, Position};
@@ -48,7 +48,7 @@ async fn fallbacks(backend: Backend) {
     wait_events(db, 2).await;
     let events = read_after(db, Position::default(), 10).await.unwrap();
 
-    let promo = Publishers::provisioning()
+    let promo = publishers()
         .to_outbound(db, "urn:test", &events[0])
         .await
         .unwrap();
@@ -69,7 +69,7 @@ async fn fallbacks(backend: Backend) {
     assert_eq!(promo.event.ferryaggregatetype.as_deref(), Some("Promotion"));
     assert!(promo.degraded.is_none());
 
-    let failed = Publishers::provisioning()
+    let failed = publishers()
         .to_outbound(db, "urn:test", &events[1])
         .await
         .unwrap();
@@ -96,7 +96,7 @@ async fn fallbacks(backend: Backend) {
     wait_events(db, 3).await;
     let events = read_after(db, Position::default(), 10).await.unwrap();
     for event in &events {
-        let publishers = Publishers::provisioning();
+        let publishers = publishers();
         let out = publishers.to_outbound(db, "urn:test", event).await.unwrap();
         let position = ferry_messaging::outbound::position_token(event.position);
         let encoded = publishers
@@ -154,9 +154,7 @@ async fn undecodable(backend: Backend) {
     wait_events(db, 2).await;
     let events = read_after(db, Position::default(), 10).await.unwrap();
     for event in &events {
-        let result = Publishers::provisioning()
-            .to_outbound(db, "urn:test", event)
-            .await;
+        let result = publishers().to_outbound(db, "urn:test", event).await;
         assert!(
             matches!(&result, Err(ferry_store::events::ReadError::Decode(e)) if e.to_string().contains("r-1 event 1")),
             "{result:?}"

@@ -19,6 +19,7 @@ fn config(nats: &Nats) -> RelayConfig {
     RelayConfig {
         nats_url: nats.url(),
         poll: Duration::from_millis(100),
+        publishers: ferry_app::contexts::provisioning::events::publishers(),
         ..RelayConfig::default()
     }
 }

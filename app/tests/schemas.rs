@@ -1,4 +1,4 @@
-//! The message schemas this crate generates for the provisioning context are the ones in the
+//! The message schemas the provisioning context publishes are the ones in the
 //! repository's `schemas/` folder. The AsyncAPI document covers every bounded context of the
 //! process, so the application checks it (`tests/http.rs`); regenerate everything with
 //! `cargo run -- schemas`.
@@ -15,7 +15,7 @@ fn the_schema_files_are_current() {
     let dir = schemas_dir();
     let mut stale = Vec::new();
     for (path, content) in ferry_messaging::published_schemas(
-        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::contexts::provisioning::events::publishers(),
         &ferry_app::Contexts::builtin().inbound_kinds(),
     ) {
         assert!(content.ends_with('\n'), "{path} ends with a newline");
@@ -36,7 +36,7 @@ fn the_schema_files_are_current() {
 #[test]
 fn every_schema_is_a_valid_json_schema() {
     for (path, content) in ferry_messaging::published_schemas(
-        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::contexts::provisioning::events::publishers(),
         &ferry_app::Contexts::builtin().inbound_kinds(),
     ) {
         let value: serde_json::Value = serde_json::from_str(&content).unwrap();

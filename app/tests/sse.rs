@@ -6,7 +6,8 @@ mod common;
 use axum::response::sse::Sse;
 use axum::response::IntoResponse;
 use common::*;
-use ferry_messaging::{parse_position, sse_stream, start_position, Publishers};
+use ferry_app::contexts::provisioning::events::publishers;
+use ferry_messaging::{parse_position, sse_stream, start_position};
 use ferry_store::testing::TestDatabase;
 use ferry_store::{Backend, Database, Position};
 use futures::StreamExt;
@@ -25,7 +26,7 @@ struct Frame {
 async fn read_events(db: &Database, tenant: &str, after: Position, n: usize) -> Vec<Frame> {
     let stream = sse_stream(
         db.clone(),
-        Publishers::provisioning(),
+        publishers(),
         tenant.to_string(),
         after,
         db.subscribe_commits(),

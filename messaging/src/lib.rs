@@ -12,12 +12,18 @@
 //!   check the source is trusted, dedupe by CloudEvent source and id (the mark committed
 //!   with the effect) and dead-letter what is malformed.
 //! * [`publish`]: each aggregate's [`Publisher`] turns its events into subjects and data;
-//!   the process registers them ([`Publishers`]) and the relay and SSE stream use them.
+//!   the process registers them ([`Publishers`]) and the relay and SSE stream use them. The
+//!   publishers themselves belong to the bounded contexts (in `ferry-app`); [`outbound`]
+//!   has the pieces they share.
 //! * [`sse`]: [`sse_stream`] serves the live stream to `GET /factory/events/stream`.
 //! * [`schemas`]: [`published_schemas`] is the JSON Schema of every payload and the
 //!   AsyncAPI document, written to the repository's `schemas/`.
 //!
 //! # Subjects
+//!
+//! Ferry's outbound subjects are published by the bounded contexts' publishers
+//! (provisioning's `provisioning.*.v1.*`, promotions' `releases.promotions.v1.*`); the
+//! inbound ones are consumed here.
 //!
 //! | subject | payload (under `schemas/`) | direction |
 //! |---|---|---|

@@ -1,32 +1,23 @@
-//! The provisioning context's publishers, and the pieces every [`Publisher`] shares.
+//! The pieces every [`Publisher`](crate::Publisher) shares: the outbound message, stream
+//! positions as text, the domain event as a message, and an integration event's payload with
+//! its fallback.
 //!
 //! Events are decoded first, through their upcasters ([`ferry_store::events`]); one that
 //! does not decode is an error, at which the relay stops and which it reports until it goes
 //! through: nothing is skipped. Integration events get their fixed payloads; every other
 //! event goes on `ferry.events.<aggregate>.<event>` with the domain event's inner object as
-//! data. An integration event whose payload cannot be built (its run has no request: a bug,
-//! logged and counted) goes on its domain subject instead, so the audit trail stays
-//! complete.
+//! data. An integration event whose payload cannot be built (a bug, logged and counted) goes
+//! on its domain subject instead, so the audit trail stays complete. Each bounded context's
+//! publishers live in its folder (e.g. `app/src/contexts/provisioning/events.rs`).
 
 use crate::cloudevent::CloudEvent;
-use crate::payloads::{
-    PlanSummary, ProvisioningAppliedPayload, ProvisioningFailedPayload, ProvisioningPlannedPayload,
-    SpecificationDeclaredPayload,
-};
-use crate::publish::{DomainEvents, Message, Publisher, Publishers};
-use crate::schemas::{domain_event_docs, schema_value, Direction, Documents, SubjectDoc};
+use crate::publish::Message;
+use crate::schemas::{schema_value, Direction, Documents, SubjectDoc};
 use crate::subjects;
-use cqrs_es::{Aggregate, DomainEvent};
-use ferry_domain::drift::DriftIgnoreRules;
-use ferry_domain::environment::Environment;
-use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
-use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
-use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
-use ferry_store::events::{decode_event, first_event, ReadError};
-use ferry_store::{Database, Position, StoredEvent, Typed};
+use cqrs_es::DomainEvent;
+use ferry_store::{Position, StoredEvent};
 use serde_json::value::RawValue;
 use serde_json::Value;
-use std::sync::Arc;
 
 /// Default CloudEvent `source` of Ferry's events.
 pub const DEFAULT_SOURCE: &str = "urn:ferry";
@@ -162,18 +153,6 @@ pub fn integration<E: DomainEvent>(
     }
 }
 
-impl Publishers {
-    /// The provisioning context's publishers: runs and specifications with their integration
-    /// events, environments' domain events.
-    pub fn provisioning() -> Self {
-        Self::new()
-            .with(Arc::new(RunPublisher))
-            .with(Arc::new(SpecificationPublisher))
-            .with(Arc::new(DomainEvents::<Environment>::new()))
-            .with(Arc::new(DomainEvents::<DriftIgnoreRules>::new()))
-    }
-}
-
 /// An integration subject's documentation and the schema file of its payload.
 pub fn integration_doc<T: schemars::JsonSchema>(
     subject: &str,
@@ -192,184 +171,6 @@ pub fn integration_doc<T: schemars::JsonSchema>(
         }],
         files: vec![(path, schema_value::<T>())],
     }
-}
-
-/// Specifications: `SpecificationDeclared` is an integration event.
-pub struct SpecificationPublisher;
-
-#[async_trait::async_trait]
-impl Publisher for SpecificationPublisher {
-    fn aggregate_type(&self) -> &'static str {
-        DeploymentSpecification::TYPE
-    }
-
-    async fn message(&self, _db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let decoded = decode_event::<DeploymentSpecification>(event)?;
-        Ok(specification_message(event, &decoded))
-    }
-
-    fn documents(&self) -> Documents {
-        let mut docs = integration_doc::<SpecificationDeclaredPayload>(
-            subjects::SPECIFICATION_DECLARED,
-            "SpecificationDeclared",
-            Direction::Out,
-            "A desired-state version exists for an environment.",
-        );
-        docs.extend(domain_event_docs::<SpecificationEvent>(
-            DeploymentSpecification::TYPE,
-            &["SpecificationDeclared"],
-        ));
-        docs
-    }
-}
-
-/// Runs: planned, applied and failed are integration events (their payloads carry the run's
-/// request, read from the store); the others are domain events.
-pub struct RunPublisher;
-
-#[async_trait::async_trait]
-impl Publisher for RunPublisher {
-    fn aggregate_type(&self) -> &'static str {
-        ProvisioningRun::TYPE
-    }
-
-    async fn message(&self, db: &Database, event: &StoredEvent) -> Result<Message, ReadError> {
-        let decoded = decode_event::<ProvisioningRun>(event)?;
-        run_message(db, event, &decoded).await
-    }
-
-    fn documents(&self) -> Documents {
-        let mut docs = Documents::default();
-        for integration in [
-            integration_doc::<ProvisioningPlannedPayload>(
-                subjects::PROVISIONING_PLANNED,
-                "ProvisioningPlanned",
-                Direction::Out,
-                "A plan exists (adds, changes, deletes) and may await approval.",
-            ),
-            integration_doc::<ProvisioningAppliedPayload>(
-                subjects::PROVISIONING_APPLIED,
-                "ProvisioningApplied",
-                Direction::Both,
-                "The desired state was applied; outputs are recorded.",
-            ),
-            integration_doc::<ProvisioningFailedPayload>(
-                subjects::PROVISIONING_FAILED,
-                "ProvisioningFailed",
-                Direction::Both,
-                "Planning or the apply failed; the reason names the failing resource or reference.",
-            ),
-        ] {
-            docs.extend(integration);
-        }
-        docs.extend(domain_event_docs::<RunEvent>(
-            ProvisioningRun::TYPE,
-            &[
-                "ProvisioningPlanned",
-                "ProvisioningApplied",
-                "ProvisioningFailed",
-            ],
-        ));
-        docs
-    }
-}
-
-fn specification_message(stored: &StoredEvent, event: &SpecificationEvent) -> Message {
-    let SpecificationEvent::SpecificationDeclared(v) = event;
-    let data = serde_json::value::to_raw_value(&SpecificationDeclaredPayload {
-        specification_id: v.specification_id,
-        tenant_id: v.tenant_id.clone(),
-        environment_id: v.environment_id.clone(),
-        kind: v.kind,
-        version: v.version,
-        program_version: v.program_version.to_string(),
-    });
-    integration(stored, event, subjects::SPECIFICATION_DECLARED, data)
-}
-
-/// The run events that are integration events, with what their payloads need.
-enum RunIntegration<'a> {
-    Planned(&'a PlanReceipt),
-    Applied(&'a ApplyReceipt),
-    Failed(&'a str),
-}
-
-async fn run_message(
-    db: &Database,
-    stored: &StoredEvent,
-    run: &RunEvent,
-) -> Result<Message, ReadError> {
-    let which = match run {
-        RunEvent::ProvisioningPlanned { plan_receipt, .. } => RunIntegration::Planned(plan_receipt),
-        RunEvent::ProvisioningApplied { apply_receipt, .. } => {
-            RunIntegration::Applied(apply_receipt)
-        }
-        RunEvent::ProvisioningFailed { reason, .. } => RunIntegration::Failed(reason),
-        other => return Ok(domain_message(stored, other)),
-    };
-    let request = match run_request(db, &stored.aggregate_id).await? {
-        Ok(request) => request,
-        Err(reason) => return Ok(integration_failed(stored, run, reason)),
-    };
-    let (subject, data) = match which {
-        RunIntegration::Planned(receipt) => (
-            subjects::PROVISIONING_PLANNED,
-            serde_json::value::to_raw_value(&ProvisioningPlannedPayload {
-                provisioning_run_id: request.provisioning_run_id,
-                tenant_id: request.tenant_id,
-                environment_id: request.environment_id,
-                kind: request.kind,
-                promotion_id: request.promotion_id,
-                plan_summary: PlanSummary {
-                    adds: receipt.adds,
-                    changes: receipt.changes,
-                    deletes: receipt.deletes,
-                    replaces: receipt.replaces,
-                    resources: u32::try_from(receipt.resources.len()).unwrap_or(u32::MAX),
-                },
-            }),
-        ),
-        RunIntegration::Applied(receipt) => (
-            subjects::PROVISIONING_APPLIED,
-            serde_json::value::to_raw_value(&ProvisioningAppliedPayload {
-                provisioning_run_id: request.provisioning_run_id,
-                tenant_id: request.tenant_id,
-                project_id: request.project_id,
-                environment_id: request.environment_id,
-                kind: request.kind,
-                promotion_id: request.promotion_id,
-                specification_version: request.specification_version,
-                outputs: receipt.outputs.clone(),
-            }),
-        ),
-        RunIntegration::Failed(reason) => (
-            subjects::PROVISIONING_FAILED,
-            serde_json::value::to_raw_value(&ProvisioningFailedPayload {
-                provisioning_run_id: request.provisioning_run_id,
-                tenant_id: request.tenant_id,
-                environment_id: request.environment_id,
-                kind: request.kind,
-                promotion_id: request.promotion_id,
-                reason: reason.to_string(),
-            }),
-        ),
-    };
-    Ok(integration(stored, run, subject, data))
-}
-
-/// The run's request (its first event), or why there is none.
-async fn run_request(db: &Database, run_id: &str) -> Result<Result<RunRequest, String>, ReadError> {
-    Ok(match first_event::<ProvisioningRun>(db, run_id).await? {
-        Some(Typed {
-            event: RunEvent::ProvisioningRequested(request),
-            ..
-        }) => Ok(*request),
-        Some(first) => Err(format!(
-            "run {run_id} has no ProvisioningRequested (its first event is {})",
-            first.event.stored_type().name
-        )),
-        None => Err(format!("run {run_id} has no ProvisioningRequested")),
-    })
 }
 
 #[cfg(test)]
@@ -393,19 +194,6 @@ mod tests {
         assert_eq!(parse_position("x.1"), None);
         assert_eq!(parse_position("-1.1"), None);
         assert_eq!(parse_position(""), None);
-    }
-
-    #[test]
-    fn every_aggregate_of_provisioning_has_a_publisher() {
-        let publishers = Publishers::provisioning();
-        for aggregate_type in [
-            ProvisioningRun::TYPE,
-            DeploymentSpecification::TYPE,
-            Environment::TYPE,
-            DriftIgnoreRules::TYPE,
-        ] {
-            assert!(publishers.declares(aggregate_type), "{aggregate_type}");
-        }
     }
 
     #[test]

@@ -92,7 +92,8 @@ pub struct RelayConfig {
     /// How often an idle relay checks that the stream still holds what it published (a
     /// stream purged while nothing is published is reported within this time).
     pub check_interval: Duration,
-    /// What each aggregate's events become (default: the provisioning context's).
+    /// What each aggregate's events become (default: none, so every event goes on its
+    /// domain subject as stored; the process gives every bounded context's).
     pub publishers: Publishers,
 }
 
@@ -108,7 +109,7 @@ impl Default for RelayConfig {
             batch: 1024,
             subjects: STREAM_SUBJECTS.iter().map(|s| s.to_string()).collect(),
             check_interval: Duration::from_secs(30),
-            publishers: Publishers::provisioning(),
+            publishers: Publishers::new(),
         }
     }
 }

@@ -84,54 +84,20 @@ pub fn kebab(name: &str) -> String {
 mod tests {
     use super::*;
 
-    /// The subject provisioning's publishers document for `event`.
-    fn subject_for(event: &str) -> String {
-        crate::Publishers::provisioning()
-            .documents()
-            .subjects
-            .into_iter()
-            .find(|d| d.event == event)
-            .map(|d| d.subject)
-            .unwrap_or_else(|| panic!("{event} is not documented"))
-    }
-
-    #[test]
-    fn integration_events_use_the_seed_subjects() {
-        assert_eq!(
-            subject_for("ProvisioningPlanned"),
-            "provisioning.runs.v1.provisioning-planned"
-        );
-        assert_eq!(
-            subject_for("SpecificationDeclared"),
-            "provisioning.specifications.v1.specification-declared"
-        );
-    }
-
-    #[test]
-    fn other_and_unknown_events_fall_back_to_ferry_events() {
-        assert_eq!(
-            subject_for("ProvisioningCancelled"),
-            "ferry.events.provisioning-run.provisioning-cancelled"
-        );
-        assert_eq!(
-            domain_subject("Promotion", "PromotionGateEvaluated"),
-            "ferry.events.promotion.promotion-gate-evaluated"
-        );
-        assert_eq!(
-            subject_for("EnvironmentRegistered"),
-            "ferry.events.environment.environment-registered"
-        );
-    }
-
     #[test]
     fn the_stream_stores_provisioning_subjects_and_a_context_s_own() {
         use crate::publish::{Message, Publisher};
         use crate::schemas::{Direction, Documents, SubjectDoc};
-        struct Promotions;
+        /// A publisher that only documents `subjects` (for `aggregate`'s `event`).
+        struct Documented {
+            aggregate: &'static str,
+            event: &'static str,
+            subjects: [&'static str; 2],
+        }
         #[async_trait::async_trait]
-        impl Publisher for Promotions {
+        impl Publisher for Documented {
             fn aggregate_type(&self) -> &'static str {
-                "Promotion"
+                self.aggregate
             }
             async fn message(
                 &self,
@@ -143,26 +109,35 @@ mod tests {
             fn documents(&self) -> Documents {
                 let doc = |subject: &str| SubjectDoc {
                     subject: subject.to_string(),
-                    event: "PromotionRequested".to_string(),
-                    schema: "events/promotion-requested.schema.json".to_string(),
+                    event: self.event.to_string(),
+                    schema: format!("events/{}.schema.json", kebab(self.event)),
                     direction: Direction::Out,
                     summary: String::new(),
                 };
                 Documents {
-                    subjects: vec![
-                        doc("releases.promotions.v1.promotion-requested"),
-                        doc("ferry.events.promotion.promotion-gate-evaluated"),
-                    ],
+                    subjects: self.subjects.iter().map(|s| doc(s)).collect(),
                     files: Vec::new(),
                 }
             }
         }
-        assert_eq!(
-            stream_subjects(&crate::Publishers::provisioning()),
-            STREAM_SUBJECTS.to_vec()
-        );
-        let with_promotions =
-            crate::Publishers::provisioning().with(std::sync::Arc::new(Promotions));
+        // Provisioning's subjects (its publishers are in its context, `ferry-app`).
+        let provisioning = crate::Publishers::new().with(std::sync::Arc::new(Documented {
+            aggregate: "ProvisioningRun",
+            event: "ProvisioningPlanned",
+            subjects: [
+                PROVISIONING_PLANNED,
+                "ferry.events.provisioning-run.provisioning-cancelled",
+            ],
+        }));
+        assert_eq!(stream_subjects(&provisioning), STREAM_SUBJECTS.to_vec());
+        let with_promotions = provisioning.with(std::sync::Arc::new(Documented {
+            aggregate: "Promotion",
+            event: "PromotionRequested",
+            subjects: [
+                "releases.promotions.v1.promotion-requested",
+                "ferry.events.promotion.promotion-gate-evaluated",
+            ],
+        }));
         assert_eq!(
             stream_subjects(&with_promotions),
             [

@@ -1,12 +1,25 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
-//! runs. Its parts predate the registration and live in the layer crates (domain, api,
-//! projections, workers, messaging); this module is where the process collects them, and
-//! holds what came after: [`reconcile`], the GitOps reconciler, and [`drift`], the
-//! environments' ignore rules it applies.
+//! runs (ARCHITECTURE.md, Bounded contexts). Some of its parts predate the registration and
+//! still live in the layer crates (aggregates in domain, read models in projections, the
+//! planner and applier in workers); this module is where the process collects them, and
+//! holds what has moved or came after:
+//!
+//! * [`use_cases`]: declaring specifications, requesting plans, cancelling runs and deciding
+//!   their approvals, reading specifications, runs and logs, whichever transport asks;
+//! * [`environments`]: recording environments, reading them, deciding class lowerings;
+//! * [`routes`]: the provisioning and environment API (HTTP), translating to the use cases;
+//! * [`events`]: what provisioning publishes (`provisioning.*.v1.*` and domain events);
+//! * [`reconcile`]: the GitOps reconciler;
+//! * [`drift`]: the environments' ignore rules it applies;
+//! * [`inbound`]: what it does with other services' events.
 
 pub mod drift;
+pub mod environments;
+pub mod events;
 pub mod inbound;
 pub mod reconcile;
+pub mod routes;
+pub mod use_cases;
 
 use super::{BoundedContext, Process};
 use crate::server::{worker_settings, StartError};
@@ -36,7 +49,7 @@ impl BoundedContext for Provisioning {
     }
 
     fn routes(&self) -> ApiRouter<AppState> {
-        ferry_api::provisioning_routes()
+        routes::routes()
             .merge(reconcile::routes())
             .merge(drift::routes())
     }
@@ -46,7 +59,7 @@ impl BoundedContext for Provisioning {
     }
 
     fn publishers(&self) -> Publishers {
-        Publishers::provisioning()
+        events::publishers()
     }
 
     fn inbound_events(&self) -> Vec<ferry_messaging::InboundKind> {

@@ -250,7 +250,7 @@ pub fn assert_valid(message: &Stored) {
     static FILES: std::sync::OnceLock<BTreeMap<String, String>> = std::sync::OnceLock::new();
     let files = FILES.get_or_init(|| {
         ferry_messaging::published_schemas(
-            &ferry_messaging::Publishers::provisioning(),
+            &ferry_app::contexts::provisioning::events::publishers(),
             &ferry_app::Contexts::builtin().inbound_kinds(),
         )
         .into_iter()
@@ -271,7 +271,7 @@ pub fn assert_valid(message: &Stored) {
     };
     check("events/cloudevent.schema.json", &message.body);
     let doc = ferry_messaging::schemas::subject_docs(
-        &ferry_messaging::Publishers::provisioning(),
+        &ferry_app::contexts::provisioning::events::publishers(),
         &ferry_app::Contexts::builtin().inbound_kinds(),
     )
     .into_iter()

@@ -205,8 +205,13 @@ pub async fn record_release(
             })?;
     }
     // A commit or folder the repository does not hold is a typo, caught now.
-    ferry_api::routes::check_program_found(state, caller, &body.program_ref, &body.program_version)
-        .await?;
+    crate::contexts::provisioning::use_cases::check_program_found(
+        state,
+        caller,
+        &body.program_ref,
+        &body.program_version,
+    )
+    .await?;
     let record = ReleaseRecord {
         program_problem: None,
         release_id: id,

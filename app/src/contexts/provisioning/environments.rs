@@ -1,19 +1,15 @@
-//! `PUT /factory/environments/{environmentId}` and `GET …`: the environments Ferry knows,
-//! recorded as events. Until the environment service's events arrive over NATS, a
-//! PlatformAdmin records them here; creating one declares and plans its baseline.
+//! The environments Ferry knows, recorded as events: recording one (a PlatformAdmin; until
+//! the environment service's events arrive over NATS), reading it, and deciding the lowering
+//! of its class. Creating one declares and plans its baseline.
 //!
-//! Lowering a class out of production waits for a second PlatformAdmin
-//! (`POST …/class-lowering`): until then the environment stays production, for every run.
+//! Lowering a class out of production waits for a second PlatformAdmin (a decision on the
+//! pending lowering): until then the environment stays production, for every run.
 
-use crate::auth::Caller;
-use crate::extract::{RequestIds, ValidJson};
-use crate::problem::ApiError;
-use crate::state::AppState;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
 use chrono::Utc;
+use ferry_api::auth::Caller;
+use ferry_api::extract::RequestIds;
+use ferry_api::problem::ApiError;
+use ferry_api::state::AppState;
 use ferry_domain::environment::{
     BaselineProgram, Environment, EnvironmentCommand, EnvironmentRegistration, PendingLowering,
     SloObjective,
@@ -76,6 +72,18 @@ pub struct ClassLoweringDecision {
     pub decision: ferry_domain::run::Decision,
 }
 
+/// What recording an environment did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recording {
+    /// Recorded for the first time.
+    Created,
+    /// Updated, or unchanged.
+    Updated,
+    /// The class asked for is lower than production: that waits for a second PlatformAdmin,
+    /// and the class is unchanged until then.
+    LoweringPending,
+}
+
 fn view(env: &Environment) -> Option<EnvironmentView> {
     let r = env.registration()?;
     Some(EnvironmentView {
@@ -90,22 +98,18 @@ fn view(env: &Environment) -> Option<EnvironmentView> {
     })
 }
 
+/// An environment id as a caller gave it.
 fn environment_id(raw: &str) -> Result<EnvironmentId, ApiError> {
     EnvironmentId::parse(raw).map_err(|e| ApiError::bad_field("environmentId", e))
 }
 
-/// `PUT /factory/environments/{environmentId}`: 201 when recorded, 200 when updated or
-/// unchanged.
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
-pub async fn put_environment(
-    State(state): State<AppState>,
-    caller: Caller,
-    ids: RequestIds,
-    Path(raw): Path<String>,
-    ValidJson { value: body, .. }: ValidJson<PutEnvironmentRequest>,
-) -> Result<Response, ApiError> {
-    caller.require_platform_admin()?;
-    let environment = environment_id(&raw)?;
+/// Checks what a recording names that Ferry will reach later (the health URL verification
+/// probes, the SLO query, the baseline program) against the tenant's confinement.
+fn check_registration(
+    state: &AppState,
+    caller: &Caller,
+    body: &PutEnvironmentRequest,
+) -> Result<(), ApiError> {
     if let Some(url) = &body.health_url {
         let url = ferry_domain::ProbeUrl::parse(url.clone()).map_err(|_| {
             ApiError::invalid_field(
@@ -139,6 +143,21 @@ pub async fn put_environment(
                 ApiError::invalid_field("baselineProgram.programRef", refusal)
             })?;
     }
+    Ok(())
+}
+
+/// Recording the environment `environment` (as the caller named it; PlatformAdmin).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %environment))]
+pub async fn record(
+    state: &AppState,
+    caller: &Caller,
+    ids: RequestIds,
+    environment: &str,
+    body: PutEnvironmentRequest,
+) -> Result<(EnvironmentView, Recording), ApiError> {
+    caller.require_platform_admin()?;
+    let environment = environment_id(environment)?;
+    check_registration(state, caller, &body)?;
     let registration = EnvironmentRegistration {
         environment_id: environment.clone(),
         tenant_id: caller.tenant.clone(),
@@ -163,54 +182,50 @@ pub async fn put_environment(
         .await?;
     let created = done.sequence == 1 && !done.events.is_empty();
     let asked = body.environment_class;
-    let body = view(&done.aggregate)
+    let view = view(&done.aggregate)
         .ok_or_else(|| ApiError::internal("environment without registration"))?;
-    tracing::info!(created, class = ?body.environment_class, "environment recorded");
-    let status = if created {
-        StatusCode::CREATED
-    } else if body.environment_class != asked {
+    tracing::info!(created, class = ?view.environment_class, "environment recorded");
+    let recording = if created {
+        Recording::Created
+    } else if view.environment_class != asked {
         // Lowering out of production waits for a second person.
-        StatusCode::ACCEPTED
+        Recording::LoweringPending
     } else {
-        StatusCode::OK
+        Recording::Updated
     };
-    Ok((status, Json(body)).into_response())
+    Ok((view, recording))
 }
 
-/// `GET /factory/environments/{environmentId}`.
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
-pub async fn get_environment(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(raw): Path<String>,
-) -> Result<Response, ApiError> {
+/// The environment `environment` (as the caller named it) as Ferry knows it.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %environment))]
+pub async fn environment(
+    state: &AppState,
+    caller: &Caller,
+    environment: &str,
+) -> Result<EnvironmentView, ApiError> {
     caller.require_read()?;
-    let environment = environment_id(&raw)?;
+    let environment = environment_id(environment)?;
     let id = Environment::aggregate_id(&caller.tenant, &environment);
-    let found = state
+    state
         .environments()
         .load(&caller.tenant, &id)
         .await?
-        .and_then(|(env, _)| view(&env));
-    match found {
-        Some(v) => Ok(Json(v).into_response()),
-        None => Err(ApiError::NotFound(format!("no environment {environment}"))),
-    }
+        .and_then(|(env, _)| view(&env))
+        .ok_or_else(|| ApiError::NotFound(format!("no environment {environment}")))
 }
 
-/// `POST /factory/environments/{environmentId}/class-lowering`: a PlatformAdmin other than
-/// the one who asked approves lowering the class out of production (or anyone allowed
-/// refuses it).
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
+/// A PlatformAdmin other than the one who asked approves lowering the class of `environment`
+/// out of production (or anyone allowed refuses it).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %environment))]
 pub async fn decide_class_lowering(
-    State(state): State<AppState>,
-    caller: Caller,
+    state: &AppState,
+    caller: &Caller,
     ids: RequestIds,
-    Path(raw): Path<String>,
-    ValidJson { value: body, .. }: ValidJson<ClassLoweringDecision>,
-) -> Result<Response, ApiError> {
+    environment: &str,
+    body: ClassLoweringDecision,
+) -> Result<EnvironmentView, ApiError> {
     caller.require_platform_admin()?;
-    let environment = environment_id(&raw)?;
+    let environment = environment_id(environment)?;
     let metadata = caller.metadata(ids);
     let id = Environment::aggregate_id(&caller.tenant, &environment);
     let done = state
@@ -230,5 +245,5 @@ pub async fn decide_class_lowering(
     let view = view(&done.aggregate)
         .ok_or_else(|| ApiError::internal("environment without registration"))?;
     tracing::info!(decision = ?body.decision, class = ?view.environment_class, "class lowering decided");
-    Ok(Json(view).into_response())
+    Ok(view)
 }

@@ -1,29 +1,30 @@
-//! The provisioning endpoints, plus what a standalone user needs (declare a
-//! specification, decide an approval, the current specification of an environment).
+//! The provisioning context's use cases for specifications and runs: declaring a
+//! specification, requesting a plan, cancelling a run, deciding its approval, and reading
+//! specifications, runs and their logs. Each owns its authorisation, its checks, its command
+//! and its read-your-writes; HTTP (`routes`), gRPC and the inbound handlers only translate to
+//! and from them. The environments' use cases are in `environments`.
+//!
+//! A run or an environment is named as its caller gave it: an id that cannot be one names
+//! nothing, answered after the caller's scope is checked, so a caller without it learns
+//! nothing about what it named.
 
-use crate::auth::Caller;
-use crate::basis::Decided;
-use crate::extract::{
-    created, created_answer, enum_from_str, idempotency_key, OptionalJson, QueryParams, RequestIds,
-    ValidJson,
-};
-use crate::idempotent::{Created, IdempotentCommand, Keyed};
-use crate::problem::{ApiError, FieldError};
-use crate::state::AppState;
-use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
 use chrono::Utc;
+use ferry_api::auth::Caller;
+use ferry_api::basis::Decided;
+use ferry_api::extract::RequestIds;
+use ferry_api::idempotent::{Created, IdempotentCommand, Keyed};
+use ferry_api::problem::{refused_references, ApiError, FieldError};
+use ferry_api::state::AppState;
 use ferry_domain::environment::Environment;
-use ferry_domain::run::{Decision, RunCommand, RunRequest};
+use ferry_domain::run::{Decision, RunCommand, RunEvent, RunRequest};
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
 use ferry_projections::queries::{RunFilter, SpecificationFilter};
-use ferry_projections::RunView;
+use ferry_projections::views::CurrentSpecificationView;
+use ferry_projections::{Page, RunView};
 use ferry_store::{Basis, Read};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// Body of `POST /factory/provisioning/specifications`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -98,6 +99,18 @@ pub struct ApprovalRequest {
     pub reason: Option<String>,
 }
 
+/// The answer to a declaration: the new version, and what the caller should know about it.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeclaredSpecification {
+    /// The new version.
+    #[serde(flatten)]
+    pub version: SpecificationVersion,
+    /// E.g. that its environment is not recorded and is treated as production.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
 /// An optional reason: blank is none; otherwise fit to show (see `ferry_domain::text`).
 fn check_reason(reason: &Option<String>) -> Result<Option<String>, ApiError> {
     match reason.as_deref().map(str::trim) {
@@ -126,55 +139,31 @@ fn check_ref_keys<T>(field: &str, refs: &BTreeMap<String, T>) -> Result<(), ApiE
     Ok(())
 }
 
-/// `GET /factory/provisioning/specifications`
+/// A page of the tenant's specification versions that `filter` selects, newest first.
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn list_specifications(
-    State(state): State<AppState>,
-    caller: Caller,
-    Query(raw): Query<HashMap<String, String>>,
-) -> Result<Response, ApiError> {
+    state: &AppState,
+    caller: &Caller,
+    filter: &SpecificationFilter,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<Page<SpecificationVersion>, ApiError> {
     caller.require_read()?;
-    let q = QueryParams::new(
-        raw,
-        &[
-            "environmentId",
-            "projectId",
-            "kind",
-            "specificationId",
-            "limit",
-            "cursor",
-        ],
-    )?;
-    let filter = SpecificationFilter {
-        environment_id: q.parse(
-            "environmentId",
-            |v| EnvironmentId::parse(v).ok(),
-            "an environment id",
-        )?,
-        project_id: q.parse("projectId", |v| ProjectId::parse(v).ok(), "a project id")?,
-        kind: q.parse("kind", enum_from_str, "Environment or Workload")?,
-        specification_id: q.parse(
-            "specificationId",
-            |v| SpecificationId::parse(v).ok(),
-            "a UUID",
-        )?,
-    };
-    let (limit, cursor) = q.page()?;
-    let page = state
+    Ok(state
         .reads()
-        .list_specifications(&caller.tenant, &filter, limit, cursor)
-        .await?;
-    Ok(Json(page).into_response())
+        .list_specifications(&caller.tenant, filter, limit, cursor)
+        .await?)
 }
 
-/// `POST /factory/provisioning/specifications`
+/// Declaring a new immutable version of an environment's desired state (the use case behind
+/// `POST /factory/provisioning/specifications`).
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
 pub async fn declare_specification(
-    State(state): State<AppState>,
-    caller: Caller,
+    state: &AppState,
+    caller: &Caller,
     ids: RequestIds,
-    ValidJson { value: body, .. }: ValidJson<DeclareSpecificationRequest>,
-) -> Result<Response, ApiError> {
+    body: DeclareSpecificationRequest,
+) -> Result<DeclaredSpecification, ApiError> {
     caller.require_apply()?;
     check_ref_keys("configRefs", &body.config_refs)?;
     check_ref_keys("secretRefs", &body.secret_refs)?;
@@ -188,26 +177,10 @@ pub async fn declare_specification(
             &body.config_refs,
             &body.secret_refs,
         )
-        .map_err(crate::problem::refused_references)?;
+        .map_err(refused_references)?;
     // A typo in the folder or the commit is caught now, not at plan time.
-    check_program_found(&state, &caller, &body.program_ref, &body.program_version).await?;
-    // An environment Ferry has not heard of counts as production: say so now.
-    let known = state
-        .environments()
-        .load(
-            &caller.tenant,
-            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
-        )
-        .await?
-        .is_some_and(|(env, _)| env.registration().is_some());
-    let warnings = if known {
-        Vec::new()
-    } else {
-        vec![format!(
-            "environment {} is not recorded: its runs are treated as production (an approval for every apply) until it is recorded with PUT /factory/environments/{} or the environment service's EnvironmentCreated",
-            body.environment_id, body.environment_id
-        )]
-    };
+    check_program_found(state, caller, &body.program_ref, &body.program_version).await?;
+    let warnings = unrecorded_environment(state, caller, &body.environment_id).await?;
     let id = SpecificationId::for_environment(&caller.tenant, &body.environment_id, body.kind);
     let declaration = Declaration {
         specification_id: id,
@@ -250,23 +223,31 @@ pub async fn declare_specification(
         )
         .await?;
     tracing::info!(specification_id = %id, version = version.version, ?warnings, "specification declared");
-    let location = format!("/factory/provisioning/specifications?specificationId={id}");
-    Ok(created(
-        &location,
-        &DeclaredSpecification { version, warnings },
-    ))
+    Ok(DeclaredSpecification { version, warnings })
 }
 
-/// The answer to a declaration: the new version, and what the caller should know about it.
-#[derive(Debug, Serialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct DeclaredSpecification {
-    /// The new version.
-    #[serde(flatten)]
-    pub version: SpecificationVersion,
-    /// E.g. that its environment is not recorded and is treated as production.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub warnings: Vec<String>,
+/// An environment Ferry has not heard of counts as production: the warning that says so, if
+/// `environment` is one.
+async fn unrecorded_environment(
+    state: &AppState,
+    caller: &Caller,
+    environment: &EnvironmentId,
+) -> Result<Vec<String>, ApiError> {
+    let known = state
+        .environments()
+        .load(
+            &caller.tenant,
+            &Environment::aggregate_id(&caller.tenant, environment),
+        )
+        .await?
+        .is_some_and(|(env, _)| env.registration().is_some());
+    Ok(if known {
+        Vec::new()
+    } else {
+        vec![format!(
+            "environment {environment} is not recorded: its runs are treated as production (an approval for every apply) until it is recorded with PUT /factory/environments/{environment} or the environment service's EnvironmentCreated"
+        )]
+    })
 }
 
 /// Looks a declared program up where its repository can be reached: a commit or folder it
@@ -298,65 +279,60 @@ pub async fn check_program_found(
     }
 }
 
-/// `GET /factory/provisioning/runs`
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
-pub async fn list_runs(
-    State(state): State<AppState>,
-    caller: Caller,
-    Query(raw): Query<HashMap<String, String>>,
-) -> Result<Response, ApiError> {
+/// The newest declared and the last applied specification of each kind for `environment`
+/// (as the caller named it).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %environment))]
+pub async fn current_specification(
+    state: &AppState,
+    caller: &Caller,
+    environment: &str,
+) -> Result<CurrentSpecificationView, ApiError> {
     caller.require_read()?;
-    let q = QueryParams::new(raw, &["environmentId", "kind", "state", "limit", "cursor"])?;
-    let filter = RunFilter {
-        environment_id: q.parse("environmentId", |v| EnvironmentId::parse(v).ok(), "an environment id")?,
-        kind: q.parse("kind", enum_from_str, "Baseline, Release, Reconciliation or Decommission")?,
-        state: q.parse(
-            "state",
-            enum_from_str,
-            "one of Requested, Planned, AwaitingApproval, Applying, Applied, Failed, Rejected, Cancelled, Superseded, InSync",
-        )?,
-        destructive: None,
-    };
-    let (limit, cursor) = q.page()?;
-    let page = state
+    let environment = EnvironmentId::parse(environment.to_string())
+        .map_err(|e| ApiError::bad_field("environmentId", e))?;
+    state
         .reads()
-        .list_runs(&caller.tenant, &filter, limit, cursor)
-        .await?;
-    Ok(Json(page).into_response())
+        .current_specification(&caller.tenant, &environment)
+        .await?
+        .ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "no specification declared for environment {environment}"
+            ))
+        })
 }
 
+/// A page of the tenant's runs that `filter` selects, newest first.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+pub async fn list_runs(
+    state: &AppState,
+    caller: &Caller,
+    filter: &RunFilter,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<Page<RunView>, ApiError> {
+    caller.require_read()?;
+    Ok(state
+        .reads()
+        .list_runs(&caller.tenant, filter, limit, cursor)
+        .await?)
+}
+
+/// A run id as a caller gave it: one that is not a UUID names no run.
 fn run_id(raw: &str) -> Result<ProvisioningRunId, ApiError> {
     ProvisioningRunId::parse(raw)
         .map_err(|_| ApiError::NotFound(format!("no provisioning run {raw:?} (run ids are UUIDs)")))
 }
 
-/// `GET /factory/provisioning/runs/{provisioningRunId}`
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
-pub async fn get_run(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(raw): Path<String>,
-) -> Result<Response, ApiError> {
+/// One run (as the caller named it) with its plan, approval, apply receipt and logs.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %run))]
+pub async fn run(state: &AppState, caller: &Caller, run: &str) -> Result<RunView, ApiError> {
     caller.require_read()?;
-    let id = run_id(&raw)?;
-    match state.reads().get_run(&caller.tenant, id).await? {
-        Some(run) => Ok(Json(run).into_response()),
-        None => Err(ApiError::NotFound(format!("no provisioning run {id}"))),
-    }
-}
-
-/// `POST /factory/provisioning/runs` (PlanProvisioning): records the run in `Requested`.
-pub async fn plan_provisioning(
-    State(state): State<AppState>,
-    caller: Caller,
-    ids: RequestIds,
-    headers: HeaderMap,
-    ValidJson { value: body, raw }: ValidJson<PlanProvisioningRequest>,
-) -> Result<Response, ApiError> {
-    let key = idempotency_key(&headers)?;
-    let keyed = key.as_ref().map(|key| Keyed { key, request: &raw });
-    let planned = plan(&state, &caller, ids, body, keyed).await?;
-    Ok(created_answer("/factory/provisioning/runs/", &planned))
+    let id = run_id(run)?;
+    state
+        .reads()
+        .get_run(&caller.tenant, id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no provisioning run {id}")))
 }
 
 /// Requesting a plan (the use case behind `POST /factory/provisioning/runs`): an Operator's
@@ -390,7 +366,7 @@ pub async fn plan(
         ));
     }
     // Decided on the cached specification and environment, which the append checks (see
-    // `crate::basis`).
+    // `ferry_api::basis`).
     let mut decision = Decided::decide(|read| plan_basis(state, caller, &body, read)).await?;
     let key = keyed.map(|k| k.key);
     let fresh = match key {
@@ -552,10 +528,7 @@ async fn plan_basis(
         .environments()
         .load_basis(
             &caller.tenant,
-            &ferry_domain::environment::Environment::aggregate_id(
-                &caller.tenant,
-                &body.environment_id,
-            ),
+            &Environment::aggregate_id(&caller.tenant, &body.environment_id),
             read,
         )
         .await?;
@@ -566,20 +539,22 @@ async fn plan_basis(
     })
 }
 
-fn fold(history: Option<&[ferry_domain::run::RunEvent]>) -> Result<RunView, ApiError> {
+fn fold(history: Option<&[RunEvent]>) -> Result<RunView, ApiError> {
     history
         .and_then(RunView::from_events)
         .ok_or_else(|| ApiError::internal("run history missing or not starting with a request"))
 }
 
+/// Runs `command` on the run `run` (as the caller named it; it must exist), counts the state
+/// it reached and waits until the read model shows it.
 async fn run_command(
     state: &AppState,
     caller: &Caller,
     ids: RequestIds,
-    raw: &str,
+    run: &str,
     command: RunCommand,
-) -> Result<Response, ApiError> {
-    let id = run_id(raw)?;
+) -> Result<RunView, ApiError> {
+    let id = run_id(run)?;
     let done = state
         .runs()
         .execute(
@@ -614,19 +589,15 @@ async fn run_command(
             state.read_your_writes(),
         )
         .await?;
-    Ok(Json(view).into_response())
+    Ok(view)
 }
 
-/// `GET /factory/provisioning/runs/{provisioningRunId}/logs`: the plan log, then the apply
-/// log, as text (secrets were redacted before they were stored).
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
-pub async fn run_logs(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(raw): Path<String>,
-) -> Result<Response, ApiError> {
+/// The run's plan log, then its apply log, as text (secrets were redacted before they were
+/// stored).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %run))]
+pub async fn run_logs(state: &AppState, caller: &Caller, run: &str) -> Result<String, ApiError> {
     caller.require_read()?;
-    let id = run_id(&raw)?;
+    let id = run_id(run)?;
     if state.reads().get_run(&caller.tenant, id).await?.is_none() {
         return Err(ApiError::NotFound(format!("no provisioning run {id}")));
     }
@@ -644,25 +615,18 @@ pub async fn run_logs(
     if text.is_empty() {
         return Err(ApiError::NotFound(format!("run {id} has no logs yet")));
     }
-    Ok((
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
+    Ok(text)
 }
 
-/// `POST /factory/provisioning/runs/{provisioningRunId}/cancel`
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
-pub async fn cancel_run(
-    State(state): State<AppState>,
-    caller: Caller,
+/// Cancelling a run before its apply.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %run))]
+pub async fn cancel(
+    state: &AppState,
+    caller: &Caller,
     ids: RequestIds,
-    Path(raw): Path<String>,
-    OptionalJson(body): OptionalJson<CancelRequest>,
-) -> Result<Response, ApiError> {
+    run: &str,
+    body: Option<CancelRequest>,
+) -> Result<RunView, ApiError> {
     caller.require_apply()?;
     let reason = check_reason(&body.and_then(|b| b.reason))?;
     let command = RunCommand::Cancel {
@@ -670,20 +634,20 @@ pub async fn cancel_run(
         reason,
         at: Utc::now(),
     };
-    let response = run_command(&state, &caller, ids, &raw, command).await?;
+    let view = run_command(state, caller, ids, run, command).await?;
     tracing::info!("provisioning run cancelled");
-    Ok(response)
+    Ok(view)
 }
 
-/// `POST /factory/provisioning/runs/{provisioningRunId}/approval`
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %raw))]
+/// Approving or rejecting a run awaiting approval (its requester cannot approve it).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, run = %run))]
 pub async fn decide_approval(
-    State(state): State<AppState>,
-    caller: Caller,
+    state: &AppState,
+    caller: &Caller,
     ids: RequestIds,
-    Path(raw): Path<String>,
-    ValidJson { value: body, .. }: ValidJson<ApprovalRequest>,
-) -> Result<Response, ApiError> {
+    run: &str,
+    body: ApprovalRequest,
+) -> Result<RunView, ApiError> {
     caller.require_apply()?;
     let reason = check_reason(&body.reason)?;
     let command = RunCommand::DecideApproval {
@@ -693,29 +657,7 @@ pub async fn decide_approval(
         approval_id: None,
         at: Utc::now(),
     };
-    let response = run_command(&state, &caller, ids, &raw, command).await?;
+    let view = run_command(state, caller, ids, run, command).await?;
     tracing::info!(decision = ?body.decision, "approval decided");
-    Ok(response)
-}
-
-/// `GET /factory/provisioning/environments/{environmentId}/current-specification`
-#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
-pub async fn current_specification(
-    State(state): State<AppState>,
-    caller: Caller,
-    Path(raw): Path<String>,
-) -> Result<Response, ApiError> {
-    caller.require_read()?;
-    let environment =
-        EnvironmentId::parse(raw.clone()).map_err(|e| ApiError::bad_field("environmentId", e))?;
-    match state
-        .reads()
-        .current_specification(&caller.tenant, &environment)
-        .await?
-    {
-        Some(view) => Ok(Json(view).into_response()),
-        None => Err(ApiError::NotFound(format!(
-            "no specification declared for environment {environment}"
-        ))),
-    }
+    Ok(view)
 }
