@@ -9,6 +9,7 @@
 //! ([`status`]).
 
 use crate::contexts::promotions::use_cases::{self, RequestPromotionRequest};
+use crate::contexts::provisioning::views::ProvisioningReads;
 use ferry_api::auth::Caller;
 use ferry_api::extract::{bearer_token_text, RequestIds};
 use ferry_api::idempotent::{IdempotencyKey, Keyed};

@@ -1,30 +1,17 @@
-//! Ferry's read models, built from the global stream (ARCHITECTURE.md, The global stream).
-//!
-//! Three projections, each with its own tables and checkpoint so that each can be rebuilt
-//! and swapped on its own:
-//!
-//! | projection | table | serves |
-//! |---|---|---|
-//! | `specifications` | `rm_specification_versions` | every declared version |
-//! | `runs` | `rm_runs` | runs with state, receipts, approval, timestamps |
-//! | `environments` | `rm_environment_specifications` | latest and last applied specification per environment |
+//! The machinery of Ferry's read models, built from the global stream (ARCHITECTURE.md, The
+//! global stream), which knows no bounded context: each context declares its projections
+//! (their tables and subscribers) and queries in its own folder of the application crate.
 //!
 //! A projection writes its rows and its checkpoint in one transaction, a batch of events at
 //! a time: each subscriber folds the batch into the stored documents in memory and writes
-//! each changed row once (ARCHITECTURE.md, The global stream). [`queries`] reads
-//! them; [`rebuild`] replays the stream into fresh tables and swaps them in.
+//! each changed row once (ARCHITECTURE.md, The global stream). [`projection`] runs them;
+//! [`queries`] pages the rows and waits for read-your-writes; [`rebuild`] replays the stream
+//! into fresh tables and swaps them in.
 #![forbid(unsafe_code)]
 
 pub mod projection;
 pub mod queries;
 pub mod rebuild;
-pub mod views;
 
-pub use projection::{
-    provisioning_projections, Progress, Projection, ProjectionRunner, Projector, TableSpec,
-};
+pub use projection::{Progress, Projection, ProjectionRunner, Projector, TableSpec};
 pub use queries::{Page, ReadModels};
-pub use views::RunView;
-
-#[cfg(test)]
-mod tests;

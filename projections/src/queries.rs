@@ -1,16 +1,11 @@
-//! Reads of the read models: filters, cursor paging, and the bounded wait that gives a
-//! client read-your-writes after a command.
+//! Reads of the read models, whichever context owns them: cursor paging, and the bounded
+//! wait that gives a client read-your-writes after a command. Each context's queries live
+//! in its folder (e.g. `app/src/contexts/provisioning/views.rs`).
 
-use crate::projection::{
-    EnvironmentsProjection, Progress, RunsProjection, SpecificationsProjection,
-};
-use crate::views::{CurrentSpecificationView, EnvironmentSpecificationView, RunView};
+use crate::projection::Progress;
 use base64::Engine;
-use ferry_domain::specification::SpecificationVersion;
-use ferry_domain::*;
 use ferry_store::stream::{Param, Position};
 use ferry_store::{bind_params, on_pool, Database};
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::types::Json;
 use std::time::Duration;
@@ -49,32 +44,6 @@ pub fn decode_cursor(cursor: &str) -> Result<i64, BadCursor> {
         .ok_or(BadCursor)
 }
 
-/// Filters of `GET /factory/provisioning/specifications`.
-#[derive(Debug, Clone, Default)]
-pub struct SpecificationFilter {
-    /// Only this environment.
-    pub environment_id: Option<EnvironmentId>,
-    /// Only this project.
-    pub project_id: Option<ProjectId>,
-    /// Only this kind.
-    pub kind: Option<SpecificationKind>,
-    /// Only this specification's versions.
-    pub specification_id: Option<SpecificationId>,
-}
-
-/// Filters of `GET /factory/provisioning/runs`.
-#[derive(Debug, Clone, Default)]
-pub struct RunFilter {
-    /// Only this environment.
-    pub environment_id: Option<EnvironmentId>,
-    /// Only this kind.
-    pub kind: Option<ProvisioningKind>,
-    /// Only this state.
-    pub state: Option<ProvisioningState>,
-    /// Only runs whose plan deletes or replaces something (`true`), or only the others.
-    pub destructive: Option<bool>,
-}
-
 /// A failure to read.
 #[derive(Debug, thiserror::Error)]
 pub enum QueryError {
@@ -94,10 +63,6 @@ pub enum QueryError {
 pub struct ReadModels {
     db: Database,
     progress: Option<Progress>,
-}
-
-fn doc<T: DeserializeOwned>(v: Value) -> Result<T, QueryError> {
-    Ok(serde_json::from_value(v)?)
 }
 
 /// One page of `table`'s documents (a `position` and a `document` column) matching
@@ -137,189 +102,6 @@ impl ReadModels {
     /// Reads from `db`; `progress` (from the projector) wakes read-your-writes waits.
     pub fn new(db: Database, progress: Option<Progress>) -> Self {
         Self { db, progress }
-    }
-
-    /// Every declared version matching `filter`, newest first.
-    pub async fn list_specifications(
-        &self,
-        tenant: &TenantId,
-        filter: &SpecificationFilter,
-        limit: u32,
-        cursor: Option<i64>,
-    ) -> Result<Page<SpecificationVersion>, QueryError> {
-        let mut clauses = vec!["tenant_id = $1".to_string()];
-        let mut params = vec![Param::Text(Some(tenant.to_string()))];
-        let mut add = |column: &str, value: Option<String>| {
-            if let Some(v) = value {
-                params.push(Param::Text(Some(v)));
-                clauses.push(format!("{column} = ${}", params.len()));
-            }
-        };
-        add(
-            "environment_id",
-            filter.environment_id.as_ref().map(ToString::to_string),
-        );
-        add(
-            "project_id",
-            filter.project_id.as_ref().map(ToString::to_string),
-        );
-        add("kind", filter.kind.map(|k| k.as_str().to_string()));
-        add(
-            "specification_id",
-            filter.specification_id.map(|s| s.to_string()),
-        );
-        let (docs, next_cursor) = page(
-            &self.db,
-            "rm_specification_versions",
-            clauses,
-            params,
-            limit,
-            cursor,
-        )
-        .await?;
-        Ok(Page {
-            items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
-            next_cursor,
-        })
-    }
-
-    /// Runs matching `filter`, newest first.
-    pub async fn list_runs(
-        &self,
-        tenant: &TenantId,
-        filter: &RunFilter,
-        limit: u32,
-        cursor: Option<i64>,
-    ) -> Result<Page<RunView>, QueryError> {
-        let mut clauses = vec!["tenant_id = $1".to_string()];
-        let mut params = vec![Param::Text(Some(tenant.to_string()))];
-        let mut add = |column: &str, value: Option<String>| {
-            if let Some(v) = value {
-                params.push(Param::Text(Some(v)));
-                clauses.push(format!("{column} = ${}", params.len()));
-            }
-        };
-        add(
-            "environment_id",
-            filter.environment_id.as_ref().map(ToString::to_string),
-        );
-        add("kind", filter.kind.map(|k| k.as_str().to_string()));
-        add("state", filter.state.map(|s| s.as_str().to_string()));
-        if let Some(destructive) = filter.destructive {
-            // From the plan receipt in the document (no column of its own).
-            let removes = match self.db.backend() {
-                ferry_store::Backend::Postgres => {
-                    "COALESCE((document->'planReceipt'->>'deletes')::int, 0) \
-                     + COALESCE((document->'planReceipt'->>'replaces')::int, 0) > 0"
-                }
-                ferry_store::Backend::Sqlite => {
-                    "COALESCE(json_extract(document, '$.planReceipt.deletes'), 0) \
-                     + COALESCE(json_extract(document, '$.planReceipt.replaces'), 0) > 0"
-                }
-            };
-            clauses.push(if destructive {
-                format!("({removes})")
-            } else {
-                format!("NOT ({removes})")
-            });
-        }
-        let (docs, next_cursor) = page(&self.db, "rm_runs", clauses, params, limit, cursor).await?;
-        Ok(Page {
-            items: docs.into_iter().map(doc).collect::<Result<_, _>>()?,
-            next_cursor,
-        })
-    }
-
-    /// One run of the tenant.
-    pub async fn get_run(
-        &self,
-        tenant: &TenantId,
-        id: ProvisioningRunId,
-    ) -> Result<Option<RunView>, QueryError> {
-        let sql = self
-            .db
-            .sql("SELECT document FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        let row: Option<(Json<Value>,)> = on_pool!(self.db, pool => sqlx::query_as(&sql)
-            .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
-        row.map(|(d,)| doc(d.0)).transpose()
-    }
-
-    /// The newest and last applied specification of each kind for an environment.
-    pub async fn current_specification(
-        &self,
-        tenant: &TenantId,
-        environment: &EnvironmentId,
-    ) -> Result<Option<CurrentSpecificationView>, QueryError> {
-        let sql = self.db.sql(
-            "SELECT latest, applied FROM rm_environment_specifications
-              WHERE tenant_id = $1 AND environment_id = $2 ORDER BY kind",
-        );
-        let rows: Vec<(Json<Value>, Option<Json<Value>>)> = on_pool!(self.db, pool =>
-            sqlx::query_as(&sql).bind(tenant.as_str()).bind(environment.as_str()).fetch_all(pool).await?);
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let specifications = rows
-            .into_iter()
-            .map(|(latest, applied)| {
-                let latest: SpecificationVersion = doc(latest.0)?;
-                Ok(EnvironmentSpecificationView {
-                    kind: latest.kind,
-                    specification_id: latest.specification_id,
-                    applied: applied.map(|a| doc(a.0)).transpose()?,
-                    latest,
-                })
-            })
-            .collect::<Result<_, QueryError>>()?;
-        Ok(Some(CurrentSpecificationView {
-            environment_id: environment.clone(),
-            specifications,
-        }))
-    }
-
-    /// Waits (at most `timeout`) until the run's view has reached `version`, the command's
-    /// last event standing at `after` in the stream ([`ReadModels::wait_until`]).
-    pub async fn wait_for_run(
-        &self,
-        tenant: &TenantId,
-        id: ProvisioningRunId,
-        version: u64,
-        after: Option<Position>,
-        timeout: Duration,
-    ) -> Result<bool, QueryError> {
-        let sql = self
-            .db
-            .sql("SELECT version FROM rm_runs WHERE tenant_id = $1 AND provisioning_run_id = $2");
-        self.wait_for_own_events(timeout, &[RunsProjection::NAME], after, || async {
-            let v: Option<i64> = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
-                .bind(tenant.as_str()).bind(id.to_string()).fetch_optional(pool).await?);
-            Ok(v.is_some_and(|v| v as u64 >= version))
-        })
-        .await
-    }
-
-    /// Waits (at most `timeout`) until a specification version is visible in the lists
-    /// and in the environment's current specification (`after` as in
-    /// [`ReadModels::wait_until`]).
-    pub async fn wait_for_specification(
-        &self,
-        tenant: &TenantId,
-        id: SpecificationId,
-        version: u32,
-        after: Option<Position>,
-        timeout: Duration,
-    ) -> Result<bool, QueryError> {
-        let sql = self.db.sql(
-            "SELECT (SELECT count(*) FROM rm_specification_versions WHERE tenant_id = $1 AND specification_id = $2 AND version = $3)
-                  + (SELECT count(*) FROM rm_environment_specifications WHERE tenant_id = $1 AND specification_id = $2 AND latest_version >= $3)",
-        );
-        let projections = [SpecificationsProjection::NAME, EnvironmentsProjection::NAME];
-        self.wait_for_own_events(timeout, &projections, after, || async {
-            let n: i64 = on_pool!(self.db, pool => sqlx::query_scalar(&sql)
-                .bind(tenant.as_str()).bind(id.to_string()).bind(i64::from(version)).fetch_one(pool).await?);
-            Ok(n == 2)
-        })
-        .await
     }
 
     /// The store it reads.

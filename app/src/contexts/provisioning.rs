@@ -1,9 +1,11 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
 //! runs (ARCHITECTURE.md, Bounded contexts). Some of its parts predate the registration and
-//! still live in the layer crates (aggregates in domain, read models in projections, the
-//! planner and applier in workers); this module is where the process collects them, and
+//! still live in the layer crates (aggregates in domain, the planner and applier in
+//! workers); this module is where the process collects them, and
 //! holds what has moved or came after:
 //!
+//! * [`views`]: its read models (specifications, runs, environments' specifications), their
+//!   projections and queries;
 //! * [`use_cases`]: declaring specifications, requesting plans, cancelling runs and deciding
 //!   their approvals, reading specifications, runs and logs, whichever transport asks;
 //! * [`environments`]: recording environments, reading them, deciding class lowerings;
@@ -20,6 +22,7 @@ pub mod inbound;
 pub mod reconcile;
 pub mod routes;
 pub mod use_cases;
+pub mod views;
 
 use super::{BoundedContext, Process};
 use crate::server::{worker_settings, StartError};
@@ -55,7 +58,7 @@ impl BoundedContext for Provisioning {
     }
 
     fn projections(&self) -> Vec<Arc<dyn Projection>> {
-        ferry_projections::provisioning_projections()
+        views::provisioning_projections()
     }
 
     fn publishers(&self) -> Publishers {

@@ -5,6 +5,7 @@
 //! drift proposals (the provisioning read model).
 
 use super::READ;
+use crate::contexts::provisioning::views::ProvisioningReads;
 use axum::extract::{Query, State};
 use axum::Json;
 use ferry_api::auth::Caller;

@@ -6,6 +6,7 @@
 use super::metrics::observe;
 use super::views::{self, DeliveryProjection, PromotionView, ReleaseState, ReleaseView};
 use super::{OPERATE, PROMOTE, READ};
+use crate::contexts::provisioning::views::ProvisioningReads;
 use chrono::Utc;
 use ferry_api::auth::{Caller, Role, SCOPE_EVENTS_PUBLISH};
 use ferry_api::basis::Decided;

@@ -19,6 +19,7 @@
 //! (requested, planning or applying) or a promotion holding it is skipped for the window,
 //! and says so.
 
+use super::views::ProvisioningReads;
 use chrono::{DateTime, Utc};
 use ferry_domain::environment::Environment;
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunError, RunRequest};
@@ -385,7 +386,7 @@ async fn applied_specifications(
         .map(|(Json(latest), Json(applied))| {
             // The specification's identity from its newest version, the version from the apply.
             let latest: SpecificationVersion = serde_json::from_value(latest)?;
-            let applied: ferry_projections::views::AppliedSpecification =
+            let applied: crate::contexts::provisioning::views::AppliedSpecification =
                 serde_json::from_value(applied)?;
             Ok(Applied {
                 tenant_id: latest.tenant_id,
@@ -425,7 +426,7 @@ async fn last_apply_failed(
         }
     };
     let sql = db.sql(sql);
-    let last: Option<Json<ferry_projections::RunView>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
+    let last: Option<Json<crate::contexts::provisioning::views::RunView>> = on_pool!(db, pool => sqlx::query_scalar(&sql)
         .bind(applied.tenant_id.as_str()).bind(applied.environment_id.as_str())
         .bind(applied.specification_id.to_string())
         .fetch_optional(pool).await?);
@@ -519,7 +520,7 @@ pub async fn list_proposals(
     caller: ferry_api::auth::Caller,
     axum::extract::Query(raw): axum::extract::Query<std::collections::HashMap<String, String>>,
 ) -> Result<
-    axum::Json<ferry_projections::Page<ferry_projections::RunView>>,
+    axum::Json<ferry_projections::Page<crate::contexts::provisioning::views::RunView>>,
     ferry_api::problem::ApiError,
 > {
     caller.require_read()?;
@@ -527,7 +528,7 @@ pub async fn list_proposals(
         raw,
         &["environmentId", "destructive", "limit", "cursor"],
     )?;
-    let filter = ferry_projections::queries::RunFilter {
+    let filter = crate::contexts::provisioning::views::RunFilter {
         environment_id: q.parse(
             "environmentId",
             |v| EnvironmentId::parse(v).ok(),
@@ -558,7 +559,7 @@ pub fn routes() -> aide::axum::ApiRouter<ferry_api::state::AppState> {
                     .query("environmentId", "Only this environment.", serde_json::json!({"type": "string"}))
                     .query("destructive", "Only proposals that delete or replace (true), or only the others (false).", serde_json::json!({"type": "boolean"}))
                     .paging()
-                    .response_with::<200, axum::Json<ferry_projections::Page<ferry_projections::RunView>>, _>(|r| {
+                    .response_with::<200, axum::Json<ferry_projections::Page<crate::contexts::provisioning::views::RunView>>, _>(|r| {
                         r.description("A page of proposals.")
                     })
                     .errors(&[400, 401, 403])
@@ -717,7 +718,7 @@ mod tests {
 
     /// The tables of the provisioning projection `name`.
     async fn projection_tables(db: &Database, name: &str) {
-        let projection = ferry_projections::provisioning_projections()
+        let projection = crate::contexts::provisioning::views::provisioning_projections()
             .into_iter()
             .find(|p| p.name() == name)
             .unwrap();

@@ -12,6 +12,7 @@ use super::use_cases::{
     self, ApprovalRequest, CancelRequest, DeclareSpecificationRequest, DeclaredSpecification,
     PlanProvisioningRequest,
 };
+use super::views::{CurrentSpecificationView, RunFilter, RunView, SpecificationFilter};
 use aide::axum::routing::{get_with, post_with, put_with};
 use aide::axum::ApiRouter;
 use axum::extract::{Path, Query, State};
@@ -32,9 +33,7 @@ use ferry_domain::{
     EnvironmentId, ProjectId, ProvisioningKind, ProvisioningState, SpecificationId,
     SpecificationKind,
 };
-use ferry_projections::queries::{RunFilter, SpecificationFilter};
-use ferry_projections::views::CurrentSpecificationView;
-use ferry_projections::{Page, RunView};
+use ferry_projections::Page;
 use serde_json::json;
 use std::collections::HashMap;
 

@@ -8,6 +8,9 @@
 //! nothing, answered after the caller's scope is checked, so a caller without it learns
 //! nothing about what it named.
 
+use super::views::{
+    CurrentSpecificationView, ProvisioningReads, RunFilter, RunView, SpecificationFilter,
+};
 use chrono::Utc;
 use ferry_api::auth::Caller;
 use ferry_api::basis::Decided;
@@ -19,9 +22,7 @@ use ferry_domain::environment::Environment;
 use ferry_domain::run::{Decision, RunCommand, RunEvent, RunRequest};
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
-use ferry_projections::queries::{RunFilter, SpecificationFilter};
-use ferry_projections::views::CurrentSpecificationView;
-use ferry_projections::{Page, RunView};
+use ferry_projections::Page;
 use ferry_store::{Basis, Read};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

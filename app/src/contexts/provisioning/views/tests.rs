@@ -1,14 +1,14 @@
 //! Projection and query tests on real Postgres and SQLite.
 
-use crate::projection::{provisioning_projections as all_projections, ProjectionRunner};
-use crate::queries::{RunFilter, SpecificationFilter};
-use crate::rebuild::rebuild_named;
-use crate::ReadModels;
+use super::{provisioning_projections as all_projections, ProvisioningReads};
+use super::{RunFilter, SpecificationFilter};
 use chrono::Utc;
 use ferry_domain::receipts::{ApplyReceipt, ApplyResult, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunCommand, RunRequest};
 use ferry_domain::specification::{Declaration, DeploymentSpecification, SpecificationCommand};
 use ferry_domain::*;
+use ferry_projections::rebuild::rebuild_named;
+use ferry_projections::{ProjectionRunner, ReadModels};
 use ferry_store::stream::catch_up;
 use ferry_store::testing::{eventually, eventually_within, TestDatabase};
 use ferry_store::{on_pool, Database, EventMetadata, Repository};
@@ -260,7 +260,7 @@ ferry_store::test_on_both_engines! {
             .await
             .unwrap();
         assert_eq!(first.items.len(), 2);
-        let cursor = crate::queries::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
+        let cursor = ferry_projections::queries::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
         let second = reads
             .list_runs(&t("a"), &RunFilter::default(), 2, Some(cursor))
             .await
@@ -462,7 +462,7 @@ ferry_store::test_on_both_engines! {
         rebuild_named(db, &all_projections(), Some("runs")).await.unwrap();
         assert!(matches!(
             rebuild_named(db, &all_projections(), Some("nope")).await,
-            Err(crate::rebuild::RebuildError::Unknown { .. })
+            Err(ferry_projections::rebuild::RebuildError::Unknown { .. })
         ));
         tdb.cleanup().await;
     }
@@ -625,7 +625,7 @@ ferry_store::test_on_both_engines! {
 /// The shapes of the runs table's indexes, sorted (the primary key's is there on Postgres).
 async fn runs_index_shapes(db: &Database) -> Vec<String> {
     let mut tx = ferry_store::stream::Tx::begin(db).await.unwrap();
-    let mut shapes: Vec<String> = crate::projection::index_shapes(&mut tx, "rm_runs")
+    let mut shapes: Vec<String> = ferry_projections::projection::index_shapes(&mut tx, "rm_runs")
         .await
         .unwrap()
         .into_iter()
@@ -701,7 +701,7 @@ async fn instances_starting_together_make_the_tables_once() {
 
 #[test]
 fn an_index_is_known_by_what_it_indexes() {
-    use crate::projection::IndexShape;
+    use ferry_projections::projection::IndexShape;
     let spec = IndexShape::of(
         "CREATE INDEX IF NOT EXISTS rm_runs_v1_page ON rm_runs (tenant_id, position)",
     );
@@ -733,7 +733,7 @@ fn an_index_is_known_by_what_it_indexes() {
 /// command recorded nothing.
 #[tokio::test]
 async fn a_wait_reads_once_its_projections_pass_the_command() {
-    use crate::projection::Progress;
+    use ferry_projections::projection::Progress;
     use ferry_store::stream::Position;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -840,7 +840,7 @@ async fn a_wait_reads_once_its_projections_pass_the_command() {
 /// before its projection passes it, it reads the table.
 #[tokio::test]
 async fn a_runs_wait_is_confirmed_by_its_projection_passing_the_command() {
-    use crate::projection::Progress;
+    use ferry_projections::projection::Progress;
     use ferry_store::stream::Position;
     use std::collections::HashMap;
     use std::time::Duration;
@@ -897,7 +897,7 @@ async fn a_runs_wait_is_confirmed_by_its_projection_passing_the_command() {
 /// counted, the next check analyzes it.
 #[tokio::test]
 async fn a_live_projection_analyzes_a_table_that_grew() {
-    use crate::projection::GROWTH_CHECK_EVERY;
+    use ferry_projections::projection::GROWTH_CHECK_EVERY;
     let tdb = TestDatabase::new(ferry_store::database::Backend::Postgres).await;
     let db = &tdb.db;
     let runs = all_projections()
