@@ -7,8 +7,8 @@ use async_nats::jetstream;
 use common::*;
 use ferry_app::contexts::promotions::inbound::ReleaseReady;
 use ferry_app::contexts::provisioning::inbound::EnvironmentCreated;
+use ferry_app::contexts::provisioning::payloads::ProvisioningAppliedPayload;
 use ferry_messaging::inbound::store::dead_letters;
-use ferry_messaging::payloads::ProvisioningAppliedPayload;
 use ferry_messaging::{
     accept_cloud_event, Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope,
     InboundError, InboundHandler, InboundKinds, IntakeError, Poster, Relay, RelayConfig,

@@ -7,10 +7,10 @@
 mod common;
 
 use common::*;
+use ferry_app::contexts::provisioning::payloads::ProvisioningAppliedPayload;
 use ferry_app::inbound::ApprovalDecided;
 use ferry_domain::ports::SecretValue;
 use ferry_messaging::nats::{NatsAuth, NatsCredentials};
-use ferry_messaging::payloads::ProvisioningAppliedPayload;
 use ferry_messaging::{
     Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope, InboundError, InboundHandler,
     InboundKinds, Relay, RelayConfig,

@@ -78,7 +78,6 @@ pub mod inbound;
 mod metrics;
 pub mod nats;
 pub mod outbound;
-pub mod payloads;
 pub mod publish;
 pub mod relay;
 pub mod schemas;

@@ -11,15 +11,6 @@
 /// own integration subjects are added by [`stream_subjects`].
 pub const STREAM_SUBJECTS: [&str; 2] = ["provisioning.>", "ferry.events.>"];
 
-/// `SpecificationDeclared` (integration).
-pub const SPECIFICATION_DECLARED: &str = "provisioning.specifications.v1.specification-declared";
-/// `ProvisioningPlanned` (integration).
-pub const PROVISIONING_PLANNED: &str = "provisioning.runs.v1.provisioning-planned";
-/// `ProvisioningApplied` (integration).
-pub const PROVISIONING_APPLIED: &str = "provisioning.runs.v1.provisioning-applied";
-/// `ProvisioningFailed` (integration).
-pub const PROVISIONING_FAILED: &str = "provisioning.runs.v1.provisioning-failed";
-
 /// Prefix of the subjects of domain events that are not integration events.
 pub const DOMAIN_PREFIX: &str = "ferry.events";
 
@@ -125,7 +116,7 @@ mod tests {
             aggregate: "ProvisioningRun",
             event: "ProvisioningPlanned",
             subjects: [
-                PROVISIONING_PLANNED,
+                "provisioning.runs.v1.provisioning-planned",
                 "ferry.events.provisioning-run.provisioning-cancelled",
             ],
         }));

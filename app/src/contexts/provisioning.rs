@@ -19,6 +19,7 @@ pub mod drift;
 pub mod environments;
 pub mod events;
 pub mod inbound;
+pub mod payloads;
 pub mod reconcile;
 pub mod routes;
 pub mod use_cases;

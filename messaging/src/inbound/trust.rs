@@ -473,6 +473,22 @@ mod tests {
         assert!(q.check_poster("https://x/?a=b", &actor("svc-x")).is_ok());
     }
 
+    /// An event some context hears.
+    #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+    struct Applied {
+        #[serde(rename = "tenantId")]
+        tenant_id: ferry_domain::TenantId,
+    }
+
+    impl crate::inbound::InboundEvent for Applied {
+        const NAME: &'static str = "ProvisioningApplied";
+        const SUBJECT: &'static str = "provisioning.runs.v1.provisioning-applied";
+        const SUMMARY: &'static str = "A run applied.";
+        fn tenant_id(&self) -> &ferry_domain::TenantId {
+            &self.tenant_id
+        }
+    }
+
     #[test]
     fn bad_values_are_refused() {
         assert!(matches!(
@@ -484,9 +500,8 @@ mod tests {
             Err(TrustedSourcesError::Malformed(_))
         ));
         // An entry must name an event the process hears, by name or by a subject pattern.
-        let kinds = crate::inbound::InboundKinds::new([crate::inbound::InboundKind::echo::<
-            crate::payloads::ProvisioningAppliedPayload,
-        >()]);
+        let kinds =
+            crate::inbound::InboundKinds::new([crate::inbound::InboundKind::of::<Applied>()]);
         for known in ["ProvisioningApplied=urn:x", "provisioning.runs.v1.*=urn:x"] {
             assert!(TrustedSources::parse(known)
                 .unwrap()

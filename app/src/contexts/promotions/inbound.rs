@@ -7,6 +7,9 @@
 //! effect follows are in `crate::inbound`.
 
 use super::metrics::observe;
+use crate::contexts::provisioning::payloads::{
+    ProvisioningAppliedPayload, ProvisioningFailedPayload,
+};
 use crate::inbound::{
     check_decider, classify, execute_marked, recorded_once_there, same_tenant, ApprovalDecided,
     ApprovalDecision, ContextInbound, InboundParts,
@@ -20,7 +23,6 @@ use ferry_domain::release::{Release, ReleaseCommand, ReleaseRecord, ReleaseVersi
 use ferry_domain::run::Decision;
 use ferry_domain::{ProgramRef, ProgramVersion, ProjectId, ReleaseId, TenantId};
 use ferry_messaging::inbound::{Handled, InboundEnvelope, InboundError, InboundEvent, InboundKind};
-use ferry_messaging::payloads::{ProvisioningAppliedPayload, ProvisioningFailedPayload};
 use ferry_store::Repository;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;

@@ -9,6 +9,10 @@
 //! store. A run without one is a bug: its event goes on its domain subject instead, logged
 //! and counted, so the audit trail stays complete.
 
+use super::payloads::{
+    self, PlanSummary, ProvisioningAppliedPayload, ProvisioningFailedPayload,
+    ProvisioningPlannedPayload, SpecificationDeclaredPayload,
+};
 use cqrs_es::Aggregate;
 use ferry_domain::drift::DriftIgnoreRules;
 use ferry_domain::environment::Environment;
@@ -16,13 +20,8 @@ use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
 use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
 use ferry_domain::specification::{DeploymentSpecification, SpecificationEvent};
 use ferry_messaging::outbound::{domain_message, integration, integration_doc, integration_failed};
-use ferry_messaging::payloads::{
-    PlanSummary, ProvisioningAppliedPayload, ProvisioningFailedPayload, ProvisioningPlannedPayload,
-    SpecificationDeclaredPayload,
-};
 use ferry_messaging::publish::{DomainEvents, Message, Publisher, Publishers};
 use ferry_messaging::schemas::{domain_event_docs, Direction, Documents};
-use ferry_messaging::subjects;
 use ferry_store::events::{decode_event, first_event, ReadError};
 use ferry_store::{Database, StoredEvent, Typed};
 use std::sync::Arc;
@@ -53,7 +52,7 @@ impl Publisher for SpecificationPublisher {
 
     fn documents(&self) -> Documents {
         let mut docs = integration_doc::<SpecificationDeclaredPayload>(
-            subjects::SPECIFICATION_DECLARED,
+            payloads::SPECIFICATION_DECLARED,
             "SpecificationDeclared",
             Direction::Out,
             "A desired-state version exists for an environment.",
@@ -85,19 +84,19 @@ impl Publisher for RunPublisher {
         let mut docs = Documents::default();
         for integration in [
             integration_doc::<ProvisioningPlannedPayload>(
-                subjects::PROVISIONING_PLANNED,
+                payloads::PROVISIONING_PLANNED,
                 "ProvisioningPlanned",
                 Direction::Out,
                 "A plan exists (adds, changes, deletes) and may await approval.",
             ),
             integration_doc::<ProvisioningAppliedPayload>(
-                subjects::PROVISIONING_APPLIED,
+                payloads::PROVISIONING_APPLIED,
                 "ProvisioningApplied",
                 Direction::Both,
                 "The desired state was applied; outputs are recorded.",
             ),
             integration_doc::<ProvisioningFailedPayload>(
-                subjects::PROVISIONING_FAILED,
+                payloads::PROVISIONING_FAILED,
                 "ProvisioningFailed",
                 Direction::Both,
                 "Planning or the apply failed; the reason names the failing resource or reference.",
@@ -127,7 +126,7 @@ fn specification_message(stored: &StoredEvent, event: &SpecificationEvent) -> Me
         version: v.version,
         program_version: v.program_version.to_string(),
     });
-    integration(stored, event, subjects::SPECIFICATION_DECLARED, data)
+    integration(stored, event, payloads::SPECIFICATION_DECLARED, data)
 }
 
 /// The run events that are integration events, with what their payloads need.
@@ -157,7 +156,7 @@ async fn run_message(
     };
     let (subject, data) = match which {
         RunIntegration::Planned(receipt) => (
-            subjects::PROVISIONING_PLANNED,
+            payloads::PROVISIONING_PLANNED,
             serde_json::value::to_raw_value(&ProvisioningPlannedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
@@ -174,7 +173,7 @@ async fn run_message(
             }),
         ),
         RunIntegration::Applied(receipt) => (
-            subjects::PROVISIONING_APPLIED,
+            payloads::PROVISIONING_APPLIED,
             serde_json::value::to_raw_value(&ProvisioningAppliedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
@@ -187,7 +186,7 @@ async fn run_message(
             }),
         ),
         RunIntegration::Failed(reason) => (
-            subjects::PROVISIONING_FAILED,
+            payloads::PROVISIONING_FAILED,
             serde_json::value::to_raw_value(&ProvisioningFailedPayload {
                 provisioning_run_id: request.provisioning_run_id,
                 tenant_id: request.tenant_id,
@@ -341,7 +340,7 @@ mod tests {
             .map(|c| c["address"].as_str().unwrap())
             .collect();
         for s in [
-            subjects::PROVISIONING_PLANNED,
+            payloads::PROVISIONING_PLANNED,
             "releases.releases.v1.release-ready",
             "runcontrol.approvals.v1.approval-decided",
             "ferry.events.provisioning-run.provisioning-cancelled",

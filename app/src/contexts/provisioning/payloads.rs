@@ -1,4 +1,5 @@
-//! The integration event payloads, field for field as other services expect them.
+//! The provisioning context's integration event payloads and their subjects, field for
+//! field as other services expect them.
 //!
 //! Fields a domain event does not carry (a run's environment, kind, promotion, project and
 //! specification version) come from the run's `ProvisioningRequested` event.
@@ -10,6 +11,15 @@ use ferry_domain::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
+
+/// `SpecificationDeclared` (integration).
+pub const SPECIFICATION_DECLARED: &str = "provisioning.specifications.v1.specification-declared";
+/// `ProvisioningPlanned` (integration).
+pub const PROVISIONING_PLANNED: &str = "provisioning.runs.v1.provisioning-planned";
+/// `ProvisioningApplied` (integration).
+pub const PROVISIONING_APPLIED: &str = "provisioning.runs.v1.provisioning-applied";
+/// `ProvisioningFailed` (integration).
+pub const PROVISIONING_FAILED: &str = "provisioning.runs.v1.provisioning-failed";
 
 /// `provisioning.specifications.v1.specification-declared`: a desired-state version exists.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -107,10 +117,10 @@ pub struct ProvisioningFailedPayload {
 }
 
 // Ferry's own run outcomes come back through the inbound consumers when an operator's
-// stream stores them; a context may register them (`InboundKind::echo`).
-impl crate::inbound::InboundEvent for ProvisioningAppliedPayload {
+// stream stores them; the promotions context registers them (`InboundKind::echo`).
+impl ferry_messaging::InboundEvent for ProvisioningAppliedPayload {
     const NAME: &'static str = "ProvisioningApplied";
-    const SUBJECT: &'static str = crate::subjects::PROVISIONING_APPLIED;
+    const SUBJECT: &'static str = PROVISIONING_APPLIED;
     const SUMMARY: &'static str =
         "Provisioning reports the desired state applied (promotions start verification).";
     fn tenant_id(&self) -> &TenantId {
@@ -118,9 +128,9 @@ impl crate::inbound::InboundEvent for ProvisioningAppliedPayload {
     }
 }
 
-impl crate::inbound::InboundEvent for ProvisioningFailedPayload {
+impl ferry_messaging::InboundEvent for ProvisioningFailedPayload {
     const NAME: &'static str = "ProvisioningFailed";
-    const SUBJECT: &'static str = crate::subjects::PROVISIONING_FAILED;
+    const SUBJECT: &'static str = PROVISIONING_FAILED;
     const SUMMARY: &'static str = "Provisioning reports failure (promotions fail).";
     fn tenant_id(&self) -> &TenantId {
         &self.tenant_id
