@@ -83,7 +83,7 @@ export NATS_URL=nats://127.0.0.1:$INST_NATS_PORT FERRY_NATS_STREAM=$STREAM
 export FERRY_GRPC_ADDR=off FERRY_DATA_DIR=$DATA
 export FERRY_JWT_HS256_KEY=soak-soak-soak-soak-soak-soak-soak-key-0123456789
 export FERRY_WORKERS=true FERRY_VERIFICATION_WINDOW=1s FERRY_RECONCILE_SCHEDULE="$SCHEDULE"
-export FERRY_LOG=warn,ferry_runners=info,ferry_workers=info,ferry_app::contexts::provisioning::reconcile=info
+export FERRY_LOG=warn,ferry_runners=info,ferry_workers=info,ferry_app::contexts::provisioning::work=info,ferry_app::contexts::provisioning::reconcile=info
 export FERRY_LOG_FORMAT=json
 # Verification probes the first instance's /healthz: loopback, reached only where a prefix
 # names it.

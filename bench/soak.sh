@@ -100,7 +100,7 @@ export FERRY_TENANT_PROBE_URL_PREFIXES=http://127.0.0.1:$SOAK_HTTP_PORT/
 export FERRY_WORKER_LEASE_SECONDS=10 FERRY_WORKER_RECOVERY_GRACE_SECONDS=2
 # JSON logs; the simulated runner's lines, inside the workers' "work" span, say which run
 # each apply was (checked per run).
-export FERRY_LOG=warn,ferry_runners=info,ferry_workers=info FERRY_LOG_FORMAT=json
+export FERRY_LOG=warn,ferry_runners=info,ferry_workers=info,ferry_app::contexts::provisioning::work=info FERRY_LOG_FORMAT=json
 FERRY_URL=http://127.0.0.1:$SOAK_HTTP_PORT
 FERRY_STARTS=0
 

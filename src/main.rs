@@ -174,7 +174,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         } => token(&config, &tenant, &sub, &scopes, &roles, ttl)?,
         Command::Schemas { out: dir, check } => {
             let mut stale = Vec::new();
-            for (name, text) in Contexts::builtin().published_schemas() {
+            for (name, text) in Contexts::builtin().published_schemas()? {
                 let path = dir.join(name);
                 if check {
                     if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {

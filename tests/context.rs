@@ -513,7 +513,8 @@ async fn a_context_registered_in_one_place_is_served_documented_projected_and_pu
     // Documented among the events Ferry consumes.
     let files = Contexts::builtin()
         .with(Arc::new(Counters))
-        .published_schemas();
+        .published_schemas()
+        .unwrap();
     assert!(files
         .iter()
         .any(|(path, _)| path == "events/inbound/bump-requested.schema.json"));

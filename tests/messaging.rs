@@ -348,7 +348,10 @@ async fn readyz_lists_the_relay_and_every_inbound_consumer_with_their_lag() {
         )
         .await;
     assert_eq!(status, 201);
-    let inbound = ferry_app::Contexts::builtin().inbound_kinds().subjects();
+    let inbound = ferry_app::Contexts::builtin()
+        .inbound_kinds()
+        .unwrap()
+        .subjects();
     let body = readyz_until(
         &s,
         "the relay caught up and every consumer consuming",

@@ -5,7 +5,7 @@
 
 use crate::extract::{IdempotentRequest, Reservation};
 use crate::problem::ApiError;
-use ferry_domain::TenantId;
+use ferry_domain::{IdError, PromotionId, ProvisioningRunId, TenantId};
 use ferry_store::{idempotency, Database};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -93,6 +93,41 @@ impl<V: DeserializeOwned> Created<V> {
     }
 }
 
+/// The id of a resource a creating command makes: name-based under the caller's key (a
+/// retry after a crash lands on the same resource), else random.
+pub trait CreatedId: Display + Sized {
+    /// The id the key names in the tenant.
+    fn for_key(tenant: &TenantId, key: &str) -> Self;
+    /// A fresh random id.
+    fn random() -> Self;
+    /// The id a key's record holds.
+    fn parse_recorded(recorded: &str) -> Result<Self, IdError>;
+}
+
+impl CreatedId for ProvisioningRunId {
+    fn for_key(tenant: &TenantId, key: &str) -> Self {
+        Self::for_idempotency_key(tenant, key)
+    }
+    fn random() -> Self {
+        Self::new_random()
+    }
+    fn parse_recorded(recorded: &str) -> Result<Self, IdError> {
+        Self::parse(recorded)
+    }
+}
+
+impl CreatedId for PromotionId {
+    fn for_key(tenant: &TenantId, key: &str) -> Self {
+        Self::for_idempotency_key(tenant, key)
+    }
+    fn random() -> Self {
+        Self::new_random()
+    }
+    fn parse_recorded(recorded: &str) -> Result<Self, IdError> {
+        Self::parse(recorded)
+    }
+}
+
 /// One creating command under an optional idempotency key.
 pub struct IdempotentCommand<'a> {
     /// The store holding the keys.
@@ -108,6 +143,29 @@ pub struct IdempotentCommand<'a> {
 }
 
 impl IdempotentCommand<'_> {
+    /// Runs `command` on the resource the caller's key names, or on a new one without a key
+    /// (see [`Self::run`]): the one helper every creating use case goes through.
+    pub async fn create<Id, V, Fut>(
+        self,
+        command: impl FnOnce(Id) -> Fut,
+    ) -> Result<Created<V>, ApiError>
+    where
+        Id: CreatedId,
+        V: Serialize,
+        Fut: Future<Output = Result<V, ApiError>>,
+    {
+        let fresh = match &self.keyed {
+            Some(keyed) => Id::for_key(self.tenant, keyed.key.as_str()),
+            None => Id::random(),
+        };
+        self.run(
+            fresh,
+            |recorded| Id::parse_recorded(recorded).map_err(ApiError::internal),
+            command,
+        )
+        .await
+    }
+
     /// Runs `command` on the resource id the key names (`fresh` for a new key or no key, the
     /// first request's when it reserved one and has not answered), gives the key back when
     /// it fails, and stores its answer; a retry whose first request answered gets that

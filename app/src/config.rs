@@ -2232,7 +2232,10 @@ mod tests {
         assert!(c.workers && c.tenant_file_roots.is_none());
         // The limits the workers use by default are the declared ones.
         let limits = crate::server::worker_settings(&c).limits;
-        assert_eq!(limits, ferry_workers::limits::Limits::default());
+        assert_eq!(
+            limits,
+            crate::contexts::provisioning::work::limits::Limits::default()
+        );
         let c = Config::load(None, &env(&[("FERRY_MAX_PLAN_RESOURCES", "7")])).unwrap();
         assert_eq!(crate::server::worker_settings(&c).limits.plan_resources, 7);
     }

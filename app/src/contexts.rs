@@ -19,7 +19,7 @@ use crate::server::StartError;
 use aide::axum::ApiRouter;
 use ferry_api::state::AppState;
 use ferry_api::Api;
-use ferry_messaging::{InboundKind, InboundKinds, Publishers};
+use ferry_messaging::{InboundClash, InboundKind, InboundKinds, Publishers};
 use ferry_projections::Projection;
 use ferry_store::Database;
 use std::sync::Arc;
@@ -35,9 +35,9 @@ pub struct Process<'a> {
     /// The configuration.
     pub config: &'a Config,
     /// The adapters (runner, programs, secrets, policy, artifacts).
-    pub ports: &'a ferry_workers::Ports,
+    pub ports: &'a crate::contexts::provisioning::work::Ports,
     /// The work counters (`/metrics`).
-    pub metrics: &'a Arc<ferry_workers::metrics::Metrics>,
+    pub metrics: &'a Arc<crate::contexts::provisioning::work::metrics::Metrics>,
     /// The process's metrics registry, for a context's own families.
     pub registry: &'a prometheus::Registry,
     /// Flips to true at shutdown.
@@ -147,13 +147,17 @@ impl Contexts {
         })
     }
 
-    /// Every event some context hears, each once.
-    pub fn inbound_kinds(&self) -> InboundKinds {
+    /// Every event some context hears, each once; refused when two contexts name one event
+    /// or subject with different payload types.
+    pub fn inbound_kinds(&self) -> Result<InboundKinds, InboundClash> {
         InboundKinds::new(self.0.iter().flat_map(|c| c.inbound_events()))
     }
 
     /// The handler of inbound events: every context's, with the events each declares.
-    pub fn inbound(&self, parts: &InboundParts) -> crate::inbound::FerryInbound {
+    pub fn inbound(
+        &self,
+        parts: &InboundParts,
+    ) -> Result<crate::inbound::FerryInbound, InboundClash> {
         crate::inbound::FerryInbound::new(
             self.0
                 .iter()
@@ -173,12 +177,12 @@ impl Contexts {
 
     /// Every file `ferry schemas` writes (relative to `schemas/`): the OpenAPI document and
     /// the message schemas with the AsyncAPI document.
-    pub fn published_schemas(&self) -> Vec<(String, String)> {
+    pub fn published_schemas(&self) -> Result<Vec<(String, String)>, InboundClash> {
         let mut files = vec![("openapi.json".to_string(), self.api().document_text())];
         files.extend(ferry_messaging::published_schemas(
             &self.publishers(),
-            &self.inbound_kinds(),
+            &self.inbound_kinds()?,
         ));
-        files
+        Ok(files)
     }
 }

@@ -13,6 +13,7 @@
 //! are permanent (the message is dead-lettered with the reason); a concurrent change or an
 //! unavailable store is transient (redelivered later).
 
+use crate::contexts::provisioning::work::metrics::Metrics;
 use chrono::{DateTime, Utc};
 use ferry_domain::confinement::Confinement;
 use ferry_domain::ports::sources::ProgramSource;
@@ -24,7 +25,6 @@ use ferry_messaging::inbound::{
     InboundKinds,
 };
 use ferry_store::{CommandError, Database, EventMetadata, Executed, Repository};
-use ferry_workers::metrics::Metrics;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -58,7 +58,9 @@ pub struct FerryInbound {
 
 impl FerryInbound {
     /// A handler over the contexts' handlers, each with the events it registers.
-    pub fn new(handlers: Vec<(Vec<InboundKind>, Arc<dyn ContextInbound>)>) -> Self {
+    pub fn new(
+        handlers: Vec<(Vec<InboundKind>, Arc<dyn ContextInbound>)>,
+    ) -> Result<Self, ferry_messaging::InboundClash> {
         let mut by_event: BTreeMap<&'static str, Vec<Arc<dyn ContextInbound>>> = BTreeMap::new();
         let mut kinds = Vec::new();
         for (events, handler) in handlers {
@@ -70,10 +72,10 @@ impl FerryInbound {
                 kinds.push(kind);
             }
         }
-        Self {
-            kinds: InboundKinds::new(kinds),
+        Ok(Self {
+            kinds: InboundKinds::new(kinds)?,
             handlers: by_event,
-        }
+        })
     }
 }
 

@@ -42,6 +42,9 @@ pub enum StartError {
     /// The inbound consumers could not be set up.
     #[error("NATS_URL: the inbound consumers cannot start")]
     Inbound(#[from] ferry_messaging::inbound::InboundStartError),
+    /// Two contexts register one inbound event or subject with different payload types.
+    #[error(transparent)]
+    InboundClash(#[from] ferry_messaging::InboundClash),
     /// The artifact store URL.
     #[error("FERRY_ARTIFACTS_URL: the artifact store cannot be used")]
     Artifacts(#[from] ferry_adapters::artifacts::ArtifactConfigError),
@@ -59,7 +62,7 @@ pub enum StartError {
 /// The adapters the configuration asks for, each confining references to what the run's
 /// tenant may reach ([`Config::confinement`]). A policy that does not compile, or a tenant
 /// setting that cannot be used, stops here.
-pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
+pub fn ports(config: &Config) -> Result<crate::contexts::provisioning::work::Ports, StartError> {
     use ferry_adapters::{
         ConfigSources, GitProgramSource, ObjectArtifacts, RegoPolicy, SecretResolvers, VaultConfig,
     };
@@ -91,7 +94,7 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
             config.vault_token.clone().unwrap_or_default(),
         ),
     });
-    Ok(ferry_workers::Ports {
+    Ok(crate::contexts::provisioning::work::Ports {
         programs: Arc::new(GitProgramSource::new(
             data.join("git-cache"),
             confinement.clone(),
@@ -115,14 +118,14 @@ pub fn ports(config: &Config) -> Result<ferry_workers::Ports, StartError> {
 }
 
 /// Worker settings from the configuration.
-pub fn worker_settings(config: &Config) -> ferry_workers::Settings {
-    let mut settings = ferry_workers::Settings::new(&config.data_dir);
+pub fn worker_settings(config: &Config) -> crate::contexts::provisioning::work::Settings {
+    let mut settings = crate::contexts::provisioning::work::Settings::new(&config.data_dir);
     settings.apply_timeout = config.apply_timeout;
     settings.approval_expiry = config.approval_expiry;
     settings.poll = config.poll_interval;
     settings.lease = config.worker_lease;
     settings.recovery_grace = config.worker_recovery_grace;
-    settings.limits = ferry_workers::limits::Limits {
+    settings.limits = crate::contexts::provisioning::work::limits::Limits {
         program_bytes: config.max_program_bytes,
         plan_resources: config.max_plan_resources,
         receipt_bytes: config.max_receipt_bytes,
@@ -222,7 +225,8 @@ impl Server {
         // One registry per server, not the library's global one: servers sharing a process
         // (the end-to-end tests) each serve their own counts.
         let registry = prometheus::Registry::new();
-        let metrics = std::sync::Arc::new(ferry_workers::metrics::Metrics::new()?);
+        let metrics =
+            std::sync::Arc::new(crate::contexts::provisioning::work::metrics::Metrics::new()?);
         metrics.register(&registry)?;
         let stream_hold_warn = config.stream_hold_warn;
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -251,11 +255,11 @@ impl Server {
             metrics: metrics.clone(),
             confinement: confinement.clone(),
             programs: ports.programs.clone(),
-        }));
+        })?);
         // An entry naming no event any context hears would trust nothing, silently.
         config
             .trusted_sources
-            .check_events(&contexts.inbound_kinds())
+            .check_events(&contexts.inbound_kinds()?)
             .map_err(|e| crate::ConfigError {
                 setting: "FERRY_TRUSTED_SOURCES".to_string(),
                 source_name: "configuration".to_string(),

@@ -8,6 +8,7 @@
 //! global one), so servers sharing one process (as in the end-to-end tests) each count
 //! only their own work.
 
+use crate::contexts::provisioning::work::metrics::Metrics;
 use ferry_api::ports::{Readiness, Telemetry};
 use ferry_messaging::health::ConsumerStatuses;
 use ferry_messaging::RelayMetrics;
@@ -15,7 +16,6 @@ use ferry_store::group::GroupStats;
 use ferry_store::items::ItemProblem;
 use ferry_store::stream::{SubscriptionProblem, SubscriptionStatus};
 use ferry_store::Database;
-use ferry_workers::metrics::Metrics;
 use prometheus::{IntCounter, IntGaugeVec, Opts, Registry, TextEncoder};
 use std::sync::{Arc, Mutex, PoisonError};
 

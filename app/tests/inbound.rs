@@ -33,7 +33,7 @@ struct Recorder {
 #[async_trait::async_trait]
 impl InboundHandler for Recorder {
     fn kinds(&self) -> InboundKinds {
-        ferry_app::Contexts::builtin().inbound_kinds()
+        ferry_app::Contexts::builtin().inbound_kinds().unwrap()
     }
 
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {
@@ -424,7 +424,7 @@ struct RunRecorder {
 #[async_trait::async_trait]
 impl InboundHandler for RunRecorder {
     fn kinds(&self) -> InboundKinds {
-        ferry_app::Contexts::builtin().inbound_kinds()
+        ferry_app::Contexts::builtin().inbound_kinds().unwrap()
     }
 
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {

@@ -56,7 +56,7 @@ struct Recorder(Mutex<Vec<InboundEnvelope>>);
 #[async_trait::async_trait]
 impl InboundHandler for Recorder {
     fn kinds(&self) -> InboundKinds {
-        ferry_app::Contexts::builtin().inbound_kinds()
+        ferry_app::Contexts::builtin().inbound_kinds().unwrap()
     }
 
     async fn handle(&self, event: InboundEnvelope) -> Result<Handled, InboundError> {

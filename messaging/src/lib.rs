@@ -88,9 +88,9 @@ pub mod testing;
 
 pub use cloudevent::CloudEvent;
 pub use inbound::{
-    accept_cloud_event, Accepted, Handled, Inbound, InboundConfig, InboundContext, InboundEnvelope,
-    InboundError, InboundEvent, InboundHandler, InboundKind, InboundKinds, InboundMetrics,
-    IntakeError, Poster, SourceIdentities, TrustedSources,
+    accept_cloud_event, Accepted, Handled, Inbound, InboundClash, InboundConfig, InboundContext,
+    InboundEnvelope, InboundError, InboundEvent, InboundHandler, InboundKind, InboundKinds,
+    InboundMetrics, IntakeError, Poster, SourceIdentities, TrustedSources,
 };
 pub use outbound::{parse_position, position_token, Outbound};
 pub use publish::{DomainEvents, EncodeError, Encoded, Message, Publisher, Publishers};

@@ -54,7 +54,7 @@ impl Clock for ShiftedClock {
 }
 
 /// `d` in milliseconds, saturated.
-pub(crate) fn ms(d: Duration) -> i64 {
+pub fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 

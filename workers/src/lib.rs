@@ -1,13 +1,9 @@
-//! Ferry's workers: the **planner** resolves the program version,
-//! configuration and secrets, runs the IaC planner, evaluates policy, records the plan
-//! receipt and routes the run to apply or approval; the **applier** runs the apply for
-//! approved or allowed runs and records the outputs or the failure; the **baseline** step
-//! declares and plans a new environment's baseline; **expiry** rejects approvals that wait
-//! too long.
-//!
-//! Work comes from the global stream through the `workers` subscription ([`enqueuer`]) into
-//! a durable queue ([`queue`]) keyed by the steps' idempotency keys (`<run> + plan`, `<run> + apply`). Retry: the planner
-//! backs off exponentially up to a cap; the applier never runs a runner twice for one item.
+//! Ferry's work machinery, which knows no bounded context: a durable queue ([`queue`]) of
+//! work items fed from the global stream by a context's subscription, claimed under leases
+//! with fencing tokens, and run by the context's [`Steps`]. A context registers its steps
+//! (what each item does, which events make work, how an interrupted apply is settled); this
+//! crate runs them, retries them with exponential back-off, and recovers what a stopped
+//! instance left.
 //!
 //! **An apply runs at most once, and at most one runner per environment at any moment.**
 //!
@@ -20,81 +16,84 @@
 //!   the lease can end. Dropping it drops the runner's future, which kills the runner (the
 //!   Pulumi runner kills its whole process group). The heartbeat measures on the queue's
 //!   [`clock::Clock`] and is not held up by a renewal that hangs.
-//! * Recovery reports an interrupted apply only when its owner is **known gone**, not when
+//! * Recovery settles an interrupted apply only when its owner is **known gone**, not when
 //!   its lease lapsed (see [`liveness`]: on Postgres an advisory lock the owner holds while
 //!   it runs the apply, plus a grace period past the lease; on SQLite, claims of this
-//!   process). It records the stored result if the runner had returned, else reports the
-//!   run Failed ("apply interrupted …"); it marks the item only after that was recorded, so
-//!   a run is never left `Applying`. The next apply in the environment can be claimed only
-//!   then.
-//! * The runner's result is stored on the item before the outcome is recorded; a retry
-//!   after a store error records the stored result and never runs the runner again.
+//!   process), through [`Steps::settle_interrupted`], which records the stored result if the
+//!   runner had returned and otherwise reports the work failed; the item is marked only after
+//!   that was recorded. The next apply in the environment can be claimed only then.
+//! * The steps store the runner's result on the item before the outcome is recorded
+//!   ([`Queue::store_result`]); a retry after a store error records the stored result and
+//!   never runs the runner again.
 #![forbid(unsafe_code)]
 
 pub mod clock;
-pub mod enqueuer;
-pub mod inputs;
-pub mod limits;
 pub mod liveness;
-pub mod metrics;
 pub mod queue;
-mod steps;
 
 use clock::{ms, Clock, SystemClock};
-use ferry_domain::environment::{BaselineProgram, Environment};
-use ferry_domain::ports::runner::Runner;
-use ferry_domain::ports::sources::{
-    ArtifactStore, ConfigSource, PolicyEngine, ProgramSource, SecretResolver,
-};
-use ferry_domain::run::ProvisioningRun;
-use ferry_domain::run::RunError;
-use ferry_domain::specification::DeploymentSpecification;
-use ferry_domain::EnvironmentClass;
 use ferry_store::stream::run_subscription;
-use ferry_store::{CommandError, Database, Repository};
+use ferry_store::{Database, Subscription};
 use liveness::{Life, Liveness, LivenessError};
-use metrics::Metrics;
 use queue::{Queue, QueueError, Step, WorkItem};
-use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
 use tracing::Instrument;
 
-/// The adapters the workers use.
-#[derive(Clone)]
-pub struct Ports {
-    /// Git.
-    pub programs: Arc<dyn ProgramSource>,
-    /// The IaC runner.
-    pub runner: Arc<dyn Runner>,
-    /// Secrets.
-    pub secrets: Arc<dyn SecretResolver>,
-    /// Configuration.
-    pub config: Arc<dyn ConfigSource>,
-    /// Policy.
-    pub policy: Arc<dyn PolicyEngine>,
-    /// Logs and snapshots.
-    pub artifacts: Arc<dyn ArtifactStore>,
+/// How a step ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The work is done.
+    Done,
+    /// The work failed for good, for this reason.
+    Failed(String),
+    /// The work is tried again after the back-off, for this reason.
+    Retry(String),
+    /// The runner ran but its result could not be stored: the item is left running for
+    /// recovery (retrying it would run the runner again).
+    Abandoned(String),
+    /// A fenced write found the claim taken over: nothing more may be written.
+    ClaimLost,
+}
+
+/// Why an interrupted apply could not be settled.
+#[derive(Debug, thiserror::Error)]
+pub enum SettleError {
+    /// The queue failed (a lost claim: someone else settled it).
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// The work's outcome could not be recorded.
+    #[error("cannot record the interrupted apply's outcome: {0}")]
+    Record(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// What a bounded context's work does: the events that make work items, and each item's
+/// step. Dropping the future of [`Steps::run`] must stop whatever the step started (its
+/// runner): that is how a worker that lost its lease fences itself.
+#[async_trait::async_trait]
+pub trait Steps: Send + Sync + 'static {
+    /// The subscription that turns stored events into work items ([`queue::enqueue`]), in
+    /// the same transaction as its checkpoint.
+    fn subscription(&self) -> Subscription;
+
+    /// Runs one claimed item.
+    async fn run(&self, item: &WorkItem) -> Outcome;
+
+    /// Settles a running apply whose owner is known gone: records what the item's stored
+    /// result says, or reports the work failed as interrupted, then marks the item with the
+    /// queue's fenced writes. An error leaves the item for the next recovery round.
+    async fn settle_interrupted(&self, item: &WorkItem) -> Result<(), SettleError>;
 }
 
 /// Worker settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Where programs are checked out while a step runs (`<work_dir>/<tenant>/<run>/<step>`).
-    pub work_dir: PathBuf,
-    /// Runner timeout per apply (`ApplyTimeoutMinutes`, default 45).
-    pub apply_timeout: Duration,
-    /// Runner timeout per plan.
-    pub plan_timeout: Duration,
-    /// Planner attempts before the run fails.
-    pub plan_attempts: u32,
-    /// First planner retry delay; doubles each time.
-    pub plan_backoff: Duration,
-    /// Longest planner retry delay.
-    pub plan_backoff_cap: Duration,
+    /// First retry delay; doubles each time.
+    pub backoff: Duration,
+    /// Longest retry delay.
+    pub backoff_cap: Duration,
     /// How long a claimed item is held without a renewal. The owner renews every sixth of
     /// it and stops its step when nothing was confirmed for two thirds of it.
     pub lease: Duration,
@@ -106,84 +105,53 @@ pub struct Settings {
     pub recovery_grace: Duration,
     /// The clock leases and the heartbeat go by.
     pub clock: Arc<dyn Clock>,
-    /// How long an approval may wait; `None` = forever.
-    pub approval_expiry: Option<Duration>,
-    /// Default baseline program per environment class.
-    pub baseline_programs: HashMap<EnvironmentClass, BaselineProgram>,
     /// Steps run at once.
     pub concurrency: usize,
-    /// What one run may make Ferry hold (program, plan, receipts and logs).
-    pub limits: limits::Limits,
     /// Queue polling when nothing wakes the workers.
     pub poll: Duration,
     /// This process's name in `claimed_by`.
     pub instance: String,
-    /// `AutoApplyNonDestructive`: a reconciliation's adds and in-place changes outside
-    /// production apply without a proposal. Read at each plan (reloadable).
-    pub auto_apply_non_destructive: tokio::sync::watch::Receiver<bool>,
-    /// Each tenant's runner identity (`FERRY_RUNNER_IDENTITIES`, and the shared one if
-    /// declared): resolved for every run of a runner that needs one. None by default.
-    pub runner_identities: Arc<ferry_domain::ports::identity::RunnerIdentities>,
 }
 
-impl Settings {
-    /// Defaults for a data dir.
-    pub fn new(data_dir: &std::path::Path) -> Self {
+impl Default for Settings {
+    fn default() -> Self {
         Self {
-            work_dir: data_dir.join("work"),
-            apply_timeout: Duration::from_secs(45 * 60),
-            plan_timeout: Duration::from_secs(15 * 60),
-            plan_attempts: 5,
-            plan_backoff: Duration::from_secs(2),
-            plan_backoff_cap: Duration::from_secs(300),
+            backoff: Duration::from_secs(2),
+            backoff_cap: Duration::from_secs(300),
             lease: Duration::from_secs(60),
             heartbeat: Duration::from_secs(1),
             recovery_grace: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
-            approval_expiry: Some(Duration::from_secs(24 * 3600)),
-            baseline_programs: HashMap::new(),
             concurrency: 4,
-            limits: limits::Limits::default(),
             poll: Duration::from_millis(500),
             instance: format!("ferry-{}", uuid::Uuid::new_v4().simple()),
-            auto_apply_non_destructive: tokio::sync::watch::channel(true).1,
-            runner_identities: Arc::default(),
         }
     }
 }
 
-/// The workers.
-pub struct Workers {
+/// The workers: a context's steps run over the queue.
+pub struct Workers<S> {
     db: Database,
-    ports: Ports,
     settings: Settings,
     queue: Queue,
     liveness: Liveness,
-    runs: Repository<ProvisioningRun>,
-    specifications: Repository<DeploymentSpecification>,
-    environments: Repository<Environment>,
-    drift_rules: Repository<ferry_domain::drift::DriftIgnoreRules>,
-    metrics: Arc<Metrics>,
+    steps: S,
 }
 
-impl Workers {
-    /// Workers over `db`.
-    pub fn new(db: Database, ports: Ports, settings: Settings, metrics: Arc<Metrics>) -> Arc<Self> {
+impl<S: Steps> Workers<S> {
+    /// Workers over `db`, running the steps `steps` makes from the workers' queue.
+    pub fn new(db: Database, settings: Settings, steps: impl FnOnce(Queue) -> S) -> Arc<Self> {
+        let queue = Queue::with_clock(
+            db.clone(),
+            settings.instance.clone(),
+            settings.clock.clone(),
+        );
         Arc::new(Self {
-            queue: Queue::with_clock(
-                db.clone(),
-                settings.instance.clone(),
-                settings.clock.clone(),
-            ),
+            steps: steps(queue.clone()),
+            queue,
             liveness: Liveness::of(&db),
-            runs: Repository::new(db.clone(), ()),
-            specifications: Repository::new(db.clone(), ()),
-            environments: Repository::new(db.clone(), ()),
-            drift_rules: Repository::new(db.clone(), ()),
             db,
-            ports,
             settings,
-            metrics,
         })
     }
 
@@ -192,14 +160,16 @@ impl Workers {
         &self.queue
     }
 
-    /// Starts the `workers` subscription and the worker loop.
+    /// The steps.
+    pub fn steps(&self) -> &S {
+        &self.steps
+    }
+
+    /// Starts the steps' subscription and the worker loop.
     pub fn start(self: &Arc<Self>, shutdown: watch::Receiver<bool>) {
-        let enqueuer = enqueuer::Enqueuer {
-            approval_expiry: self.settings.approval_expiry,
-        };
         tokio::spawn(run_subscription(
             self.db.clone(),
-            Arc::new(enqueuer.subscription()),
+            Arc::new(self.steps.subscription()),
             self.settings.poll,
             shutdown.clone(),
             None,
@@ -261,14 +231,13 @@ impl Workers {
                 // Nothing ran yet: giving the item back is safe.
                 tracing::warn!(%error, "cannot take the apply's liveness lock; the item goes back to the queue");
                 let reason = format!("not started: {error}");
-                self.write_outcome(&item, steps::Outcome::Retry(reason))
-                    .await;
+                self.write_outcome(&item, Outcome::Retry(reason)).await;
                 life.release().await;
                 return;
             }
         }
         let ended = {
-            let step = self.step(&item);
+            let step = self.steps.run(&item);
             let heartbeat = self.heartbeat(&item, &mut life);
             tokio::select! {
                 biased;
@@ -343,23 +312,23 @@ impl Workers {
     }
 
     /// Writes how a step ended onto its item (fenced: a lost claim writes nothing).
-    async fn write_outcome(&self, item: &WorkItem, outcome: steps::Outcome) {
+    async fn write_outcome(&self, item: &WorkItem, outcome: Outcome) {
         let written = match outcome {
-            steps::Outcome::Done => self.queue.done(item).await,
-            steps::Outcome::Failed(reason) => {
+            Outcome::Done => self.queue.done(item).await,
+            Outcome::Failed(reason) => {
                 tracing::warn!(%reason, "step failed");
                 self.queue.failed(item, &reason).await
             }
-            steps::Outcome::Retry(reason) => {
+            Outcome::Retry(reason) => {
                 let delay = self.backoff(item.attempts);
                 tracing::info!(%reason, retry_in_s = delay.as_secs_f64(), "step will be retried");
                 self.queue.retry(item, &reason, delay).await
             }
-            steps::Outcome::Abandoned(reason) => {
+            Outcome::Abandoned(reason) => {
                 tracing::error!(%reason, "the item is left to recovery");
                 return;
             }
-            steps::Outcome::ClaimLost => {
+            Outcome::ClaimLost => {
                 tracing::error!("the claim was lost during the step; nothing more is written");
                 return;
             }
@@ -379,16 +348,16 @@ impl Workers {
     fn backoff(&self, attempts: i64) -> Duration {
         let factor = 2u32.saturating_pow(u32::try_from(attempts.max(1) - 1).unwrap_or(u32::MAX));
         self.settings
-            .plan_backoff
+            .backoff
             .saturating_mul(factor)
-            .min(self.settings.plan_backoff_cap)
+            .min(self.settings.backoff_cap)
     }
 
     /// One recovery round over the running items: an apply whose owner is known gone is
     /// settled (its stored result recorded, else its run reported Failed as interrupted;
     /// never re-run blindly); another step whose lease lapsed is resumed. Returns how many
     /// items it settled; an item it could not settle stays for the next round.
-    pub(crate) async fn recover(&self) -> Result<usize, QueueError> {
+    pub async fn recover(&self) -> Result<usize, QueueError> {
         let now = self.queue.clock().now_ms();
         let grace = ms(self.settings.recovery_grace);
         let mut settled = 0;
@@ -417,7 +386,7 @@ impl Workers {
             if !self.liveness.owner_gone(item, now, grace).await? {
                 return Ok(false);
             }
-            self.settle_interrupted_apply(item).await?;
+            self.steps.settle_interrupted(item).await?;
             return Ok(true);
         }
         if item.lease_until >= now {
@@ -451,9 +420,18 @@ pub(crate) enum RecoverError {
     /// The owner's liveness could not be probed.
     #[error(transparent)]
     Liveness(#[from] LivenessError),
-    /// The run's outcome could not be recorded.
-    #[error("cannot record the interrupted apply's outcome: {0}")]
-    Report(#[from] CommandError<RunError>),
+    /// The outcome could not be recorded.
+    #[error(transparent)]
+    Record(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<SettleError> for RecoverError {
+    fn from(error: SettleError) -> Self {
+        match error {
+            SettleError::Queue(e) => Self::Queue(e),
+            SettleError::Record(e) => Self::Record(e),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,6 @@
 //! The provisioning context: desired-state specifications, environments and provisioning
-//! runs (ARCHITECTURE.md, Bounded contexts). Some of its parts predate the registration and
-//! still live in the layer crates (aggregates in domain, the planner and applier in
-//! workers); this module is where the process collects them, and
-//! holds what has moved or came after:
+//! runs (ARCHITECTURE.md, Bounded contexts). Its aggregates live in the domain crate; this
+//! folder holds the rest:
 //!
 //! * [`views`]: its read models (specifications, runs, environments' specifications), their
 //!   projections and queries;
@@ -13,7 +11,8 @@
 //! * [`events`]: what provisioning publishes (`provisioning.*.v1.*` and domain events);
 //! * [`reconcile`]: the GitOps reconciler;
 //! * [`drift`]: the environments' ignore rules it applies;
-//! * [`inbound`]: what it does with other services' events.
+//! * [`inbound`]: what it does with other services' events;
+//! * [`work`]: the planner, applier, baseline and expiry steps the workers run.
 
 pub mod drift;
 pub mod environments;
@@ -24,6 +23,7 @@ pub mod reconcile;
 pub mod routes;
 pub mod use_cases;
 pub mod views;
+pub mod work;
 
 use super::{BoundedContext, Process};
 use crate::server::{worker_settings, StartError};
@@ -92,7 +92,7 @@ impl BoundedContext for Provisioning {
             settings.runner_identities = Arc::new(identities);
             settings.auto_apply_non_destructive =
                 follow(process.options, |o| o.auto_apply_non_destructive);
-            ferry_workers::Workers::new(
+            work::workers(
                 process.db.clone(),
                 process.ports.clone(),
                 settings,

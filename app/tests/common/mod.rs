@@ -251,7 +251,7 @@ pub fn assert_valid(message: &Stored) {
     let files = FILES.get_or_init(|| {
         ferry_messaging::published_schemas(
             &ferry_app::contexts::provisioning::events::publishers(),
-            &ferry_app::Contexts::builtin().inbound_kinds(),
+            &ferry_app::Contexts::builtin().inbound_kinds().unwrap(),
         )
         .into_iter()
         .collect()
@@ -272,7 +272,7 @@ pub fn assert_valid(message: &Stored) {
     check("events/cloudevent.schema.json", &message.body);
     let doc = ferry_messaging::schemas::subject_docs(
         &ferry_app::contexts::provisioning::events::publishers(),
-        &ferry_app::Contexts::builtin().inbound_kinds(),
+        &ferry_app::Contexts::builtin().inbound_kinds().unwrap(),
     )
     .into_iter()
     .find(|d| d.subject == message.subject)

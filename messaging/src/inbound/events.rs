@@ -71,6 +71,7 @@ pub struct InboundKind {
     subject: &'static str,
     summary: &'static str,
     documented: bool,
+    payload: std::any::TypeId,
     decode: fn(Value) -> Result<Heard, DecodeError>,
     schema: fn() -> Value,
 }
@@ -92,6 +93,7 @@ impl InboundKind {
             subject: E::SUBJECT,
             summary: E::SUMMARY,
             documented: true,
+            payload: std::any::TypeId::of::<E>(),
             decode: decode::<E>,
             schema: || schemars::schema_for!(E).to_value(),
         }
@@ -157,16 +159,44 @@ fn decode<E: InboundEvent>(data: Value) -> Result<Heard, DecodeError> {
 #[derive(Debug, Clone, Default)]
 pub struct InboundKinds(Arc<[InboundKind]>);
 
+/// Two registrations that name one event (or one subject) with different payload types:
+/// which of them a message means would depend on the order of registration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the inbound events {first} ({first_subject}) and {second} ({second_subject}) are registered with different payload types under one name or subject")]
+pub struct InboundClash {
+    /// The first registration's name.
+    pub first: &'static str,
+    /// Its subject.
+    pub first_subject: &'static str,
+    /// The clashing registration's name.
+    pub second: &'static str,
+    /// Its subject.
+    pub second_subject: &'static str,
+}
+
 impl InboundKinds {
-    /// These kinds; a name registered again (e.g. by a second context) counts once.
-    pub fn new(kinds: impl IntoIterator<Item = InboundKind>) -> Self {
+    /// These kinds; the same payload type registered again (e.g. by a second context)
+    /// counts once. A name or subject registered with two payload types is refused.
+    pub fn new(kinds: impl IntoIterator<Item = InboundKind>) -> Result<Self, InboundClash> {
         let mut unique: Vec<InboundKind> = Vec::new();
         for kind in kinds {
-            if !unique.iter().any(|k| k.name == kind.name) {
-                unique.push(kind);
+            match unique
+                .iter()
+                .find(|k| k.name == kind.name || k.subject == kind.subject)
+            {
+                Some(k) if k.payload == kind.payload && k.name == kind.name => {}
+                Some(k) => {
+                    return Err(InboundClash {
+                        first: k.name,
+                        first_subject: k.subject,
+                        second: kind.name,
+                        second_subject: kind.subject,
+                    })
+                }
+                None => unique.push(kind),
             }
         }
-        Self(unique.into())
+        Ok(Self(unique.into()))
     }
 
     /// The kind a subject or a CloudEvent `type` (a subject or an event name) identifies.
@@ -270,7 +300,8 @@ mod tests {
             InboundKind::of::<Bumped>(),
             InboundKind::of::<Other>(),
             InboundKind::of::<Bumped>(),
-        ]);
+        ])
+        .unwrap();
         assert_eq!(
             kinds.iter().count(),
             2,
@@ -283,6 +314,36 @@ mod tests {
         assert_eq!(kinds.find("Other").map(|k| k.name()), Some("Other"));
         assert!(kinds.find("counters.v1.burned").is_none());
         assert_eq!(kinds.subjects(), ["counters.v1.bumped", "others.v1.other"]);
+    }
+
+    /// A payload type of another context under the same name.
+    #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
+    #[serde(rename_all = "camelCase")]
+    struct Impostor {
+        tenant_id: TenantId,
+    }
+
+    impl InboundEvent for Impostor {
+        const NAME: &'static str = "Bumped";
+        const SUBJECT: &'static str = "impostors.v1.bumped";
+        const SUMMARY: &'static str = "Not the counters' event.";
+        fn tenant_id(&self) -> &TenantId {
+            &self.tenant_id
+        }
+    }
+
+    #[test]
+    fn one_name_or_subject_with_two_payload_types_is_refused() {
+        let clash = InboundKinds::new([InboundKind::of::<Bumped>(), InboundKind::of::<Impostor>()])
+            .unwrap_err();
+        assert_eq!(
+            (clash.first, clash.second_subject),
+            ("Bumped", "impostors.v1.bumped")
+        );
+        // Ferry's own event heard back is the same type: it counts once.
+        let kinds = InboundKinds::new([InboundKind::of::<Bumped>(), InboundKind::echo::<Bumped>()])
+            .unwrap();
+        assert_eq!(kinds.iter().count(), 1);
     }
 
     #[test]

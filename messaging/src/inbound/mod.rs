@@ -21,7 +21,9 @@ mod nats;
 pub mod store;
 pub mod trust;
 
-pub use events::{BrokenRule, DecodeError, Heard, InboundEvent, InboundKind, InboundKinds};
+pub use events::{
+    BrokenRule, DecodeError, Heard, InboundClash, InboundEvent, InboundKind, InboundKinds,
+};
 pub use ferry_domain::cloudevent::{Accepted, IntakeError, Poster};
 pub use nats::{subject_matches, Inbound, InboundConfig, InboundStartError};
 pub use trust::{SourceIdentities, SourceIdentitiesError, TrustedSources, TrustedSourcesError};

@@ -501,7 +501,8 @@ mod tests {
         ));
         // An entry must name an event the process hears, by name or by a subject pattern.
         let kinds =
-            crate::inbound::InboundKinds::new([crate::inbound::InboundKind::of::<Applied>()]);
+            crate::inbound::InboundKinds::new([crate::inbound::InboundKind::of::<Applied>()])
+                .unwrap();
         for known in ["ProvisioningApplied=urn:x", "provisioning.runs.v1.*=urn:x"] {
             assert!(TrustedSources::parse(known)
                 .unwrap()

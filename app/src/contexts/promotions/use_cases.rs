@@ -353,10 +353,6 @@ pub async fn request(
         )]));
     }
     let key = keyed.map(|k| k.key);
-    let fresh = match key {
-        Some(k) => PromotionId::for_idempotency_key(&caller.tenant, k.as_str()),
-        None => PromotionId::new_random(),
-    };
     let command = IdempotentCommand {
         db: state.db(),
         tenant: &caller.tenant,
@@ -365,64 +361,58 @@ pub async fn request(
         owner: ids.request_id.to_string(),
     };
     let created = command
-        .run(
-            fresh,
-            |recorded| PromotionId::parse(recorded).map_err(ApiError::internal),
-            |id| async move {
-                let executed = decision
-                    .execute(
-                        |read| promotion_basis(state, caller, &body, read),
-                        |decided: &PromotionBasis| {
-                            let request = promotion_request(caller, &body, decided, id, previous);
-                            let basis = decided.basis.clone();
-                            async move {
-                                state
-                                    .repository::<Promotion>()
-                                    .execute_on(
-                                        &caller.tenant,
-                                        &id.to_string(),
-                                        PromotionCommand::Request(Box::new(request)),
-                                        &caller.metadata(ids),
-                                        true,
-                                        &basis,
-                                    )
-                                    .await
-                            }
-                        },
-                    )
-                    .await?;
-                // The request as this command recorded it, when it was this command that did.
-                let (requested, after) = match executed {
-                    Ok(requested) => {
-                        observe(&requested.aggregate, &requested.events);
-                        let first = &requested.events[..1.min(requested.events.len())];
-                        (PromotionView::from_events(first), requested.position)
-                    }
-                    // Another request with this key created it first: answer with that one.
-                    Err(
-                        ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
-                        | ferry_store::CommandError::Conflict,
-                    ) if key.is_some() => (None, None),
-                    Err(e) => return Err(ApiError::from_command(e, promotion_refusal)),
-                };
-                // Read your writes, then answer with the promotion as requested (its first
-                // event): the driver may already have moved it on, and the answer to a
-                // request is the request.
-                wait_for_version(state, caller, id, 1, after).await?;
-                match requested {
-                    Some(view) => Ok(view),
-                    None => state
-                        .repository::<Promotion>()
-                        .load_events(&caller.tenant, &id.to_string())
-                        .await
-                        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
-                        .and_then(|events| {
-                            PromotionView::from_events(&events[..1.min(events.len())])
-                        })
-                        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}"))),
+        .create(|id: PromotionId| async move {
+            let executed = decision
+                .execute(
+                    |read| promotion_basis(state, caller, &body, read),
+                    |decided: &PromotionBasis| {
+                        let request = promotion_request(caller, &body, decided, id, previous);
+                        let basis = decided.basis.clone();
+                        async move {
+                            state
+                                .repository::<Promotion>()
+                                .execute_on(
+                                    &caller.tenant,
+                                    &id.to_string(),
+                                    PromotionCommand::Request(Box::new(request)),
+                                    &caller.metadata(ids),
+                                    true,
+                                    &basis,
+                                )
+                                .await
+                        }
+                    },
+                )
+                .await?;
+            // The request as this command recorded it, when it was this command that did.
+            let (requested, after) = match executed {
+                Ok(requested) => {
+                    observe(&requested.aggregate, &requested.events);
+                    let first = &requested.events[..1.min(requested.events.len())];
+                    (PromotionView::from_events(first), requested.position)
                 }
-            },
-        )
+                // Another request with this key created it first: answer with that one.
+                Err(
+                    ferry_store::CommandError::Domain(PromotionError::AlreadyRequested)
+                    | ferry_store::CommandError::Conflict,
+                ) if key.is_some() => (None, None),
+                Err(e) => return Err(ApiError::from_command(e, promotion_refusal)),
+            };
+            // Read your writes, then answer with the promotion as requested (its first
+            // event): the driver may already have moved it on, and the answer to a
+            // request is the request.
+            wait_for_version(state, caller, id, 1, after).await?;
+            match requested {
+                Some(view) => Ok(view),
+                None => state
+                    .repository::<Promotion>()
+                    .load_events(&caller.tenant, &id.to_string())
+                    .await
+                    .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+                    .and_then(|events| PromotionView::from_events(&events[..1.min(events.len())]))
+                    .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}"))),
+            }
+        })
         .await?;
     tracing::info!(promotion_id = %created.id(), "promotion requested");
     Ok(created)

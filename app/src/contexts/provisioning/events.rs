@@ -331,7 +331,9 @@ mod tests {
 
     #[test]
     fn asyncapi_lists_every_subject_in_and_out() {
-        let inbound = crate::contexts::Contexts::builtin().inbound_kinds();
+        let inbound = crate::contexts::Contexts::builtin()
+            .inbound_kinds()
+            .unwrap();
         let doc = asyncapi(&publishers(), &inbound);
         let addresses: Vec<&str> = doc["channels"]
             .as_object()

@@ -4,6 +4,7 @@
 //! run approves or rejects it (expired = rejected). The rules every inbound effect follows
 //! are in `crate::inbound`.
 
+use crate::contexts::provisioning::work::metrics::Metrics;
 use crate::inbound::{
     check_decider, classify, execute_marked, recorded_once_there, same_tenant, ApprovalDecided,
     ApprovalDecision, ContextInbound, InboundParts,
@@ -21,7 +22,6 @@ use ferry_messaging::inbound::{
     BrokenRule, Handled, InboundEnvelope, InboundError, InboundEvent, InboundKind,
 };
 use ferry_store::Repository;
-use ferry_workers::metrics::Metrics;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 

@@ -370,10 +370,6 @@ pub async fn plan(
     // `ferry_api::basis`).
     let mut decision = Decided::decide(|read| plan_basis(state, caller, &body, read)).await?;
     let key = keyed.map(|k| k.key);
-    let fresh = match key {
-        Some(k) => ProvisioningRunId::for_idempotency_key(&caller.tenant, k.as_str()),
-        None => ProvisioningRunId::new_random(),
-    };
     let command = IdempotentCommand {
         db: state.db(),
         tenant: &caller.tenant,
@@ -382,67 +378,63 @@ pub async fn plan(
         owner: ids.request_id.to_string(),
     };
     let planned = command
-        .run(
-            fresh,
-            |recorded| ProvisioningRunId::parse(recorded).map_err(ApiError::internal),
-            |run_id| async move {
-                let executed = decision
-                    .execute(
-                        |read| plan_basis(state, caller, &body, read),
-                        |decided: &PlanBasis| {
-                            let request = run_request(caller, &body, decided, run_id);
-                            let basis = decided.basis.clone();
-                            async move {
-                                state
-                                    .runs()
-                                    .execute_on(
-                                        &caller.tenant,
-                                        &run_id.to_string(),
-                                        RunCommand::Request(Box::new(request)),
-                                        &caller.metadata(ids),
-                                        true,
-                                        &basis,
-                                    )
-                                    .await
-                            }
-                        },
-                    )
-                    .await?;
-                let (view, after) = match executed {
-                    Ok(done) => (fold(done.history.as_deref())?, done.position),
-                    // Another request with this key created the run first (it committed
-                    // before us, or concurrently): answer with that run.
-                    Err(
-                        e @ (ferry_store::CommandError::Domain(
-                            ferry_domain::run::RunError::AlreadyRequested,
-                        )
-                        | ferry_store::CommandError::Conflict),
-                    ) if key.is_some() => {
-                        match state
-                            .runs()
-                            .load_events(&caller.tenant, &run_id.to_string())
-                            .await?
-                        {
-                            // The other request waits for its own events; this one reads at once.
-                            Some(history) => (fold(Some(&history))?, None),
-                            None => return Err(e.into()),
+        .create(|run_id: ProvisioningRunId| async move {
+            let executed = decision
+                .execute(
+                    |read| plan_basis(state, caller, &body, read),
+                    |decided: &PlanBasis| {
+                        let request = run_request(caller, &body, decided, run_id);
+                        let basis = decided.basis.clone();
+                        async move {
+                            state
+                                .runs()
+                                .execute_on(
+                                    &caller.tenant,
+                                    &run_id.to_string(),
+                                    RunCommand::Request(Box::new(request)),
+                                    &caller.metadata(ids),
+                                    true,
+                                    &basis,
+                                )
+                                .await
                         }
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                state
-                    .reads()
-                    .wait_for_run(
-                        &caller.tenant,
-                        run_id,
-                        view.version,
-                        after,
-                        state.read_your_writes(),
+                    },
+                )
+                .await?;
+            let (view, after) = match executed {
+                Ok(done) => (fold(done.history.as_deref())?, done.position),
+                // Another request with this key created the run first (it committed
+                // before us, or concurrently): answer with that run.
+                Err(
+                    e @ (ferry_store::CommandError::Domain(
+                        ferry_domain::run::RunError::AlreadyRequested,
                     )
-                    .await?;
-                Ok(view)
-            },
-        )
+                    | ferry_store::CommandError::Conflict),
+                ) if key.is_some() => {
+                    match state
+                        .runs()
+                        .load_events(&caller.tenant, &run_id.to_string())
+                        .await?
+                    {
+                        // The other request waits for its own events; this one reads at once.
+                        Some(history) => (fold(Some(&history))?, None),
+                        None => return Err(e.into()),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            };
+            state
+                .reads()
+                .wait_for_run(
+                    &caller.tenant,
+                    run_id,
+                    view.version,
+                    after,
+                    state.read_your_writes(),
+                )
+                .await?;
+            Ok(view)
+        })
         .await?;
     if let Created::New { view, .. } = &planned {
         state.telemetry().run_reached(

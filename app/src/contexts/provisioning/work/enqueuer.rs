@@ -12,11 +12,11 @@
 //! not decode stops the subscription, which reports it and retries, rather than leaving
 //! work undone.
 
-use crate::queue::{enqueue, now_ms, Step};
 use ferry_domain::environment::{Environment, EnvironmentEvent};
 use ferry_domain::run::{ProvisioningRun, RunEvent, RunRequest};
 use ferry_store::stream::{HandlerError, Tx};
 use ferry_store::{Subscriber, Subscription, Typed};
+use ferry_workers::queue::{enqueue, now_ms, Step};
 use std::sync::Arc;
 use std::time::Duration;
 

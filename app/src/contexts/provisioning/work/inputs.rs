@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::limits::LimitError;
-use crate::Workers;
+use super::limits::LimitError;
+use super::ProvisioningSteps;
 
 /// Why a step's inputs could not be gathered; the text is the run's failure reason (it
 /// names the reference, the limit or the setting that gives the tenant no identity).
@@ -79,7 +79,7 @@ pub fn inputs_hash(
     hex::encode(Sha256::digest(doc.to_string().as_bytes()))
 }
 
-impl Workers {
+impl ProvisioningSteps {
     /// Checks the program out into `dir` and resolves configuration, secrets and (for a
     /// runner that needs one) the runner identity, each for `tenant` (the adapters refuse
     /// what the tenant may not reach). An error is the reason the step cannot go on (it

@@ -10,12 +10,12 @@
 //! stored result only records it. So a `Retry` after a store error while recording never
 //! runs the runner again.
 
-use crate::clock::ms;
-use crate::inputs::Inputs;
-use crate::queue::{QueueError, RunnerResult, Step, WorkItem};
-use crate::{RecoverError, Workers};
+use super::inputs::Inputs;
+use super::metrics::Metrics;
+use super::{Ports, Settings};
 use chrono::Utc;
 use ferry_domain::drift::{self, DriftIgnoreRules};
+use ferry_domain::environment::Environment;
 use ferry_domain::environment::{BaselineProgram, EnvironmentRegistration};
 use ferry_domain::ports::redact;
 use ferry_domain::ports::runner::{PlanSummary, PreviewOutcome, RunnerError};
@@ -24,11 +24,17 @@ use ferry_domain::receipts::{
     ApplyReceipt, ApplyResult, IgnoredDifference, PlanReceipt, PolicyOutcome,
 };
 use ferry_domain::run::{Decision, ProvisioningRun, RunCommand, RunError, RunRequest};
+use ferry_domain::specification::DeploymentSpecification;
 use ferry_domain::specification::{Declaration, SpecificationCommand, SpecificationVersion};
 use ferry_domain::*;
 use ferry_store::{CommandError, EventMetadata};
+use ferry_store::{Database, Repository, Subscription};
+use ferry_workers::clock::ms;
+use ferry_workers::queue::{Queue, QueueError, RunnerResult, Step, WorkItem};
+use ferry_workers::{Outcome, SettleError};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why an interrupted apply's run is reported Failed by recovery.
@@ -39,17 +45,35 @@ pub(crate) const INTERRUPTED: &str = "apply interrupted: the Ferry instance runn
 /// The one output of an apply receipt whose outputs were too large to store: why.
 pub(crate) const OUTPUTS_LEFT_OUT: &str = "ferry:outputsLeftOut";
 
-/// How a step ended.
-#[derive(Debug)]
-pub(crate) enum Outcome {
-    Done,
-    Failed(String),
-    Retry(String),
-    /// The runner ran but its result could not be stored: the item is left running for
-    /// recovery (retrying it would run the runner again).
-    Abandoned(String),
-    /// A fenced write found the claim taken over: nothing more may be written.
-    ClaimLost,
+/// Provisioning's steps: plan, apply, baseline and expiry (see the module doc).
+pub struct ProvisioningSteps {
+    pub(super) ports: Ports,
+    pub(super) settings: Settings,
+    queue: Queue,
+    runs: Repository<ProvisioningRun>,
+    specifications: Repository<DeploymentSpecification>,
+    environments: Repository<Environment>,
+    drift_rules: Repository<DriftIgnoreRules>,
+    /// The runs' counters.
+    pub metrics: Arc<Metrics>,
+}
+
+#[async_trait::async_trait]
+impl ferry_workers::Steps for ProvisioningSteps {
+    fn subscription(&self) -> Subscription {
+        super::enqueuer::Enqueuer {
+            approval_expiry: self.settings.approval_expiry,
+        }
+        .subscription()
+    }
+
+    async fn run(&self, item: &WorkItem) -> Outcome {
+        self.step(item).await
+    }
+
+    async fn settle_interrupted(&self, item: &WorkItem) -> Result<(), SettleError> {
+        self.settle_interrupted_apply(item).await
+    }
 }
 
 /// The actor recorded for a worker's commands: `system:<worker>`.
@@ -74,7 +98,27 @@ fn policy_input(run: &ProvisioningRun, request: &RunRequest, plan: &PlanSummary)
     }
 }
 
-impl Workers {
+impl ProvisioningSteps {
+    /// The steps over `db`, writing their items through `queue`.
+    pub(super) fn new(
+        db: Database,
+        queue: Queue,
+        ports: Ports,
+        settings: Settings,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            queue,
+            runs: Repository::new(db.clone(), ()),
+            specifications: Repository::new(db.clone(), ()),
+            environments: Repository::new(db.clone(), ()),
+            drift_rules: Repository::new(db, ()),
+            ports,
+            settings,
+            metrics,
+        }
+    }
+
     fn metadata(&self, item: &WorkItem, tenant: &TenantId, worker: &'static str) -> EventMetadata {
         let parse = |v: &Option<String>| v.as_deref().and_then(|s| uuid::Uuid::parse_str(s).ok());
         let request_id = uuid::Uuid::new_v4();
@@ -123,7 +167,7 @@ impl Workers {
         Ok(done.aggregate)
     }
 
-    pub(crate) async fn step(&self, item: &WorkItem) -> Outcome {
+    async fn step(&self, item: &WorkItem) -> Outcome {
         let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
             return Outcome::Failed(format!("bad tenant {:?}", item.tenant_id));
         };
@@ -765,10 +809,7 @@ impl Workers {
     /// runner had returned, else reports the run Failed as interrupted. The item is marked
     /// only once that is recorded (or the run is no longer Applying); otherwise the error is
     /// returned and the item stays for the next recovery round.
-    pub(crate) async fn settle_interrupted_apply(
-        &self,
-        item: &WorkItem,
-    ) -> Result<(), RecoverError> {
+    async fn settle_interrupted_apply(&self, item: &WorkItem) -> Result<(), SettleError> {
         let Ok(tenant) = TenantId::parse(item.tenant_id.clone()) else {
             self.queue
                 .failed(item, &format!("bad tenant {:?}", item.tenant_id))
@@ -786,7 +827,7 @@ impl Workers {
                         ApplyResult::Failed => Outcome::Failed(stored.reason.unwrap_or_default()),
                     }
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(SettleError::Record(Box::new(e))),
             };
             match outcome {
                 Outcome::Failed(reason) => self.queue.failed(item, &reason).await?,
@@ -812,7 +853,7 @@ impl Workers {
             Err(e @ (CommandError::Domain(_) | CommandError::NotFound)) => {
                 format!("{INTERRUPTED} (the run was no longer applying: {e})")
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(SettleError::Record(Box::new(e))),
         };
         self.queue.failed(item, &reason).await?;
         Ok(())
