@@ -172,6 +172,236 @@ async fn main() {
     }
 }
 
+/// Polls for every probe sent until the sender is dropped: the lags seen, and how many
+/// probes were not seen within 10 s.
+async fn measure_lags(
+    reader: Arc<Client>,
+    mut probe_rx: mpsc::UnboundedReceiver<LagProbe>,
+) -> (Vec<Duration>, u64) {
+    // Each probe polls on its own (a queue of probes would add its waiting to the lag).
+    let mut probes = tokio::task::JoinSet::new();
+    while let Some(probe) = probe_rx.recv().await {
+        probes.spawn(wait_for(reader.clone(), probe));
+    }
+    let (mut lags, mut unseen) = (Vec::new(), 0u64);
+    while let Some(done) = probes.join_next().await {
+        match done.unwrap() {
+            Some(lag) => lags.push(lag),
+            None => unseen += 1,
+        }
+    }
+    (lags, unseen)
+}
+
+/// Polls until the probe's change is seen: the time since its answer, or `None` after 10 s.
+async fn wait_for(reader: Arc<Client>, probe: LagProbe) -> Option<Duration> {
+    let give_up = probe.answered + Duration::from_secs(10);
+    loop {
+        let seen = reader
+            .send(reqwest::Method::GET, &probe.url, None)
+            .await
+            .is_ok_and(|(s, v)| s == 200 && v.pointer(probe.pointer) == Some(&probe.expect));
+        if seen {
+            return Some(probe.answered.elapsed());
+        }
+        if Instant::now() > give_up {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// One client of the mix: its connection, its environments and release, and where its
+/// failures and lag probes go.
+struct MixClient {
+    client: Arc<Client>,
+    /// The client's number, in its environments' names.
+    c: usize,
+    release: String,
+    prefix: String,
+    program: String,
+    commit: String,
+    lag_every: u64,
+    deadline: Instant,
+    errors: Arc<AtomicU64>,
+    probes: mpsc::UnboundedSender<LagProbe>,
+}
+
+impl MixClient {
+    /// Repeats the command mix until the deadline: the latencies, per command of `OPS`.
+    async fn run(self) -> [Vec<Duration>; 4] {
+        let mut lat: [Vec<Duration>; 4] = Default::default();
+        let mut n = 0u64;
+        while Instant::now() < self.deadline {
+            n += 1;
+            let sample = n.is_multiple_of(self.lag_every);
+            let env = format!("{}-{}-{}", self.prefix, self.c, n % 20);
+            self.round(&mut lat, &env, sample).await;
+        }
+        lat
+    }
+
+    /// One round of the mix in `env`, given up at the first command that fails. `sample`:
+    /// measure the lag of each command.
+    async fn round(&self, lat: &mut [Vec<Duration>; 4], env: &str, sample: bool) {
+        let Some(spec) = self.declare(&mut lat[0], env, sample).await else {
+            return;
+        };
+        let Some(run) = self.request_plan(&mut lat[1], env, &spec, sample).await else {
+            return;
+        };
+        if !self.cancel(&mut lat[2], &run, sample).await {
+            return;
+        }
+        self.request_promotion(&mut lat[3], sample).await;
+    }
+
+    /// Declares a specification version in `env`: the new version, `None` if refused.
+    async fn declare(&self, lat: &mut Vec<Duration>, env: &str, sample: bool) -> Option<Value> {
+        let t = Instant::now();
+        let r = self
+            .client
+            .send(
+                reqwest::Method::POST,
+                "/factory/provisioning/specifications",
+                Some(
+                    json!({"environmentId": env, "projectId": self.prefix, "kind": "Workload",
+                    "programRef": self.program, "programVersion": self.commit}),
+                ),
+            )
+            .await;
+        lat.push(t.elapsed());
+        let spec = match r {
+            Ok((201, v)) => v,
+            other => {
+                self.failed(OPS[0], format!("{other:?}"));
+                return None;
+            }
+        };
+        if sample {
+            self.probe(
+                format!(
+                    "/factory/provisioning/specifications?specificationId={}",
+                    spec["specificationId"].as_str().unwrap_or_default()
+                ),
+                "/items/0/version",
+                spec["version"].clone(),
+            );
+        }
+        Some(spec)
+    }
+
+    /// Requests a plan of `spec` in `env`: the run's id, `None` if refused.
+    async fn request_plan(
+        &self,
+        lat: &mut Vec<Duration>,
+        env: &str,
+        spec: &Value,
+        sample: bool,
+    ) -> Option<String> {
+        let t = Instant::now();
+        let r = self
+            .client
+            .send(reqwest::Method::POST, "/factory/provisioning/runs",
+                Some(json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"],
+                    "environmentId": env, "kind": "Release"})))
+            .await;
+        lat.push(t.elapsed());
+        let run = match r {
+            Ok((201, v)) => v["provisioningRunId"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            other => {
+                self.failed(OPS[1], format!("{other:?}"));
+                return None;
+            }
+        };
+        if sample {
+            self.probe(
+                format!("/factory/provisioning/runs/{run}"),
+                "/provisioningRunId",
+                json!(run),
+            );
+        }
+        Some(run)
+    }
+
+    /// Cancels the run: false if refused.
+    async fn cancel(&self, lat: &mut Vec<Duration>, run: &str, sample: bool) -> bool {
+        let t = Instant::now();
+        let r = self
+            .client
+            .send(
+                reqwest::Method::POST,
+                &format!("/factory/provisioning/runs/{run}/cancel"),
+                Some(json!({"reason": "load"})),
+            )
+            .await;
+        lat.push(t.elapsed());
+        match r {
+            Ok((200, _)) => {}
+            other => {
+                self.failed(OPS[2], format!("{other:?}"));
+                return false;
+            }
+        }
+        if sample {
+            self.probe(
+                format!("/factory/provisioning/runs/{run}"),
+                "/state",
+                json!("Cancelled"),
+            );
+        }
+        true
+    }
+
+    /// Requests a promotion of the client's release into its development environment.
+    async fn request_promotion(&self, lat: &mut Vec<Duration>, sample: bool) {
+        let t = Instant::now();
+        let r = self
+            .client
+            .send(reqwest::Method::POST, "/factory/delivery/promotions",
+                Some(json!({"releaseId": self.release, "environmentId": format!("{}-dev-{}", self.prefix, self.c)})))
+            .await;
+        lat.push(t.elapsed());
+        let promotion = match r {
+            Ok((s, v)) if s == 201 || s == 202 => {
+                v["promotionId"].as_str().unwrap_or_default().to_string()
+            }
+            other => {
+                self.failed(OPS[3], format!("{other:?}"));
+                return;
+            }
+        };
+        if sample {
+            self.probe(
+                format!("/factory/delivery/promotions/{promotion}"),
+                "/promotionId",
+                json!(promotion),
+            );
+        }
+    }
+
+    /// Counts a failed command; the first few are printed.
+    fn failed(&self, what: &str, detail: String) {
+        if self.errors.fetch_add(1, Ordering::Relaxed) < 5 {
+            eprintln!("{what}: {detail}");
+        }
+    }
+
+    /// Sends a lag probe for the command just answered: the lag lasts until `url` answers
+    /// with `expect` at `pointer`.
+    fn probe(&self, url: String, pointer: &'static str, expect: Value) {
+        let _ = self.probes.send(LagProbe {
+            answered: Instant::now(),
+            url,
+            pointer,
+            expect,
+        });
+    }
+}
+
 async fn mix(client: Arc<Client>, args: &Args) {
     let releases = setup(&client, args, args.clients).await;
     // Lag is read on connections of their own, as another user of the API would.
@@ -180,141 +410,26 @@ async fn mix(client: Arc<Client>, args: &Args) {
         base: client.base.clone(),
         token: client.token.clone(),
     });
-    let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<LagProbe>();
-    // Each probe polls on its own (a queue of probes would add its waiting to the lag).
-    let lag_task = tokio::spawn(async move {
-        let mut probes = tokio::task::JoinSet::new();
-        while let Some(probe) = probe_rx.recv().await {
-            let reader = reader.clone();
-            probes.spawn(async move {
-                let give_up = probe.answered + Duration::from_secs(10);
-                loop {
-                    let seen = reader
-                        .send(reqwest::Method::GET, &probe.url, None)
-                        .await
-                        .is_ok_and(|(s, v)| {
-                            s == 200 && v.pointer(probe.pointer) == Some(&probe.expect)
-                        });
-                    if seen {
-                        return Some(probe.answered.elapsed());
-                    }
-                    if Instant::now() > give_up {
-                        return None;
-                    }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            });
-        }
-        let (mut lags, mut unseen) = (Vec::new(), 0u64);
-        while let Some(done) = probes.join_next().await {
-            match done.unwrap() {
-                Some(lag) => lags.push(lag),
-                None => unseen += 1,
-            }
-        }
-        (lags, unseen)
-    });
+    let (probe_tx, probe_rx) = mpsc::unbounded_channel::<LagProbe>();
+    let lag_task = tokio::spawn(measure_lags(reader, probe_rx));
     let errors = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + Duration::from_secs(args.seconds);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (c, release) in releases.into_iter().enumerate() {
-        let (client, errors, probes) = (client.clone(), errors.clone(), probe_tx.clone());
-        let (prefix, program, commit, lag_every) = (
-            args.prefix.clone(),
-            args.program.clone(),
-            args.commit.clone(),
-            args.lag_every.max(1),
-        );
-        tasks.push(tokio::spawn(async move {
-            let mut lat: [Vec<Duration>; 4] = Default::default();
-            let mut n = 0u64;
-            let failed = |what: &str, detail: String| {
-                if errors.fetch_add(1, Ordering::Relaxed) < 5 {
-                    eprintln!("{what}: {detail}");
-                }
-            };
-            while Instant::now() < deadline {
-                n += 1;
-                let sample = n.is_multiple_of(lag_every);
-                let env = format!("{prefix}-{c}-{}", n % 20);
-                let t = Instant::now();
-                let r = client
-                    .send(reqwest::Method::POST, "/factory/provisioning/specifications",
-                        Some(json!({"environmentId": env, "projectId": prefix, "kind": "Workload",
-                            "programRef": program, "programVersion": commit})))
-                    .await;
-                lat[0].push(t.elapsed());
-                let spec = match r {
-                    Ok((201, v)) => v,
-                    other => { failed(OPS[0], format!("{other:?}")); continue; }
-                };
-                if sample {
-                    let _ = probes.send(LagProbe {
-                        answered: Instant::now(),
-                        url: format!("/factory/provisioning/specifications?specificationId={}", spec["specificationId"].as_str().unwrap_or_default()),
-                        pointer: "/items/0/version",
-                        expect: spec["version"].clone(),
-                    });
-                }
-                let t = Instant::now();
-                let r = client
-                    .send(reqwest::Method::POST, "/factory/provisioning/runs",
-                        Some(json!({"specificationId": spec["specificationId"], "specificationVersion": spec["version"],
-                            "environmentId": env, "kind": "Release"})))
-                    .await;
-                lat[1].push(t.elapsed());
-                let run = match r {
-                    Ok((201, v)) => v["provisioningRunId"].as_str().unwrap_or_default().to_string(),
-                    other => { failed(OPS[1], format!("{other:?}")); continue; }
-                };
-                if sample {
-                    let _ = probes.send(LagProbe {
-                        answered: Instant::now(),
-                        url: format!("/factory/provisioning/runs/{run}"),
-                        pointer: "/provisioningRunId",
-                        expect: json!(run),
-                    });
-                }
-                let t = Instant::now();
-                let r = client
-                    .send(reqwest::Method::POST, &format!("/factory/provisioning/runs/{run}/cancel"),
-                        Some(json!({"reason": "load"})))
-                    .await;
-                lat[2].push(t.elapsed());
-                match r {
-                    Ok((200, _)) => {}
-                    other => { failed(OPS[2], format!("{other:?}")); continue; }
-                }
-                if sample {
-                    let _ = probes.send(LagProbe {
-                        answered: Instant::now(),
-                        url: format!("/factory/provisioning/runs/{run}"),
-                        pointer: "/state",
-                        expect: json!("Cancelled"),
-                    });
-                }
-                let t = Instant::now();
-                let r = client
-                    .send(reqwest::Method::POST, "/factory/delivery/promotions",
-                        Some(json!({"releaseId": release, "environmentId": format!("{prefix}-dev-{c}")})))
-                    .await;
-                lat[3].push(t.elapsed());
-                let promotion = match r {
-                    Ok((s, v)) if s == 201 || s == 202 => v["promotionId"].as_str().unwrap_or_default().to_string(),
-                    other => { failed(OPS[3], format!("{other:?}")); continue; }
-                };
-                if sample {
-                    let _ = probes.send(LagProbe {
-                        answered: Instant::now(),
-                        url: format!("/factory/delivery/promotions/{promotion}"),
-                        pointer: "/promotionId",
-                        expect: json!(promotion),
-                    });
-                }
-            }
-            lat
-        }));
+        let mix_client = MixClient {
+            client: client.clone(),
+            c,
+            release,
+            prefix: args.prefix.clone(),
+            program: args.program.clone(),
+            commit: args.commit.clone(),
+            lag_every: args.lag_every.max(1),
+            deadline,
+            errors: errors.clone(),
+            probes: probe_tx.clone(),
+        };
+        tasks.push(tokio::spawn(mix_client.run()));
     }
     drop(probe_tx);
     let mut all: [Vec<Duration>; 4] = Default::default();

@@ -16,7 +16,7 @@
 use cqrs_es::event_sink::EventSink;
 use cqrs_es::persist::GenericQuery;
 use cqrs_es::{Aggregate, DomainEvent, EventEnvelope, View};
-use postgres_es::{postgres_cqrs, PostgresViewRepository};
+use postgres_es::{postgres_cqrs, PostgresCqrs, PostgresViewRepository};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::sync::Arc;
@@ -307,19 +307,13 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     (sorted[i].as_secs_f64() * 10_000.0).round() / 10.0
 }
 
-#[tokio::main]
-async fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let url = args
-        .get(1)
-        .cloned()
-        .expect("usage: peer <postgres-url> [tasks] [seconds]");
-    let tasks: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(32);
-    let seconds: u64 = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
+/// A handler of specifications and one of flows (runs and promotions), each with its view,
+/// on a pool of the given database (whose tables it creates).
+async fn connect(url: &str) -> (Arc<PostgresCqrs<Specification>>, Arc<PostgresCqrs<Flow>>) {
     // The same pool size as Ferry's Postgres store.
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(16)
-        .connect(&url)
+        .connect(url)
         .await
         .unwrap();
     sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
@@ -343,83 +337,106 @@ async fn main() {
         vec![Box::new(GenericQuery::new(flow_view))],
         (),
     ));
+    (specs, flows)
+}
+
+/// One task's command mix, repeated until `deadline`: every command's latency, and how
+/// many commands failed.
+async fn mix(
+    specs: Arc<PostgresCqrs<Specification>>,
+    flows: Arc<PostgresCqrs<Flow>>,
+    run: String,
+    t: usize,
+    deadline: Instant,
+) -> (Vec<Duration>, u64) {
+    let mut lat = Vec::new();
+    let mut errors = 0u64;
+    let mut n = 0u64;
+    while Instant::now() < deadline {
+        n += 1;
+        let environment = format!("{run}-{t}-{}", n % 20);
+        let actor = "load".to_string();
+        let timed = Instant::now();
+        let r = specs
+            .execute(
+                &environment,
+                SpecificationCommand::Declare {
+                    environment: environment.clone(),
+                    program_ref: "/srv/infra#web".into(),
+                    program_version: "3f2a9c1".into(),
+                    actor: actor.clone(),
+                },
+            )
+            .await;
+        lat.push(timed.elapsed());
+        if r.is_err() {
+            errors += 1;
+            continue;
+        }
+        let plan = uuid::Uuid::new_v4().to_string();
+        let timed = Instant::now();
+        let r = flows
+            .execute(
+                &plan,
+                FlowCommand::RequestPlan {
+                    specification: environment.clone(),
+                    version: 1,
+                    environment: environment.clone(),
+                    actor: actor.clone(),
+                },
+            )
+            .await;
+        lat.push(timed.elapsed());
+        if r.is_err() {
+            errors += 1;
+            continue;
+        }
+        let timed = Instant::now();
+        let r = flows
+            .execute(
+                &plan,
+                FlowCommand::Cancel {
+                    reason: "load".into(),
+                    actor: actor.clone(),
+                },
+            )
+            .await;
+        lat.push(timed.elapsed());
+        errors += u64::from(r.is_err());
+        let timed = Instant::now();
+        let r = flows
+            .execute(
+                &uuid::Uuid::new_v4().to_string(),
+                FlowCommand::RequestPromotion {
+                    release: run.clone(),
+                    environment: format!("dev-{t}"),
+                    actor,
+                },
+            )
+            .await;
+        lat.push(timed.elapsed());
+        errors += u64::from(r.is_err());
+    }
+    (lat, errors)
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let url = args
+        .get(1)
+        .cloned()
+        .expect("usage: peer <postgres-url> [tasks] [seconds]");
+    let tasks: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(32);
+    let seconds: u64 = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(20);
+    let (specs, flows) = connect(&url).await;
     let run = uuid::Uuid::new_v4().simple().to_string();
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
     let mut handles = Vec::new();
     for t in 0..tasks {
         let (specs, flows, run) = (specs.clone(), flows.clone(), run.clone());
-        handles.push(tokio::spawn(async move {
-            let mut lat = Vec::new();
-            let mut errors = 0u64;
-            let mut n = 0u64;
-            while Instant::now() < deadline {
-                n += 1;
-                let environment = format!("{run}-{t}-{}", n % 20);
-                let actor = "load".to_string();
-                let timed = Instant::now();
-                let r = specs
-                    .execute(
-                        &environment,
-                        SpecificationCommand::Declare {
-                            environment: environment.clone(),
-                            program_ref: "/srv/infra#web".into(),
-                            program_version: "3f2a9c1".into(),
-                            actor: actor.clone(),
-                        },
-                    )
-                    .await;
-                lat.push(timed.elapsed());
-                if r.is_err() {
-                    errors += 1;
-                    continue;
-                }
-                let plan = uuid::Uuid::new_v4().to_string();
-                let timed = Instant::now();
-                let r = flows
-                    .execute(
-                        &plan,
-                        FlowCommand::RequestPlan {
-                            specification: environment.clone(),
-                            version: 1,
-                            environment: environment.clone(),
-                            actor: actor.clone(),
-                        },
-                    )
-                    .await;
-                lat.push(timed.elapsed());
-                if r.is_err() {
-                    errors += 1;
-                    continue;
-                }
-                let timed = Instant::now();
-                let r = flows
-                    .execute(
-                        &plan,
-                        FlowCommand::Cancel {
-                            reason: "load".into(),
-                            actor: actor.clone(),
-                        },
-                    )
-                    .await;
-                lat.push(timed.elapsed());
-                errors += u64::from(r.is_err());
-                let timed = Instant::now();
-                let r = flows
-                    .execute(
-                        &uuid::Uuid::new_v4().to_string(),
-                        FlowCommand::RequestPromotion {
-                            release: run.clone(),
-                            environment: format!("dev-{t}"),
-                            actor,
-                        },
-                    )
-                    .await;
-                lat.push(timed.elapsed());
-                errors += u64::from(r.is_err());
-            }
-            (lat, errors)
-        }));
+        handles.push(tokio::spawn(mix(specs, flows, run, t, deadline)));
     }
     let mut all = Vec::new();
     let mut errors = 0;

@@ -300,6 +300,27 @@ enum Answer {
 }
 
 impl Ctx {
+    /// The writers' shared state, with the records file (and the errors file) open.
+    fn new(args: WriteArgs) -> Result<Self, Error> {
+        Ok(Self {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .connect_timeout(Duration::from_secs(5))
+                .pool_max_idle_per_host(args.writers)
+                .build()?,
+            stats: Stats::default(),
+            records: Appender::open(&args.records)?,
+            errors: match &args.errors {
+                Some(p) => Some(Appender::open(p)?),
+                None => None,
+            },
+            stop: AtomicBool::new(false),
+            next_url: AtomicU64::new(0),
+            in_flight: std::sync::atomic::AtomicI64::new(0),
+            args,
+        })
+    }
+
     fn url(&self, path: &str) -> String {
         let n = self.next_url.fetch_add(1, Ordering::Relaxed) as usize;
         format!("{}{path}", self.args.urls[n % self.args.urls.len()])
@@ -656,37 +677,8 @@ async fn count_events(db: &PgPool) -> Option<i64> {
         .ok()
 }
 
-async fn write(args: WriteArgs) -> Result<bool, Error> {
-    let db = match &args.database_url {
-        Some(url) => Some(PgPoolOptions::new().max_connections(2).connect(url).await?),
-        None => None,
-    };
-    if args.target_events > 0 && db.is_none() {
-        return Err("--target-events needs --database-url".into());
-    }
-    let ctx = Arc::new(Ctx {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .connect_timeout(Duration::from_secs(5))
-            .pool_max_idle_per_host(args.writers)
-            .build()?,
-        stats: Stats::default(),
-        records: Appender::open(&args.records)?,
-        errors: match &args.errors {
-            Some(p) => Some(Appender::open(p)?),
-            None => None,
-        },
-        stop: AtomicBool::new(false),
-        next_url: AtomicU64::new(0),
-        in_flight: std::sync::atomic::AtomicI64::new(0),
-        args,
-    });
-    setup_environments(&ctx).await?;
-    let started = Instant::now();
-    let first = match &db {
-        Some(db) => count_events(db).await.unwrap_or(0),
-        None => 0,
-    };
+/// Starts the writers, each with its own seed, to write until `ctx.stop`.
+fn spawn_writers(ctx: &Arc<Ctx>) -> Vec<tokio::task::JoinHandle<()>> {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -708,12 +700,17 @@ async fn write(args: WriteArgs) -> Result<bool, Error> {
             }
         }));
     }
-    // The monitor: progress every 10 s; stops the writers at the duration or the target.
+    tasks
+}
+
+/// The monitor: progress every 10 s, until the duration or the target is reached. The
+/// events last counted.
+async fn monitor(ctx: &Ctx, db: Option<&PgPool>, started: Instant, first: i64) -> i64 {
     let mut events = first;
     let mut last_print = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        if let Some(db) = &db {
+        if let Some(db) = db {
             if let Some(n) = count_events(db).await {
                 events = n;
             }
@@ -748,17 +745,11 @@ async fn write(args: WriteArgs) -> Result<bool, Error> {
             break;
         }
     }
-    ctx.stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        let _ = t.await;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    if let Some(db) = &db {
-        if let Some(n) = count_events(db).await {
-            events = n;
-        }
-    }
-    let s = &ctx.stats;
+    events
+}
+
+/// Prints what the writers did: the events stored, and the answers by kind and status.
+fn print_totals(s: &Stats, events: i64, first: i64, elapsed: f64) {
     println!(
         "write: done in {elapsed:.0} s: {} events stored ({} by this run, {:.1}/s); {} requests, {} answered 2xx \
          ({} specification versions, {} runs, {} cancellations, {} releases, {} promotions), \
@@ -797,7 +788,38 @@ async fn write(args: WriteArgs) -> Result<bool, Error> {
             get(&s.server_errors)
         );
     }
-    Ok(get(&s.server_errors) == 0)
+}
+
+async fn write(args: WriteArgs) -> Result<bool, Error> {
+    let db = match &args.database_url {
+        Some(url) => Some(PgPoolOptions::new().max_connections(2).connect(url).await?),
+        None => None,
+    };
+    if args.target_events > 0 && db.is_none() {
+        return Err("--target-events needs --database-url".into());
+    }
+    let ctx = Arc::new(Ctx::new(args)?);
+    setup_environments(&ctx).await?;
+    let started = Instant::now();
+    let first = match &db {
+        Some(db) => count_events(db).await.unwrap_or(0),
+        None => 0,
+    };
+    let tasks = spawn_writers(&ctx);
+    let mut events = monitor(&ctx, db.as_ref(), started, first).await;
+    // At the duration or the target: the writers stop.
+    ctx.stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    if let Some(db) = &db {
+        if let Some(n) = count_events(db).await {
+            events = n;
+        }
+    }
+    print_totals(&ctx.stats, events, first, elapsed);
+    Ok(get(&ctx.stats.server_errors) == 0)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1011,24 +1033,36 @@ fn runner_applies(logs: &[PathBuf]) -> Result<(HashMap<String, u64>, u64), Error
     Ok((per_run, unattributed))
 }
 
-async fn check(args: CheckArgs) -> Result<bool, Error> {
-    let started = Instant::now();
-    let mut report = Report::default();
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&args.database_url)
-        .await?;
-    let settled = settle(&pool, Duration::from_secs(args.settle_timeout_secs)).await?;
-    report.expect(settled, || {
-        "Ferry did not settle: a subscription is behind or work is stuck".to_string()
-    });
+/// The stored events, without their payloads, by aggregate.
+struct Store {
+    /// Every aggregate, as (type, id); an aggregate's number is its place here.
+    aggregates: Vec<(String, String)>,
+    /// Each aggregate's number.
+    aggregate_index: HashMap<(String, String), u32>,
+    /// The events, by event id.
+    events: HashMap<String, Stored>,
+    /// Each aggregate's highest sequence.
+    max_sequence: HashMap<u32, i64>,
+    /// Each aggregate's event types, in stream order.
+    event_types: HashMap<u32, Vec<String>>,
+}
 
-    // The store.
+impl Store {
+    /// The number of the aggregate of type `t` and id `id`, if it has events.
+    fn has(&self, t: &str, id: &str) -> Option<u32> {
+        self.aggregate_index
+            .get(&(t.to_string(), id.to_string()))
+            .copied()
+    }
+}
+
+/// Loads every stored event, in stream order, and prints the counts per aggregate type.
+async fn load_store(pool: &PgPool) -> Result<Store, Error> {
     let rows: Vec<(String, String, String, i64, String)> = sqlx::query_as(
         "SELECT event_id::text, aggregate_type, aggregate_id, sequence, event_type FROM events
           ORDER BY transaction_id, global_position",
     )
-    .fetch_all(&pool)
+    .fetch_all(pool)
     .await?;
     let mut aggregates: Vec<(String, String)> = Vec::new();
     let mut aggregate_index: HashMap<(String, String), u32> = HashMap::new();
@@ -1073,27 +1107,41 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    // Each aggregate's sequences are 1..n (the store's own invariant, as a baseline).
-    let mut seen_sequences: HashMap<u32, u64> = HashMap::new();
-    for e in events.values() {
-        *seen_sequences.entry(e.aggregate).or_default() += 1;
-    }
-    let gapped = seen_sequences
-        .iter()
-        .filter(|(a, n)| max_sequence.get(a).copied().unwrap_or(0) != **n as i64)
-        .count();
-    report.expect(gapped == 0, || {
-        format!("{gapped} aggregates have gaps in their stored sequences")
-    });
+    Ok(Store {
+        aggregates,
+        aggregate_index,
+        events,
+        max_sequence,
+        event_types,
+    })
+}
 
-    // The stream.
-    let messages = read_stream(&args.nats_url, &args.stream).await?;
+/// The stream's messages against the stored events.
+struct StreamTally<'a> {
+    /// The distinct event ids on the stream.
+    on_stream: HashSet<&'a str>,
+    /// Messages of an event already on the stream.
+    duplicates: u64,
+    /// Messages of no stored event.
+    extra: u64,
+    /// Messages without a `Nats-Msg-Id`.
+    no_id: u64,
+    /// Messages that do not match their stored event.
+    mismatched: u64,
+    /// Messages before an earlier event of their aggregate.
+    disorder: u64,
+    /// A few of the above, to print.
+    examples: Vec<String>,
+}
+
+/// Compares the stream's messages, in stream order, with the stored events.
+fn tally_stream<'a>(messages: &'a [OnStream], store: &Store) -> StreamTally<'a> {
     let mut on_stream: HashSet<&str> = HashSet::with_capacity(messages.len());
     let (mut duplicates, mut extra, mut no_id, mut mismatched, mut disorder) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
     let mut last_on_stream: HashMap<u32, i64> = HashMap::new();
     let mut examples: Vec<String> = Vec::new();
-    for m in &messages {
+    for m in messages {
         let Some(id) = m.msg_id.as_deref() else {
             no_id += 1;
             continue;
@@ -1108,14 +1156,14 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
             }
             continue;
         }
-        let Some(stored) = events.get(id) else {
+        let Some(stored) = store.events.get(id) else {
             extra += 1;
             if examples.len() < 5 {
                 examples.push(format!("not in the store: {id}"));
             }
             continue;
         };
-        let (aggregate_type, aggregate_id) = &aggregates[stored.aggregate as usize];
+        let (aggregate_type, aggregate_id) = &store.aggregates[stored.aggregate as usize];
         if m.sequence != Some(stored.sequence)
             || m.aggregate_type.as_deref() != Some(aggregate_type.as_str())
             || m.subject.as_deref() != Some(aggregate_id.as_str())
@@ -1134,7 +1182,36 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
         }
         *last = stored.sequence;
     }
-    let missing: Vec<&String> = events
+    StreamTally {
+        on_stream,
+        duplicates,
+        extra,
+        no_id,
+        mismatched,
+        disorder,
+        examples,
+    }
+}
+
+/// Every stored event exactly once on the stream (by `Nats-Msg-Id`), nothing else on it,
+/// each aggregate's events in the order of their sequences: the number of messages read.
+async fn check_stream(
+    args: &CheckArgs,
+    store: &Store,
+    report: &mut Report,
+) -> Result<usize, Error> {
+    let messages = read_stream(&args.nats_url, &args.stream).await?;
+    let StreamTally {
+        on_stream,
+        duplicates,
+        extra,
+        no_id,
+        mismatched,
+        disorder,
+        examples,
+    } = tally_stream(&messages, store);
+    let missing: Vec<&String> = store
+        .events
         .keys()
         .filter(|id| !on_stream.contains(id.as_str()))
         .collect();
@@ -1153,8 +1230,8 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
         println!("check:   e.g. {e}");
     }
     for id in missing.iter().take(5) {
-        if let Some(s) = events.get(id.as_str()) {
-            let (t, a) = &aggregates[s.aggregate as usize];
+        if let Some(s) = store.events.get(id.as_str()) {
+            let (t, a) = &store.aggregates[s.aggregate as usize];
             println!(
                 "check:   e.g. missing {id} ({t} {a} #{} {})",
                 s.sequence, s.event_type
@@ -1178,13 +1255,13 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
     report.expect(disorder == 0, || {
         format!("{disorder} messages break their aggregate's order")
     });
+    Ok(messages.len())
+}
 
-    // What got a 2xx is stored.
-    let has = |t: &str, id: &str| -> Option<u32> {
-        aggregate_index
-            .get(&(t.to_string(), id.to_string()))
-            .copied()
-    };
+/// What got a 2xx is stored: every answer in the records files has its aggregate (and,
+/// for a specification version or a cancellation, its event) in the store. The number of
+/// answers checked.
+fn check_answers(args: &CheckArgs, store: &Store, report: &mut Report) -> Result<u64, Error> {
     let mut records: BTreeMap<String, u64> = BTreeMap::new();
     let mut lost: Vec<String> = Vec::new();
     let tenant_prefixed = |id: &str| format!("{}/{id}", args.tenant);
@@ -1201,21 +1278,24 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
             let found = match op {
                 "spec" => {
                     let v = r.get("version").and_then(Value::as_i64).unwrap_or(0);
-                    has("DeploymentSpecification", id)
-                        .is_some_and(|a| max_sequence.get(&a).copied().unwrap_or(0) >= v)
+                    store
+                        .has("DeploymentSpecification", id)
+                        .is_some_and(|a| store.max_sequence.get(&a).copied().unwrap_or(0) >= v)
                 }
-                "run" => has("ProvisioningRun", id).is_some(),
-                "cancel" => has("ProvisioningRun", id).is_some_and(|a| {
-                    event_types
+                "run" => store.has("ProvisioningRun", id).is_some(),
+                "cancel" => store.has("ProvisioningRun", id).is_some_and(|a| {
+                    store
+                        .event_types
                         .get(&a)
                         .is_some_and(|t| t.iter().any(|t| t == "ProvisioningCancelled"))
                 }),
                 "release" => {
-                    has("Release", id).is_some() || has("Release", &tenant_prefixed(id)).is_some()
+                    store.has("Release", id).is_some()
+                        || store.has("Release", &tenant_prefixed(id)).is_some()
                 }
                 "promotion" => {
-                    has("Promotion", id).is_some()
-                        || has("Promotion", &tenant_prefixed(id)).is_some()
+                    store.has("Promotion", id).is_some()
+                        || store.has("Promotion", &tenant_prefixed(id)).is_some()
                 }
                 _ => true,
             };
@@ -1240,18 +1320,25 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
     report.expect(lost.is_empty(), || {
         format!("{} answers that got a 2xx are not in the store", lost.len())
     });
+    Ok(records.values().sum::<u64>())
+}
 
-    // No run applied twice.
+/// Counts the runs and the applied runs, and lists the runs with more than one
+/// `ApplyStarted` or `ProvisioningApplied`.
+fn count_runs(store: &Store) -> (u64, u64, Vec<String>) {
     let mut runs_total = 0u64;
     let mut applied = 0u64;
-    let mut apply_failed = 0u64;
     let mut twice: Vec<String> = Vec::new();
-    for (a, (t, id)) in aggregates.iter().enumerate() {
+    for (a, (t, id)) in store.aggregates.iter().enumerate() {
         if t != "ProvisioningRun" {
             continue;
         }
         runs_total += 1;
-        let types = event_types.get(&(a as u32)).cloned().unwrap_or_default();
+        let types = store
+            .event_types
+            .get(&(a as u32))
+            .cloned()
+            .unwrap_or_default();
         let count = |name: &str| types.iter().filter(|t| *t == name).count();
         let started = count("ApplyStarted");
         let done = count("ProvisioningApplied");
@@ -1264,13 +1351,26 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
             ));
         }
     }
+    (runs_total, applied, twice)
+}
+
+/// No run applied twice: by its events, by the work queue's apply items, by
+/// `environment_applies`, and by the simulated runner's own log lines.
+async fn check_applies(
+    args: &CheckArgs,
+    pool: &PgPool,
+    store: &Store,
+    report: &mut Report,
+) -> Result<(), Error> {
+    let (runs_total, applied, mut twice) = count_runs(store);
+    let mut apply_failed = 0u64;
     let failed_applies: Vec<(String, i64)> = sqlx::query_as(
         "SELECT aggregate_id, count(*) FROM events
           WHERE aggregate_type = 'ProvisioningRun' AND event_type = 'ProvisioningFailed'
             AND payload->'ProvisioningFailed'->>'stage' = 'apply'
           GROUP BY aggregate_id",
     )
-    .fetch_all(&pool)
+    .fetch_all(pool)
     .await?;
     for (id, n) in &failed_applies {
         apply_failed += 1;
@@ -1281,18 +1381,19 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
     let work: Vec<(String, String, i64, Option<String>)> = sqlx::query_as(
         "SELECT item_id, status, attempts::bigint, result FROM work_items WHERE step = 'apply'",
     )
-    .fetch_all(&pool)
+    .fetch_all(pool)
     .await?;
     let with_result = work.iter().filter(|w| w.3.is_some()).count();
     let reclaimed = work.iter().filter(|w| w.2 > 1).count();
     let env_applies: Vec<(String, String)> =
         sqlx::query_as("SELECT environment_key, run_id FROM environment_applies")
-            .fetch_all(&pool)
+            .fetch_all(pool)
             .await?;
     let mut bad_env_applies = 0;
     for (env, run) in &env_applies {
-        let ok = has("ProvisioningRun", run).is_some_and(|a| {
-            event_types
+        let ok = store.has("ProvisioningRun", run).is_some_and(|a| {
+            store
+                .event_types
                 .get(&a)
                 .is_some_and(|t| t.iter().any(|t| t == "ProvisioningApplied"))
         });
@@ -1331,8 +1432,48 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
     report.expect(bad_env_applies == 0, || {
         format!("{bad_env_applies} environment_applies rows name a run that did not apply")
     });
+    Ok(())
+}
+
+async fn check(args: CheckArgs) -> Result<bool, Error> {
+    let started = Instant::now();
+    let mut report = Report::default();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&args.database_url)
+        .await?;
+    let settled = settle(&pool, Duration::from_secs(args.settle_timeout_secs)).await?;
+    report.expect(settled, || {
+        "Ferry did not settle: a subscription is behind or work is stuck".to_string()
+    });
+
+    // The store.
+    let store = load_store(&pool).await?;
+    // Each aggregate's sequences are 1..n (the store's own invariant, as a baseline).
+    let mut seen_sequences: HashMap<u32, u64> = HashMap::new();
+    for e in store.events.values() {
+        *seen_sequences.entry(e.aggregate).or_default() += 1;
+    }
+    let gapped = seen_sequences
+        .iter()
+        .filter(|(a, n)| store.max_sequence.get(a).copied().unwrap_or(0) != **n as i64)
+        .count();
+    report.expect(gapped == 0, || {
+        format!("{gapped} aggregates have gaps in their stored sequences")
+    });
+
+    let messages = check_stream(&args, &store, &mut report).await?;
+    let answers = check_answers(&args, &store, &mut report)?;
+    check_applies(&args, &pool, &store, &mut report).await?;
     // The read models: per-row versions, then a replay by Ferry's own projection code.
-    check_versions(&pool, &aggregates, &max_sequence, &event_types, &mut report).await?;
+    check_versions(
+        &pool,
+        &store.aggregates,
+        &store.max_sequence,
+        &store.event_types,
+        &mut report,
+    )
+    .await?;
     if !args.no_replay {
         replay_and_compare(&args.database_url, &mut report).await?;
     }
@@ -1349,9 +1490,9 @@ async fn check(args: CheckArgs) -> Result<bool, Error> {
             "FAILED"
         },
         started.elapsed().as_secs_f64(),
-        events.len(),
-        messages.len(),
-        records.values().sum::<u64>()
+        store.events.len(),
+        messages,
+        answers
     );
     Ok(report.failures.is_empty())
 }
@@ -1613,61 +1754,72 @@ async fn check_reconciliation(
     });
     // The `ferry reconcile` outputs: each run of the window started exactly once.
     if !args.reconcile_outputs.is_empty() {
-        let mut started: HashMap<String, u64> = HashMap::new();
-        let mut listed: HashSet<String> = HashSet::new();
-        for path in &args.reconcile_outputs {
-            let text = std::fs::read_to_string(path)?;
-            let Ok(v) = serde_json::from_str::<Value>(&text) else {
-                println!("check: {}: {}", path.display(), text.trim());
-                continue;
-            };
-            for r in v
-                .get("runs")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                let id = r
-                    .get("provisioningRunId")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string();
-                listed.insert(id.clone());
-                if r.get("started").and_then(Value::as_bool) == Some(true) {
-                    *started.entry(id).or_default() += 1;
-                }
+        check_reconcile_outputs(args, &per_window_env, report)?;
+    }
+    Ok(())
+}
+
+/// The outputs of `ferry reconcile`: each run they list started by exactly one of them, and
+/// the runs listed are the runs of the reconciled windows in the store (`per_window_env`).
+fn check_reconcile_outputs(
+    args: &CheckArgs,
+    per_window_env: &BTreeMap<(String, String), Vec<String>>,
+    report: &mut Report,
+) -> Result<(), Error> {
+    let mut started: HashMap<String, u64> = HashMap::new();
+    let mut listed: HashSet<String> = HashSet::new();
+    for path in &args.reconcile_outputs {
+        let text = std::fs::read_to_string(path)?;
+        let Ok(v) = serde_json::from_str::<Value>(&text) else {
+            println!("check: {}: {}", path.display(), text.trim());
+            continue;
+        };
+        for r in v
+            .get("runs")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let id = r
+                .get("provisioningRunId")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            listed.insert(id.clone());
+            if r.get("started").and_then(Value::as_bool) == Some(true) {
+                *started.entry(id).or_default() += 1;
             }
         }
-        let twice = started.values().filter(|n| **n > 1).count();
-        let never = listed
-            .iter()
-            .filter(|id| !started.contains_key(*id))
-            .count();
-        println!(
-            "check: ferry reconcile x{}: {} runs listed, {} started once, {} started more than once, {} started by none",
-            args.reconcile_outputs.len(),
-            listed.len(),
-            started.values().filter(|n| **n == 1).count(),
-            twice,
-            never
-        );
-        report.expect(twice == 0 && never == 0, || {
-            format!("reconcile outputs: {twice} runs started twice, {never} never started")
-        });
-        let window_runs: BTreeSet<&String> = per_window_env
-            .iter()
-            .filter(|((w, _), _)| args.reconcile_windows.contains(w))
-            .flat_map(|(_, r)| r)
-            .collect();
-        let listed_sorted: BTreeSet<&String> = listed.iter().collect();
-        report.expect(window_runs == listed_sorted, || {
-            format!(
-                "the window's runs in the store ({}) are not the runs the reconcilers listed ({})",
-                window_runs.len(),
-                listed_sorted.len()
-            )
-        });
     }
+    let twice = started.values().filter(|n| **n > 1).count();
+    let never = listed
+        .iter()
+        .filter(|id| !started.contains_key(*id))
+        .count();
+    println!(
+        "check: ferry reconcile x{}: {} runs listed, {} started once, {} started more than once, {} started by none",
+        args.reconcile_outputs.len(),
+        listed.len(),
+        started.values().filter(|n| **n == 1).count(),
+        twice,
+        never
+    );
+    report.expect(twice == 0 && never == 0, || {
+        format!("reconcile outputs: {twice} runs started twice, {never} never started")
+    });
+    let window_runs: BTreeSet<&String> = per_window_env
+        .iter()
+        .filter(|((w, _), _)| args.reconcile_windows.contains(w))
+        .flat_map(|(_, r)| r)
+        .collect();
+    let listed_sorted: BTreeSet<&String> = listed.iter().collect();
+    report.expect(window_runs == listed_sorted, || {
+        format!(
+            "the window's runs in the store ({}) are not the runs the reconcilers listed ({})",
+            window_runs.len(),
+            listed_sorted.len()
+        )
+    });
     Ok(())
 }
 
