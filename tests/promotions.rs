@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 mod common;
+#[path = "promotions/console.rs"]
+mod console;
 
 use axum::routing::get;
 use common::*;

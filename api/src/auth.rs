@@ -105,6 +105,7 @@ pub struct Caller {
     pub actor: Actor,
     scopes: BTreeSet<String>,
     roles: BTreeSet<Role>,
+    expires_at: u64,
 }
 
 impl Caller {
@@ -118,6 +119,11 @@ impl Caller {
             causation_id: ids.request_id,
             request_id: ids.request_id,
         }
+    }
+
+    /// When the token ends (seconds since the epoch): a console session ends with it.
+    pub fn expires_at(&self) -> u64 {
+        self.expires_at
     }
 
     /// True when the token carries `role`.
@@ -296,6 +302,7 @@ impl Verifier {
                 .map(str::to_string)
                 .collect(),
             roles: claims.roles.iter().filter_map(|r| Role::parse(r)).collect(),
+            expires_at: claims.exp,
         })
     }
 

@@ -31,6 +31,13 @@ pub trait EventFeed: Send + Sync {
         last_event_id: Option<&str>,
         after: Option<&str>,
     ) -> BoxStream<'static, Result<Event, Infallible>>;
+    /// As [`EventFeed::stream`], without event names (for a browser's `EventSource`).
+    fn stream_unnamed(
+        &self,
+        tenant: &TenantId,
+        last_event_id: Option<&str>,
+        after: Option<&str>,
+    ) -> BoxStream<'static, Result<Event, Infallible>>;
 }
 
 /// What `/readyz` adds to the store's own report.

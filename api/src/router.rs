@@ -316,10 +316,12 @@ impl Api {
     }
 }
 
-/// The HTTP API of `api`, on `state`.
-pub fn router(state: AppState, api: Api) -> Router {
+/// The HTTP API of `api`, and the pages of `pages` (not part of the API's document), on
+/// `state`.
+pub fn router(state: AppState, api: Api, pages: Router<AppState>) -> Router {
     let document = Document(api.document_text().into());
     api.routes
+        .merge(pages)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(Extension(document))

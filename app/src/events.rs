@@ -62,4 +62,20 @@ impl EventFeed for Feed {
         )
         .boxed()
     }
+
+    fn stream_unnamed(
+        &self,
+        tenant: &TenantId,
+        last_event_id: Option<&str>,
+        after: Option<&str>,
+    ) -> BoxStream<'static, Result<Event, Infallible>> {
+        ferry_messaging::sse::sse_stream_unnamed(
+            self.db.clone(),
+            self.publishers.clone(),
+            tenant.to_string(),
+            ferry_messaging::start_position(last_event_id, after),
+            self.db.subscribe_commits(),
+        )
+        .boxed()
+    }
 }

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod console;
 pub mod contexts;
 pub mod events;
 pub mod grpc;

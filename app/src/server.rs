@@ -488,7 +488,11 @@ async fn serve_http(
         .await
         .map_err(bind_error)?;
     let addr = listener.local_addr().map_err(bind_error)?;
-    let app = ferry_api::router(state, contexts.api());
+    // The console's CSRF key lives beside the other keys, so every instance of a
+    // deployment accepts the forms another served.
+    let key = ferry_api::auth::load_or_create_key_file(&config.data_dir, "console-csrf.key")?;
+    let pages = crate::console::routes(crate::console::session::ConsoleKey::new(key));
+    let app = ferry_api::router(state, contexts.api(), pages);
     let handle = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {

@@ -51,6 +51,7 @@ struct State {
     wake: watch::Receiver<u64>,
     ready: VecDeque<Event>,
     wake_open: bool,
+    named: bool,
 }
 
 /// The SSE stream of `tenant`'s events after `after`, each made by `publishers` as the relay
@@ -84,6 +85,31 @@ pub fn sse_stream_with_source(
     wake: watch::Receiver<u64>,
     source: String,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    events(db, publishers, tenant, after, wake, source, true)
+}
+
+/// [`sse_stream`] without event names (the subject is in the CloudEvent): a browser's
+/// `EventSource` hears every event in `onmessage`, without listing subjects in advance.
+pub fn sse_stream_unnamed(
+    db: Database,
+    publishers: Publishers,
+    tenant: String,
+    after: Position,
+    wake: watch::Receiver<u64>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let source = DEFAULT_SOURCE.to_string();
+    events(db, publishers, tenant, after, wake, source, false)
+}
+
+fn events(
+    db: Database,
+    publishers: Publishers,
+    tenant: String,
+    after: Position,
+    wake: watch::Receiver<u64>,
+    source: String,
+    named: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
     let state = State {
         db,
         publishers,
@@ -93,6 +119,7 @@ pub fn sse_stream_with_source(
         wake,
         ready: VecDeque::new(),
         wake_open: true,
+        named,
     };
     futures::stream::unfold(state, |mut s| async move {
         let mut backoff = Duration::from_millis(200);
@@ -145,12 +172,13 @@ async fn fill(s: &mut State) -> Result<bool, EncodeError> {
             .publishers
             .encode(&s.db, &s.source, stored, &position)
             .await?;
-        batch.push(
-            Event::default()
-                .id(position)
-                .event(out.subject)
-                .data(out.body),
-        );
+        let event = Event::default().id(position).data(out.body);
+        // An unnamed event reaches an `EventSource`'s `onmessage` whatever its subject.
+        batch.push(if s.named {
+            event.event(out.subject)
+        } else {
+            event
+        });
     }
     s.ready.extend(batch);
     s.after = last;

@@ -244,6 +244,39 @@ macro_rules! bind_params {
     }};
 }
 
+/// The last position a reader can take now: every event read after it comes later in the
+/// stream's order (on Postgres, events of a transaction still running come after it). A
+/// live reader that starts here misses nothing that happens from now on. The start of the
+/// stream when it is empty.
+pub async fn head(db: &Database) -> Result<Position, sqlx::Error> {
+    let row: Option<(i64, i64)> = match db.pool() {
+        Pool::Postgres(pool) => {
+            sqlx::query_as(
+                "SELECT transaction_id::text::bigint, global_position FROM events
+                  WHERE transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+                  ORDER BY events.transaction_id DESC, events.global_position DESC LIMIT 1",
+            )
+            .fetch_optional(pool)
+            .await?
+        }
+        Pool::Sqlite(pool) => {
+            sqlx::query_as(
+                "SELECT 0, global_position FROM events ORDER BY global_position DESC LIMIT 1",
+            )
+            .fetch_optional(pool)
+            .await?
+        }
+    };
+    Ok(
+        row.map_or_else(Position::default, |(transaction_id, global_position)| {
+            Position {
+                transaction_id,
+                global_position,
+            }
+        }),
+    )
+}
+
 // The ORDER BY names the table's columns: a bare `transaction_id` would mean the output
 // column of that name (the `::bigint` cast above), which no index serves, and every batch
 // would sort the whole table.

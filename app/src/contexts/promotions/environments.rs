@@ -99,7 +99,6 @@ pub async fn list_environments(
     caller: Caller,
     Query(raw): Query<HashMap<String, String>>,
 ) -> Result<Json<Page<EnvironmentSummary>>, ApiError> {
-    caller.require_scope(READ)?;
     let q = QueryParams::new(raw, &["environmentClass", "limit", "cursor"])?;
     let class: Option<EnvironmentClass> = q.parse(
         "environmentClass",
@@ -107,6 +106,21 @@ pub async fn list_environments(
         "development, test, staging or production",
     )?;
     let (limit, cursor) = q.page()?;
+    environments(&state, &caller, class, limit, cursor)
+        .await
+        .map(Json)
+}
+
+/// The tenant's environments (of `class`, when given), newest first, a page of `limit`
+/// after `cursor`: what runs where, for any transport.
+pub async fn environments(
+    state: &AppState,
+    caller: &Caller,
+    class: Option<EnvironmentClass>,
+    limit: u32,
+    cursor: Option<i64>,
+) -> Result<Page<EnvironmentSummary>, ApiError> {
+    caller.require_scope(READ)?;
     let db = state.db();
     let mut items = Vec::new();
     let mut next_cursor = None;
@@ -130,9 +144,9 @@ pub async fn list_environments(
             next_cursor = Some(encode_cursor(first + 1));
             break;
         }
-        items.push(summary(&state, &caller.tenant, &environment, registration).await?);
+        items.push(summary(state, &caller.tenant, &environment, registration).await?);
     }
-    Ok(Json(Page { items, next_cursor }))
+    Ok(Page { items, next_cursor })
 }
 
 /// The tenant's environment aggregates, newest first, with the position of their first
