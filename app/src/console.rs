@@ -10,6 +10,8 @@
 //! * [`promotion`]: `/promotions/{id}`, gates, the approval with its plan, verification,
 //!   the rollback, and the Approve / Reject form for someone allowed to decide;
 //! * [`events`]: `/events`, the tenant's audit trail, live;
+//! * [`runs`]: `/runs/{id}`, a provisioning run's receipts, approval and log;
+//! * [`drift`]: `/drift`, the reconciler's proposals and the ignore rules in force;
 //! * [`approvals`]: `/approvals`, what waits for the viewer's decision.
 //!
 //! Every page is sent with a Content-Security-Policy that allows no inline script and no
@@ -19,9 +21,11 @@
 mod approvals;
 mod assets;
 mod board;
+mod drift;
 mod events;
 mod layout;
 mod promotion;
+mod runs;
 pub mod session;
 
 use axum::http::{header, HeaderValue};
@@ -43,6 +47,8 @@ pub fn routes(key: session::ConsoleKey) -> Router<AppState> {
         .route("/console/board", get(board::fragment))
         .route("/promotions/{id}", get(promotion::page))
         .route("/promotions/{id}/decide", post(promotion::decide))
+        .route("/runs/{id}", get(runs::page))
+        .route("/drift", get(drift::page))
         .route("/approvals", get(approvals::page))
         .route("/events", get(events::page))
         .route("/console/stream", get(events::stream))

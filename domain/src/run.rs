@@ -602,6 +602,10 @@ pub struct ProvisioningRun {
     apply_receipt: Option<ApplyReceipt>,
 }
 
+/// The worker that rejects a run whose approval was not decided in time: its approval
+/// decision names it, so that whoever reads the run knows the approval expired.
+pub const APPROVAL_EXPIRY_WORKER: &str = "approval-expiry";
+
 impl ProvisioningRun {
     /// What was requested, if the run exists.
     pub fn request(&self) -> Option<&RunRequest> {

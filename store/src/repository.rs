@@ -278,6 +278,29 @@ where
         Ok((aggregate, Basis::new(A::TYPE, id, sequence)))
     }
 
+    /// Every event of the aggregate as stored (with its sequence, time and metadata),
+    /// oldest first, or `None` as for [`Repository::load`]: its history, for a timeline.
+    pub async fn load_history(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+    ) -> Result<Option<Vec<crate::events::Typed<A::Event>>>, CommandError<A::Error>> {
+        let events = events_after::<A>(&self.db, id, 0)
+            .await
+            .map_err(|e| match e {
+                ReadError::Sql(e) => CommandError::from_sql(e),
+                other => CommandError::store(other),
+            })?;
+        let mut aggregate = A::default();
+        for typed in &events {
+            aggregate.apply(typed.event.clone());
+        }
+        Ok(match aggregate.tenant() {
+            Some(owner) if owner == tenant && !events.is_empty() => Some(events),
+            _ => None,
+        })
+    }
+
     /// Every event of the aggregate, oldest first, read from the store (not the cache), or
     /// `None` as for [`Repository::load`].
     pub async fn load_events(
@@ -285,23 +308,10 @@ where
         tenant: &TenantId,
         id: &str,
     ) -> Result<Option<Vec<A::Event>>, CommandError<A::Error>> {
-        let events: Vec<A::Event> = events_after::<A>(&self.db, id, 0)
-            .await
-            .map_err(|e| match e {
-                ReadError::Sql(e) => CommandError::from_sql(e),
-                other => CommandError::store(other),
-            })?
-            .into_iter()
-            .map(|typed| typed.event)
-            .collect();
-        let mut aggregate = A::default();
-        for event in &events {
-            aggregate.apply(event.clone());
-        }
-        Ok(match aggregate.tenant() {
-            Some(owner) if owner == tenant && !events.is_empty() => Some(events),
-            _ => None,
-        })
+        Ok(self
+            .load_history(tenant, id)
+            .await?
+            .map(|history| history.into_iter().map(|typed| typed.event).collect()))
     }
 
     /// Runs `command` on aggregate `id` for `tenant`. An aggregate of another tenant is

@@ -440,6 +440,31 @@ async fn the_server_refuses_what_a_page_does_not_offer_and_forms_from_elsewhere(
     // A sign-out posted from elsewhere is refused too.
     let (status, _) = bob.post(&d, "/logout", &[("csrf", "forged")]).await;
     assert_eq!(status, 403);
+
+    // The run behind the approval, the timeline and drift, for a reader of both contexts.
+    let olga = Session::sign_in(&d, &token("acme", "olga", &[READ, D_READ], &["Reviewer"])).await;
+    let run = api["provisioningRunId"].as_str().unwrap();
+    let (status, page) = olga.get(&d, &format!("/runs/{run}")).await;
+    assert_eq!(status, 200, "{page}");
+    for expected in ["Plan", "Inputs hash", "aws:s3/bucket:Bucket", "Log"] {
+        assert!(page.contains(expected), "{expected} missing: {page}");
+    }
+    let (_, page) = olga.get(&d, &format!("/promotions/{promotion}")).await;
+    for expected in ["Timeline", "PromotionRequested", "ApprovalRejected"] {
+        assert!(page.contains(expected), "{expected} missing: {page}");
+    }
+    let (status, page) = olga.get(&d, "/drift").await;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("No reconciliation proposes a change"),
+        "{page}"
+    );
+    // Another tenant's run is not found, as over the API.
+    let other = Session::sign_in(&d, &token("globex", "gil", &[READ, D_READ], &["Reviewer"])).await;
+    let (status, _) = other.get(&d, &format!("/runs/{run}")).await;
+    assert_eq!(status, 404);
+    let (status, _) = other.get(&d, &format!("/promotions/{promotion}")).await;
+    assert_eq!(status, 404);
 }
 
 #[tokio::test]

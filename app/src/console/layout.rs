@@ -41,6 +41,7 @@ pub fn page(viewer: &Viewer, title: &str, body: Markup) -> Page {
                 nav aria-label="Console" {
                     a href="/" { "Board" }
                     a href="/approvals" { "Approvals" }
+                    a href="/drift" { "Drift" }
                     a href="/events" { "Events" }
                 }
                 div class="who" {
@@ -96,6 +97,25 @@ pub async fn error_page(error: ApiError) -> Response {
     let (status, message) = problem_of(error).await;
     let title = status.canonical_reason().unwrap_or("Error");
     (status, message_page(title, &message)).into_response()
+}
+
+/// A plan's resources: each with its operation, type and changed properties.
+pub fn plan_table(resources: &[ferry_domain::receipts::PlannedResource]) -> Markup {
+    html! {
+        table class="plan" {
+            thead { tr { th { "Operation" } th { "Resource" } th { "Type" } th { "Changed properties" } } }
+            tbody {
+                @for r in resources {
+                    tr {
+                        td { (format!("{:?}", r.op)) }
+                        td { code { (r.urn) } }
+                        td { (r.resource_type) }
+                        td { (r.properties.join(", ")) }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A short form of a UUID-like id for tables (the full id is in the link).

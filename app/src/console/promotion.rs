@@ -6,7 +6,7 @@
 
 use super::layout::{self, short};
 use super::session::Viewer;
-use crate::contexts::promotions::use_cases::{self, DecideApprovalRequest};
+use crate::contexts::promotions::use_cases::{self, DecideApprovalRequest, TimelineEntry};
 use crate::contexts::promotions::views::PromotionView;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -37,7 +37,12 @@ pub async fn page(
         Err(e) => Err(e),
     };
     match found {
-        Ok(view) => render(&viewer, &view, None).into_response(),
+        Ok(view) => {
+            let timeline = use_cases::timeline(&state, &viewer.caller, view.promotion_id)
+                .await
+                .unwrap_or_default();
+            render(&viewer, &view, &timeline, None).into_response()
+        }
         Err(error) => layout::error_page(error).await,
     }
 }
@@ -86,7 +91,7 @@ pub async fn decide(
             // The page again, saying why, with the API's status and words.
             let (status, message) = layout::problem_of(error).await;
             match use_cases::promotion(&state, &viewer.caller, id).await {
-                Ok(view) => (status, render(&viewer, &view, Some(&message))).into_response(),
+                Ok(view) => (status, render(&viewer, &view, &[], Some(&message))).into_response(),
                 Err(error) => layout::error_page(error).await,
             }
         }
@@ -102,7 +107,12 @@ fn may_decide(viewer: &Viewer, view: &PromotionView) -> bool {
         && caller.actor.person_key() != view.requested_by.person_key()
 }
 
-fn render(viewer: &Viewer, view: &PromotionView, error: Option<&str>) -> layout::Page {
+fn render(
+    viewer: &Viewer,
+    view: &PromotionView,
+    timeline: &[TimelineEntry],
+    error: Option<&str>,
+) -> layout::Page {
     let title = format!("Promotion {}", short(&view.promotion_id.to_string()));
     layout::page(
         viewer,
@@ -127,6 +137,20 @@ fn render(viewer: &Viewer, view: &PromotionView, error: Option<&str>) -> layout:
             (approval(viewer, view))
             (verification(view))
             (ending(view))
+            @if !timeline.is_empty() {
+                section {
+                    h2 { "Timeline" }
+                    ol class="timeline" {
+                        @for entry in timeline {
+                            li {
+                                time datetime=(entry.recorded_at.to_rfc3339()) { (entry.recorded_at.format("%Y-%m-%d %H:%M:%S")) }
+                                " " strong { (entry.event) }
+                                @if let Some(actor) = &entry.actor { " by " (actor) }
+                            }
+                        }
+                    }
+                }
+            }
         },
     )
 }
@@ -174,20 +198,11 @@ fn approval(viewer: &Viewer, view: &PromotionView) -> Markup {
                     (plan.deletes) " to delete, " (plan.replaces) " to replace"
                 }
                 p { "Inputs hash " code { (plan.inputs_hash) } ", program " code { (plan.program_version) } }
-                table class="plan" {
-                    thead { tr { th { "Operation" } th { "Resource" } th { "Type" } th { "Changed properties" } } }
-                    tbody {
-                        @for r in &plan.resources {
-                            tr {
-                                td { (format!("{:?}", r.op)) }
-                                td { code { (r.urn) } }
-                                td { (r.resource_type) }
-                                td { (r.properties.join(", ")) }
-                            }
-                        }
-                    }
+                (layout::plan_table(&plan.resources))
+                p {
+                    "Planned by run " a href={ "/runs/" (plan.provisioning_run_id) } { (short(&plan.provisioning_run_id.to_string())) }
+                    " (its log: " code { (plan.log) } ")"
                 }
-                p { "Plan log: " code { (plan.log) } }
             }
             @if let Some(decision) = &view.approval_decision {
                 p class="decision" {

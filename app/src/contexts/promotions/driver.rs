@@ -1063,6 +1063,19 @@ impl Driver {
                 .await
                 .map_err(command_error)?;
             let state = run.as_ref().and_then(|(r, _)| r.state());
+            // The run's own approval expired first (both expiries are set from one setting
+            // a few milliseconds apart): the promotion's approval expired too.
+            let expired = run.as_ref().is_some_and(|(r, _)| {
+                r.approval().is_some_and(|a| {
+                    a.decided_by.as_str()
+                        == format!("system:{}", ferry_domain::run::APPROVAL_EXPIRY_WORKER)
+                })
+            });
+            if expired && state == Some(ProvisioningState::Rejected) {
+                let command = PromotionCommand::ExpireApproval { at: now };
+                self.command(tenant, promotion, command, None).await?;
+                return Ok(());
+            }
             if let Some(command) = state.and_then(|state| after_run_ended(state, now)) {
                 self.command(tenant, promotion, command, None).await?;
             }

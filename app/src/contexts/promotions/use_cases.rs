@@ -618,6 +618,45 @@ pub async fn promotion(
     with_approval_plan(state, caller, view).await
 }
 
+/// One event of a promotion's history, for its timeline.
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TimelineEntry {
+    /// Its place in the promotion's history (1, 2, …).
+    pub sequence: i64,
+    /// What happened (`PromotionRequested`, `GateEvaluated`, …).
+    pub event: String,
+    /// Who, when a person or a worker is recorded.
+    pub actor: Option<String>,
+    /// When.
+    pub recorded_at: chrono::DateTime<Utc>,
+}
+
+/// A promotion's events, oldest first: what happened to it, who did it and when.
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %id))]
+pub async fn timeline(
+    state: &AppState,
+    caller: &Caller,
+    id: PromotionId,
+) -> Result<Vec<TimelineEntry>, ApiError> {
+    caller.require_scope(READ)?;
+    let history = state
+        .repository::<Promotion>()
+        .load_history(&caller.tenant, &id.to_string())
+        .await
+        .map_err(|e| ApiError::from_command(e, promotion_refusal))?
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    Ok(history
+        .iter()
+        .map(|typed| TimelineEntry {
+            sequence: typed.sequence,
+            event: typed.event.stored_type().name.to_string(),
+            actor: typed.metadata.actor().map(str::to_string),
+            recorded_at: typed.recorded_at,
+        })
+        .collect())
+}
+
 /// `view` with the plan its approval covers, read from the run that planned it: only when
 /// that run's plan is exactly the one the approval was asked for (its inputs hash).
 async fn with_approval_plan(

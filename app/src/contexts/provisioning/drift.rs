@@ -110,6 +110,16 @@ async fn active_rules(
         .unwrap_or_default())
 }
 
+/// The ignore rules in force in `environment`, oldest first, for any transport.
+pub async fn ignore_rules(
+    state: &AppState,
+    caller: &Caller,
+    environment: &EnvironmentId,
+) -> Result<Vec<IgnoreRule>, ApiError> {
+    caller.require_read()?;
+    active_rules(state, caller, environment).await
+}
+
 /// `GET /factory/provisioning/environments/{environmentId}/ignore-rules`.
 #[tracing::instrument(skip_all, fields(tenant = %caller.tenant, environment = %raw))]
 pub async fn list_ignore_rules(
@@ -117,9 +127,8 @@ pub async fn list_ignore_rules(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> Result<Json<IgnoreRulesView>, ApiError> {
-    caller.require_read()?;
     let environment_id = environment(&raw)?;
-    let rules = active_rules(&state, &caller, &environment_id).await?;
+    let rules = ignore_rules(&state, &caller, &environment_id).await?;
     Ok(Json(IgnoreRulesView {
         environment_id,
         rules,

@@ -1063,10 +1063,10 @@ impl ProvisioningSteps {
         self.command(
             item,
             tenant,
-            "approval-expiry",
+            ferry_domain::run::APPROVAL_EXPIRY_WORKER,
             RunCommand::DecideApproval {
                 decision: Decision::Reject,
-                decided_by: system("approval-expiry"),
+                decided_by: system(ferry_domain::run::APPROVAL_EXPIRY_WORKER),
                 reason: Some(format!(
                     "no decision within {minutes} minutes: the approval expired"
                 )),
