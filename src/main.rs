@@ -344,9 +344,15 @@ fn token(
     if config.jwt_jwks_url.is_some() {
         bail!("FERRY_JWT_JWKS_URL is set: tokens come from your identity provider, not from ferry token");
     }
-    let key = match &config.jwt_hs256_key {
-        Some(k) => k.as_bytes().to_vec(),
-        None => ferry_api::auth::load_or_create_key(&config.data_dir)?,
+    let (key, signer) = match &config.jwt_hs256_key {
+        Some(k) => (
+            k.as_bytes().to_vec(),
+            "the key of FERRY_JWT_HS256_KEY".to_string(),
+        ),
+        None => (
+            ferry_api::auth::load_or_create_key(&config.data_dir)?,
+            ferry_app::server::embedded_key(config),
+        ),
     };
     ferry_domain::TenantId::parse(tenant).context("--tenant")?;
     ferry_domain::Actor::parse(sub).context("--sub")?;
@@ -369,5 +375,8 @@ fn token(
     }
     let token =
         ferry_api::auth::issue_hs256(&key, tenant, sub, &scopes, &roles, Duration::from_secs(ttl))?;
+    // On stderr: scripts take the token from stdout, a person sees which key signed it (a
+    // server with another data dir refuses it, naming its own key).
+    writeln!(std::io::stderr(), "signed with {signer}")?;
     out(&token)
 }

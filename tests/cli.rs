@@ -88,10 +88,31 @@ fn token_signs_with_the_embedded_key_it_keeps() {
         String::from_utf8_lossy(&out.stderr)
     );
     let token = String::from_utf8(out.stdout).unwrap();
+    // Which key signed it is said on stderr, naming the data dir's key file.
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("signed with the embedded key in") && said.contains("jwt-hs256.key"),
+        "{said}"
+    );
     let key = ferry_api::auth::load_or_create_key(dir.path()).unwrap();
     let verifier = ferry_api::auth::Verifier::hs256(&key, None, None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let caller = rt.block_on(verifier.verify(token.trim())).unwrap();
+    // A server with another key refuses it, naming the key it checked against.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other_key = ferry_api::auth::load_or_create_key(elsewhere.path()).unwrap();
+    let refused = rt
+        .block_on(
+            ferry_api::auth::Verifier::hs256(&other_key, None, None)
+                .described("the embedded key in /srv/other/jwt-hs256.key")
+                .verify(token.trim()),
+        )
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("InvalidSignature")
+            && refused.to_string().contains("/srv/other/jwt-hs256.key"),
+        "{refused}"
+    );
     assert_eq!(
         (caller.tenant.as_str(), caller.actor.as_str()),
         ("acme", "alice")

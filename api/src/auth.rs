@@ -200,6 +200,8 @@ pub enum Verifier {
         key: DecodingKey,
         /// Required claims.
         validation: Validation,
+        /// Which key it is, for a refusal (the embedded key's file, the configured key).
+        source: String,
     },
     /// RS256 keys from a JWKS URL, cached by `kid` and refetched for an unknown one.
     Jwks {
@@ -234,6 +236,25 @@ impl Verifier {
         Self::Hs256 {
             key: DecodingKey::from_secret(key),
             validation: validation(Algorithm::HS256, issuer, audience),
+            source: "the configured HS256 key".to_string(),
+        }
+    }
+
+    /// This verifier, naming its key as `source` when it refuses a token (a token signed
+    /// with another key, e.g. by `ferry token` run with another data dir, is told which
+    /// key it did not match).
+    pub fn described(mut self, described: impl Into<String>) -> Self {
+        if let Self::Hs256 { source, .. } = &mut self {
+            *source = described.into();
+        }
+        self
+    }
+
+    /// Which key verifies tokens, in words.
+    pub fn source(&self) -> String {
+        match self {
+            Self::Hs256 { source, .. } => source.clone(),
+            Self::Jwks { url, .. } => format!("the JWKS at {url}"),
         }
     }
 
@@ -253,10 +274,15 @@ impl Verifier {
     /// Verifies a token and returns the caller.
     pub async fn verify(&self, token: &str) -> Result<Caller, ApiError> {
         let bad = |e: jsonwebtoken::errors::Error| {
-            ApiError::Unauthorized(format!("the bearer token is not valid: {e}"))
+            ApiError::Unauthorized(format!(
+                "the bearer token is not valid: {e} (checked against {})",
+                self.source()
+            ))
         };
         let claims = match self {
-            Self::Hs256 { key, validation } => {
+            Self::Hs256 {
+                key, validation, ..
+            } => {
                 jsonwebtoken::decode::<Claims>(token, key, validation)
                     .map_err(bad)?
                     .claims

@@ -172,13 +172,23 @@ pub fn store_options(config: &Config) -> ferry_store::StoreOptions {
     }
 }
 
+/// The embedded signing key, in words: the file in the data dir.
+pub fn embedded_key(config: &Config) -> String {
+    let file = config.data_dir.join(ferry_api::auth::KEY_FILE);
+    let file = std::path::absolute(&file).unwrap_or(file);
+    format!("the embedded key in {}", file.display())
+}
+
 /// The token verifier the configuration asks for.
 pub fn verifier(config: &Config) -> Result<Verifier, StartError> {
     let (iss, aud) = (config.jwt_issuer.as_deref(), config.jwt_audience.as_deref());
     Ok(match (&config.jwt_jwks_url, &config.jwt_hs256_key) {
         (Some(url), _) => Verifier::jwks(url, iss, aud),
-        (None, Some(key)) => Verifier::hs256(key.as_bytes(), iss, aud),
-        (None, None) => Verifier::hs256(&load_or_create_key(&config.data_dir)?, iss, aud),
+        (None, Some(key)) => {
+            Verifier::hs256(key.as_bytes(), iss, aud).described("the key of FERRY_JWT_HS256_KEY")
+        }
+        (None, None) => Verifier::hs256(&load_or_create_key(&config.data_dir)?, iss, aud)
+            .described(embedded_key(config)),
     })
 }
 
