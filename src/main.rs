@@ -32,8 +32,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the HTTP API and the projections (migrates first).
-    Serve,
+    /// Run the HTTP API, the console and the projections (migrates first).
+    Serve {
+        /// Record a demo tenant to look at in the console (embedded default, empty data dir
+        /// only) and print one-time sign-in links.
+        #[arg(long)]
+        demo: bool,
+    },
     /// Apply the database migrations and create the read-model tables.
     Migrate,
     /// Inspect or rebuild the read models.
@@ -147,8 +152,25 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
-        Command::Serve => {
+        Command::Serve { demo: false } => {
             let server = Server::start(&config).await?;
+            server.run_until_signal(&std::env::vars().collect()).await;
+        }
+        Command::Serve { demo: true } => {
+            let config = ferry_app::demo::prepare(config)?;
+            let server = Server::start(&config).await?;
+            out("ferry: recording the demo (about a minute)…")?;
+            let made = match ferry_app::demo::seed(&config).await {
+                Ok(made) => made,
+                Err(e) => {
+                    server.stop().await;
+                    return Err(e.into());
+                }
+            };
+            out(&format!("ferry: the demo is ready: open {}", made.console))?;
+            for (who, role, link) in &made.links {
+                out(&format!("  sign in as {who} ({role}): {link}"))?;
+            }
             server.run_until_signal(&std::env::vars().collect()).await;
         }
         Command::Migrate => {

@@ -398,3 +398,201 @@ fn relay_replay_goes_back_only_and_says_how_many_events() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("would skip events"));
 }
+
+/// A free local port (the OS's choice, released for the child to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port")
+        .port()
+}
+
+#[test]
+fn the_demo_shows_a_newcomer_the_path_and_never_mixes_with_other_data() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let port = free_port();
+    let mut child = ferry(&data)
+        .env("FERRY_HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("FERRY_GRPC_ADDR", format!("127.0.0.1:{}", free_port()))
+        .args(["serve", "--demo"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut printed = Vec::new();
+    while !printed
+        .iter()
+        .any(|l: &String| l.contains("sign in as platform"))
+    {
+        match rx.recv_timeout(std::time::Duration::from_secs(240)) {
+            Ok(line) => printed.push(line),
+            Err(e) => {
+                let _ = child.kill();
+                panic!("the demo did not finish ({e}): {printed:?}");
+            }
+        }
+    }
+    let link = |who: &str| {
+        let line = printed
+            .iter()
+            .find(|l| l.contains(&format!("as {who} ")))
+            .unwrap();
+        line.rsplit(' ').next().unwrap().to_string()
+    };
+    assert!(
+        printed
+            .iter()
+            .any(|l| l.contains(&format!("http://127.0.0.1:{port}/"))),
+        "{printed:?}"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap();
+        let bob = link("bob");
+        let signed = client.get(&bob).send().await.unwrap();
+        assert_eq!(signed.status(), 303);
+        let cookie = signed.headers()["set-cookie"].to_str().unwrap();
+        let cookie = cookie.split(';').next().unwrap().to_string();
+        let page = |path: &'static str| {
+            let (client, cookie, base) = (&client, &cookie, &base);
+            async move {
+                let r = client
+                    .get(format!("{base}{path}"))
+                    .header("cookie", cookie)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
+        };
+        let (status, board) = page("/").await;
+        assert_eq!(status, 200, "{board}");
+        for expected in [
+            "bob · demo",
+            "demo-dev",
+            "demo-test",
+            "demo-staging",
+            "demo-prod",
+            "waiting for a Reviewer",
+            "quarantined",
+            "1.2.0",
+            "1.0.0",
+        ] {
+            assert!(
+                board.contains(expected),
+                "{expected} missing from the board: {board}"
+            );
+        }
+        let (_, approvals) = page("/approvals").await;
+        assert!(
+            approvals.contains("/promotions/"),
+            "nothing awaits bob: {approvals}"
+        );
+        // The reconciliation's plan finishes in the background.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let (_, drift) = page("/drift").await;
+            if drift.contains("1 to delete") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no drift proposal: {drift}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        // A link works once.
+        let again = client.get(&bob).send().await.unwrap();
+        assert_eq!(again.status(), 404);
+
+        // The drift proposal, decided on its run's page: not by alice, who asked for the
+        // reconciliation, but by the PlatformAdmin.
+        let session = |link: String| {
+            let client = &client;
+            async move {
+                let r = client.get(&link).send().await.unwrap();
+                let c = r.headers()["set-cookie"].to_str().unwrap();
+                c.split(';').next().unwrap().to_string()
+            }
+        };
+        let get = |cookie: &str, path: String| {
+            let (client, cookie, base) = (&client, cookie.to_string(), &base);
+            async move {
+                let r = client
+                    .get(format!("{base}{path}"))
+                    .header("cookie", cookie)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            }
+        };
+        let platform = session(link("platform")).await;
+        let (_, drift) = get(&platform, "/drift".to_string()).await;
+        let run = drift
+            .split("href=\"/runs/")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .to_string();
+        let alice = session(link("alice")).await;
+        let (_, page) = get(&alice, format!("/runs/{run}")).await;
+        assert!(
+            !page.contains("class=\"decide\""),
+            "the requester is offered the decision: {page}"
+        );
+        let (status, page) = get(&platform, format!("/runs/{run}")).await;
+        assert_eq!(status, 200);
+        assert!(page.contains("class=\"decide\""), "{page}");
+        let csrf = page
+            .split("name=\"csrf\" value=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        let decided = client
+            .post(format!("{base}/runs/{run}/decide"))
+            .header("cookie", &platform)
+            .form(&[
+                ("csrf", csrf),
+                ("decision", "approve"),
+                ("reason", "the stray bucket is not ours"),
+            ])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(decided.status(), 303);
+        let (_, page) = get(&platform, format!("/runs/{run}")).await;
+        assert!(page.contains("by platform"), "{page}");
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    // The data dir now holds the demo: a second demo there is refused, naming it.
+    let out = ferry(&data)
+        .env("FERRY_HTTP_ADDR", format!("127.0.0.1:{}", free_port()))
+        .args(["serve", "--demo"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("empty data dir") && said.contains(&data.display().to_string()),
+        "{said}"
+    );
+}

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod console;
 pub mod contexts;
+pub mod demo;
 pub mod events;
 pub mod grpc;
 pub mod inbound;

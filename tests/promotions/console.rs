@@ -4,7 +4,8 @@
 //!
 //! One production promotion is taken to its approval; then, as people would:
 //! * the requester (alice, an Operator) signs in, sees the board with the four
-//!   environments and the promotion waiting, and is offered no Approve button;
+//!   environments and the promotion waiting, sees an environment recorded meanwhile appear
+//!   on it without a reload, and is offered no Approve button;
 //! * a stored `<script>` (a pipeline stage's name) is shown as text, and no dialog opens;
 //! * a Reviewer (bob) finds it under `/approvals` and approves it with the keyboard alone;
 //! * on `/events`, an event recorded after the page loaded appears without a reload.
@@ -207,6 +208,19 @@ async fn people_see_the_path_and_a_reviewer_approves_from_the_promotion_page() {
         );
     }
     browser.screenshot("console-board.png").await;
+    // Live: an environment recorded now appears on the board without a reload.
+    c.wait()
+        .for_element(Locator::Css("#board[data-connected=yes]"))
+        .await
+        .unwrap();
+    c.execute("window.stillHere = true;", vec![]).await.unwrap();
+    d.environment("payments-extra", "test").await;
+    browser.wait_for_text("payments-extra").await;
+    let same_page = c
+        .execute("return window.stillHere === true;", vec![])
+        .await
+        .unwrap();
+    assert_eq!(same_page, json!(true), "the board was reloaded");
     c.goto(&format!("{base}/promotions/{promotion}"))
         .await
         .unwrap();
@@ -284,6 +298,10 @@ async fn people_see_the_path_and_a_reviewer_approves_from_the_promotion_page() {
     c.goto(&format!("{base}/events")).await.unwrap();
     c.wait()
         .for_element(Locator::Css("tbody#events tr"))
+        .await
+        .unwrap();
+    c.wait()
+        .for_element(Locator::Css("tbody#events[data-connected=yes]"))
         .await
         .unwrap();
     c.execute("window.stillHere = true;", vec![]).await.unwrap();

@@ -1,7 +1,7 @@
 //! `/approvals`: what waits for the viewer's decision. Promotions whose production approval
 //! is pending and which the viewer may decide (a Reviewer or PlatformAdmin who did not ask
 //! for them), and provisioning runs and drift proposals awaiting approval (which an Operator
-//! or PlatformAdmin other than the requester decides through the API).
+//! or PlatformAdmin other than the requester decides on the run's page).
 
 use super::layout::{self, short};
 use super::session::Viewer;
@@ -91,7 +91,8 @@ async fn approvals(state: &AppState, viewer: &Viewer) -> Result<Markup, ApiError
                 ul class="approvals" {
                     @for r in &runs {
                         li {
-                            (format!("{:?}", r.kind)) " run " code { (short(&r.provisioning_run_id.to_string())) }
+                            (format!("{:?}", r.kind)) " run "
+                            a href={ "/runs/" (r.provisioning_run_id) } { (short(&r.provisioning_run_id.to_string())) }
                             " in " (r.environment_id.as_str())
                             @if let Some(plan) = &r.plan_receipt {
                                 " — " (plan.adds) " to add, " (plan.changes) " to change, "

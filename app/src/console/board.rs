@@ -2,7 +2,8 @@
 //! columns, projects as rows; in each cell the release current there, the promotion in
 //! flight and where it stands in words, and the releases quarantined there; under each
 //! environment the drift proposals waiting. The script swaps in `/console/board` (the
-//! board alone) whenever the tenant's event stream moves, so it is live without a reload.
+//! board alone) whenever `/console/changes` says the tenant's stream moved, so it is live
+//! without a reload.
 
 use super::layout::{self, short};
 use super::session::Viewer;

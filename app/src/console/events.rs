@@ -46,6 +46,33 @@ pub async fn page(viewer: Viewer, Query(query): Query<EventsQuery>) -> Response 
     .into_response()
 }
 
+/// `GET /console/changes`: one bare `changed` message per event of the viewer's tenant
+/// from now on, no content: what the board needs to read itself again, for any viewer who
+/// may read the board (the events' contents need the read scope of `/console/stream`).
+#[tracing::instrument(skip_all, fields(tenant = %viewer.caller.tenant))]
+pub async fn changes(viewer: Viewer, State(state): State<AppState>) -> Response {
+    use futures::StreamExt;
+    let caller = &viewer.caller;
+    if caller.require_read().is_err() {
+        if let Err(error) = caller.require_scope(crate::contexts::promotions::READ) {
+            return error.into_response();
+        }
+    }
+    let head = match ferry_store::stream::head(state.db()).await {
+        Ok(head) => ferry_messaging::position_token(head),
+        Err(error) => return ApiError::internal(error).into_response(),
+    };
+    let ticks = state
+        .feed()
+        .stream_unnamed(&caller.tenant, None, Some(&head))
+        .map(|_| {
+            Ok::<_, std::convert::Infallible>(axum::response::sse::Event::default().data("changed"))
+        });
+    Sse::new(ticks)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
 /// `GET /console/stream[?after=|from=head]`.
 #[derive(Debug, Deserialize)]
 pub struct StreamQuery {

@@ -118,6 +118,41 @@ pub fn plan_table(resources: &[ferry_domain::receipts::PlannedResource]) -> Mark
     }
 }
 
+/// An Approve / Reject form as posted (a promotion's or a run's approval).
+#[derive(Debug, serde::Deserialize)]
+pub struct DecideForm {
+    /// The session's CSRF token.
+    pub csrf: String,
+    decision: String,
+    /// Why.
+    #[serde(default)]
+    pub reason: String,
+}
+
+impl DecideForm {
+    /// The button pressed.
+    pub fn decision(&self) -> Result<ferry_domain::run::Decision, ApiError> {
+        match self.decision.as_str() {
+            "approve" => Ok(ferry_domain::run::Decision::Approve),
+            "reject" => Ok(ferry_domain::run::Decision::Reject),
+            _ => Err(ApiError::invalid_field("decision", "approve or reject")),
+        }
+    }
+}
+
+/// The Approve / Reject form posting to `action`, with a required reason.
+pub fn decide_form(action: &str, csrf: &str) -> Markup {
+    html! {
+        form method="post" action=(action) class="decide" {
+            input type="hidden" name="csrf" value=(csrf);
+            label for="reason" { "Reason" }
+            input type="text" id="reason" name="reason" required;
+            button type="submit" name="decision" value="approve" { "Approve" }
+            button type="submit" name="decision" value="reject" class="danger" { "Reject" }
+        }
+    }
+}
+
 /// A short form of a UUID-like id for tables (the full id is in the link).
 pub fn short(id: &str) -> &str {
     id.get(..8).unwrap_or(id)

@@ -7,7 +7,7 @@
 use super::layout::{self, short};
 use super::session::Viewer;
 use crate::contexts::promotions::use_cases::{self, DecideApprovalRequest, TimelineEntry};
-use crate::contexts::promotions::views::PromotionView;
+use crate::contexts::promotions::views::{self as delivery, PromotionView};
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
@@ -16,10 +16,8 @@ use ferry_api::extract::RequestIds;
 use ferry_api::problem::ApiError;
 use ferry_api::state::AppState;
 use ferry_domain::promotion::{ApprovalStatus, Measurement};
-use ferry_domain::run::Decision;
 use ferry_domain::PromotionId;
 use maud::{html, Markup};
-use serde::Deserialize;
 
 fn promotion_id(raw: &str) -> Result<PromotionId, ApiError> {
     PromotionId::parse(raw).map_err(|e| ApiError::NotFound(format!("no promotion {raw:?}: {e}")))
@@ -41,19 +39,15 @@ pub async fn page(
             let timeline = use_cases::timeline(&state, &viewer.caller, view.promotion_id)
                 .await
                 .unwrap_or_default();
-            render(&viewer, &view, &timeline, None).into_response()
+            let page = Page {
+                view: &view,
+                version: version(&state, &viewer, &view).await,
+                timeline: &timeline,
+            };
+            render(&viewer, &page, None).into_response()
         }
         Err(error) => layout::error_page(error).await,
     }
-}
-
-/// The Approve / Reject form as posted.
-#[derive(Debug, Deserialize)]
-pub struct DecideForm {
-    csrf: String,
-    decision: String,
-    #[serde(default)]
-    reason: String,
 }
 
 /// `POST /promotions/{id}/decide`: the approval decided through the API's use case.
@@ -63,18 +57,14 @@ pub async fn decide(
     State(state): State<AppState>,
     ids: RequestIds,
     Path(id): Path<String>,
-    Form(form): Form<DecideForm>,
+    Form(form): Form<layout::DecideForm>,
 ) -> Response {
     if let Err(refused) = viewer.check_csrf(&form.csrf) {
         return refused.into_response();
     }
-    let decision = match form.decision.as_str() {
-        "approve" => Decision::Approve,
-        "reject" => Decision::Reject,
-        _ => {
-            return layout::error_page(ApiError::invalid_field("decision", "approve or reject"))
-                .await
-        }
+    let decision = match form.decision() {
+        Ok(decision) => decision,
+        Err(e) => return layout::error_page(e).await,
     };
     let id = match promotion_id(&id) {
         Ok(id) => id,
@@ -91,7 +81,14 @@ pub async fn decide(
             // The page again, saying why, with the API's status and words.
             let (status, message) = layout::problem_of(error).await;
             match use_cases::promotion(&state, &viewer.caller, id).await {
-                Ok(view) => (status, render(&viewer, &view, &[], Some(&message))).into_response(),
+                Ok(view) => {
+                    let page = Page {
+                        version: version(&state, &viewer, &view).await,
+                        view: &view,
+                        timeline: &[],
+                    };
+                    (status, render(&viewer, &page, Some(&message))).into_response()
+                }
                 Err(error) => layout::error_page(error).await,
             }
         }
@@ -107,12 +104,24 @@ fn may_decide(viewer: &Viewer, view: &PromotionView) -> bool {
         && caller.actor.person_key() != view.requested_by.person_key()
 }
 
-fn render(
-    viewer: &Viewer,
-    view: &PromotionView,
-    timeline: &[TimelineEntry],
-    error: Option<&str>,
-) -> layout::Page {
+/// What the page shows: the promotion, its release's version, its history.
+struct Page<'a> {
+    view: &'a PromotionView,
+    version: Option<String>,
+    timeline: &'a [TimelineEntry],
+}
+
+/// The version of the promotion's release, as recorded.
+async fn version(state: &AppState, viewer: &Viewer, view: &PromotionView) -> Option<String> {
+    delivery::get_release(state.db(), &viewer.caller.tenant, view.release_id)
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.release.version.to_string())
+}
+
+fn render(viewer: &Viewer, page: &Page<'_>, error: Option<&str>) -> layout::Page {
+    let (view, timeline) = (page.view, page.timeline);
     let title = format!("Promotion {}", short(&view.promotion_id.to_string()));
     layout::page(
         viewer,
@@ -125,7 +134,10 @@ fn render(
             dl class="facts" {
                 dt { "State" } dd class="state" { (view.state.as_str()) }
                 dt { "Project" } dd { (view.project_id.as_str()) }
-                dt { "Release" } dd { (view.release_id) }
+                dt { "Release" } dd {
+                    @if let Some(version) = &page.version { strong { (version) } " " }
+                    code { (view.release_id) }
+                }
                 dt { "Environment" } dd { (view.environment_id.as_str()) " (" (view.environment_class.as_str()) ")" }
                 dt { "Requested by" } dd { (view.requested_by.as_str()) " at " (view.requested_at.to_rfc3339()) }
                 dt { "Strategy" } dd { (view.strategy.as_str()) }
@@ -211,13 +223,7 @@ fn approval(viewer: &Viewer, view: &PromotionView) -> Markup {
                 }
             }
             @if may_decide(viewer, view) {
-                form method="post" action={ "/promotions/" (view.promotion_id) "/decide" } class="decide" {
-                    input type="hidden" name="csrf" value=(viewer.csrf);
-                    label for="reason" { "Reason" }
-                    input type="text" id="reason" name="reason" required;
-                    button type="submit" name="decision" value="approve" { "Approve" }
-                    button type="submit" name="decision" value="reject" class="danger" { "Reject" }
-                }
+                (layout::decide_form(&format!("/promotions/{}/decide", view.promotion_id), &viewer.csrf))
             } @else if status == ApprovalStatus::Pending
                 && viewer.caller.actor.person_key() == view.requested_by.person_key() {
                 p class="hint" { "You asked for this promotion: someone else must decide its approval." }

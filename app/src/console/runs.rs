@@ -2,15 +2,20 @@
 //! its operation and changed properties, what the ignore rules left out, the inputs hash,
 //! the runner, the policy decision), its approval, what authorised the apply, its apply
 //! receipt (result, outputs, duration), why it failed or was cancelled, and its log as text.
+//! An Operator or PlatformAdmin other than the requester may approve or reject a run
+//! awaiting approval (a production run or a drift proposal) from the page.
 
 use super::layout::{self, short};
 use super::session::Viewer;
 use crate::contexts::provisioning::use_cases;
 use crate::contexts::provisioning::views::RunView;
 use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use ferry_api::extract::RequestIds;
 use ferry_api::state::AppState;
 use ferry_domain::receipts::{ApplyReceipt, PlanReceipt};
+use ferry_domain::ProvisioningState;
 use maud::{html, Markup};
 
 /// Log bytes shown on the page at most (the rest is one request away over the API).
@@ -29,16 +34,59 @@ pub async fn page(
     };
     // A run without a log yet (or whose log is gone) still shows its receipts.
     let log = use_cases::run_logs(&state, &viewer.caller, &id).await.ok();
-    render(&viewer, &run, log.as_deref()).into_response()
+    render(&viewer, &run, log.as_deref(), None).into_response()
 }
 
-fn render(viewer: &Viewer, run: &RunView, log: Option<&str>) -> layout::Page {
+/// `POST /runs/{id}/decide`: the run's approval decided through the API's use case.
+#[tracing::instrument(skip_all, fields(tenant = %viewer.caller.tenant, run = %id))]
+pub async fn decide(
+    viewer: Viewer,
+    State(state): State<AppState>,
+    ids: RequestIds,
+    Path(id): Path<String>,
+    Form(form): Form<layout::DecideForm>,
+) -> Response {
+    if let Err(refused) = viewer.check_csrf(&form.csrf) {
+        return refused.into_response();
+    }
+    let decision = match form.decision() {
+        Ok(decision) => decision,
+        Err(e) => return layout::error_page(e).await,
+    };
+    let body = use_cases::ApprovalRequest {
+        decision,
+        reason: Some(form.reason),
+    };
+    match use_cases::decide_approval(&state, &viewer.caller, ids, &id, body).await {
+        Ok(run) => Redirect::to(&format!("/runs/{}", run.provisioning_run_id)).into_response(),
+        Err(error) => {
+            let (status, message) = layout::problem_of(error).await;
+            match use_cases::run(&state, &viewer.caller, &id).await {
+                Ok(run) => (status, render(&viewer, &run, None, Some(&message))).into_response(),
+                Err(error) => layout::error_page(error).await,
+            }
+        }
+    }
+}
+
+/// Whether the viewer may decide this run's approval now: an Operator or PlatformAdmin with
+/// the apply scope who did not request it (people compared as people).
+fn may_decide(viewer: &Viewer, run: &RunView) -> bool {
+    run.state == ProvisioningState::AwaitingApproval
+        && viewer.caller.require_apply().is_ok()
+        && viewer.caller.actor.person_key() != run.requested_by.person_key()
+}
+
+fn render(viewer: &Viewer, run: &RunView, log: Option<&str>, error: Option<&str>) -> layout::Page {
     let title = format!("Run {}", short(&run.provisioning_run_id.to_string()));
     layout::page(
         viewer,
         &title,
         html! {
             h1 { (format!("{:?}", run.kind)) " run in " (run.environment_id.as_str()) }
+            @if let Some(error) = error {
+                p class="error" role="alert" { (error) }
+            }
             dl class="facts" {
                 dt { "State" } dd class="state" { (format!("{:?}", run.state)) }
                 dt { "Run" } dd { code { (run.provisioning_run_id) } }
@@ -61,6 +109,9 @@ fn render(viewer: &Viewer, run: &RunView, log: Option<&str>) -> layout::Page {
                         }
                     } @else {
                         p { "Waiting for an Operator or PlatformAdmin other than the requester." }
+                    }
+                    @if may_decide(viewer, run) {
+                        (layout::decide_form(&format!("/runs/{}/decide", run.provisioning_run_id), &viewer.csrf))
                     }
                 }
             }

@@ -7,7 +7,7 @@
 use super::layout;
 use axum::extract::{FromRequestParts, Query, State};
 use axum::http::request::Parts;
-use axum::http::{StatusCode, Uri};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::{Extension, Form};
 use axum_extra::extract::cookie::{Cookie, CookieJar, SameSite};
@@ -98,18 +98,27 @@ impl IntoResponse for FormRefused {
     }
 }
 
-/// Where a page that needs a session sends a viewer without one.
-fn to_login(uri: &Uri) -> Response {
-    let next = uri.path_and_query().map_or("/", |p| p.as_str());
+/// Where a page that needs a session sends a viewer without one: back to the page after
+/// signing in (a form's target only answers its post, so the board instead).
+fn to_login(parts: &Parts) -> Response {
+    let next = match parts.method {
+        axum::http::Method::GET => parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+        _ => "/",
+    };
     let query = serde_urlencoded::to_string([("next", next)]).unwrap_or_default();
     Redirect::to(&format!("/login?{query}")).into_response()
 }
 
 /// A local path to go back to after signing in (never another site: `//host` and
-/// `/\host` are refused).
+/// `/\host` are refused), of visible ASCII only (it becomes a `Location` header).
 fn local(next: Option<&str>) -> String {
     match next {
-        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.starts_with("/\\") => {
+        Some(n)
+            if n.starts_with('/')
+                && !n.starts_with("//")
+                && !n.starts_with("/\\")
+                && n.bytes().all(|b| b.is_ascii_graphic()) =>
+        {
             n.to_string()
         }
         _ => "/".to_string(),
@@ -126,7 +135,7 @@ impl FromRequestParts<AppState> for Viewer {
         };
         let jar = CookieJar::from_headers(&parts.headers);
         let Some(session) = jar.get(SESSION).map(|c| c.value().to_string()) else {
-            return Err(to_login(&parts.uri));
+            return Err(to_login(parts));
         };
         match state.verifier().verify(&session).await {
             Ok(caller) => Ok(Self {
@@ -136,9 +145,11 @@ impl FromRequestParts<AppState> for Viewer {
                 key,
             }),
             // Expired or no longer valid: sign in again.
-            Err(_) => {
-                Err((jar.remove(Cookie::from(SESSION)), to_login(&parts.uri)).into_response())
-            }
+            Err(_) => Err((
+                jar.remove(Cookie::build(SESSION).path("/")),
+                to_login(parts),
+            )
+                .into_response()),
         }
     }
 }
@@ -183,6 +194,61 @@ fn login_form(nonce: &str, next: &str, error: Option<&str>) -> layout::Page {
     )
 }
 
+/// Sign-in links that work once (`ferry serve --demo` prints one per demo person): the
+/// code names a token Ferry made; following the link starts a session with it.
+static LINKS: std::sync::Mutex<Option<std::collections::HashMap<String, String>>> =
+    std::sync::Mutex::new(None);
+
+/// A one-time sign-in link's code for `token`.
+pub fn one_time_link(token: String) -> String {
+    let code = hex::encode(rand::random::<[u8; 24]>());
+    LINKS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(Default::default)
+        .insert(code.clone(), token);
+    code
+}
+
+/// `GET /login/link/{code}`: signs in with the link's token, once.
+pub async fn follow_link(
+    State(state): State<AppState>,
+    jar: CookieJar,
+    axum::extract::Path(code): axum::extract::Path<String>,
+) -> Response {
+    let token = LINKS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_mut()
+        .and_then(|links| links.remove(&code));
+    let Some(token) = token else {
+        return (
+            StatusCode::NOT_FOUND,
+            layout::message_page(
+                "Link used",
+                "This sign-in link was used already or never existed: sign in with a token.",
+            ),
+        )
+            .into_response();
+    };
+    match state.verifier().verify(&token).await {
+        Ok(caller) => (jar.add(session_cookie(&caller, token)), Redirect::to("/")).into_response(),
+        Err(error) => layout::error_page(error).await,
+    }
+}
+
+/// The session cookie for `caller`'s `token`: HttpOnly, SameSite=Strict, ending with it.
+fn session_cookie(caller: &Caller, token: String) -> Cookie<'static> {
+    let now = chrono::Utc::now().timestamp();
+    let left = i64::try_from(caller.expires_at()).unwrap_or(i64::MAX) - now;
+    Cookie::build((SESSION, token))
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .path("/")
+        .max_age(time::Duration::seconds(left.max(0)))
+        .build()
+}
+
 /// The sign-in form as posted.
 #[derive(Debug, Deserialize)]
 pub struct LoginForm {
@@ -217,15 +283,8 @@ pub async fn login(
     let token = form.token.trim().to_string();
     match state.verifier().verify(&token).await {
         Ok(caller) => {
-            let now = chrono::Utc::now().timestamp();
-            let left = i64::try_from(caller.expires_at()).unwrap_or(i64::MAX) - now;
             tracing::info!(tenant = %caller.tenant, actor = %caller.actor, "console sign-in");
-            let session = Cookie::build((SESSION, token))
-                .http_only(true)
-                .same_site(SameSite::Strict)
-                .path("/")
-                .max_age(time::Duration::seconds(left.max(0)))
-                .build();
+            let session = session_cookie(&caller, token);
             let jar = jar.remove(Cookie::build(LOGIN).path("/login")).add(session);
             (jar, Redirect::to(&next)).into_response()
         }
@@ -291,5 +350,9 @@ mod tests {
             assert_eq!(local(Some(elsewhere)), "/", "{elsewhere}");
         }
         assert_eq!(local(None), "/");
+        // It becomes a header: a line break or a space could never be sent.
+        for broken in ["/a\r\nSet-Cookie: x=1", "/a b", "/\u{e9}"] {
+            assert_eq!(local(Some(broken)), "/", "{broken:?}");
+        }
     }
 }

@@ -4,7 +4,9 @@
 
 // The board is read again (as a fragment) whenever the tenant's stream moves.
 function liveBoard(board) {
-  const source = new EventSource("/console/stream?from=head");
+  const source = new EventSource("/console/changes");
+  // Said on the page once the stream is open: what happens from then on is shown.
+  source.onopen = () => { board.dataset.connected = "yes"; };
   let pending = null;
   source.onmessage = () => {
     if (pending) return;
@@ -29,6 +31,7 @@ function liveEvents(tbody) {
   };
   filter.addEventListener("input", () => rows.forEach(show));
   const source = new EventSource(tbody.dataset.stream);
+  source.onopen = () => { tbody.dataset.connected = "yes"; };
   const add = (message) => {
     let event;
     try { event = JSON.parse(message.data); } catch { return; }
