@@ -556,6 +556,11 @@ fn the_demo_shows_a_newcomer_the_path_and_never_mixes_with_other_data() {
             !page.contains("class=\"decide\""),
             "the requester is offered the decision: {page}"
         );
+        // It waits for the PlatformAdmin's decision, not for its requester's.
+        let (_, waiting) = get(&platform, "/approvals".to_string()).await;
+        assert!(waiting.contains(&format!("/runs/{run}")), "{waiting}");
+        let (_, waiting) = get(&alice, "/approvals".to_string()).await;
+        assert!(!waiting.contains(&format!("/runs/{run}")), "{waiting}");
         let (status, page) = get(&platform, format!("/runs/{run}")).await;
         assert_eq!(status, 200);
         assert!(page.contains("class=\"decide\""), "{page}");

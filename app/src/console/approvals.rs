@@ -62,7 +62,15 @@ async fn approvals(state: &AppState, viewer: &Viewer) -> Result<Markup, ApiError
             state: Some(ProvisioningState::AwaitingApproval),
             ..RunFilter::default()
         };
-        runs = list_runs(state, caller, &filter, LIMIT, None).await?.items;
+        // Only those the viewer may decide: with the apply scope and an Operator's or
+        // PlatformAdmin's role, and not their own.
+        let decides = caller.require_apply().is_ok();
+        runs = list_runs(state, caller, &filter, LIMIT, None)
+            .await?
+            .items
+            .into_iter()
+            .filter(|r| decides && r.requested_by.person_key() != me)
+            .collect();
     }
     Ok(html! {
         h1 { "Waiting for your decision" }
@@ -86,7 +94,7 @@ async fn approvals(state: &AppState, viewer: &Viewer) -> Result<Markup, ApiError
         section {
             h2 { "Provisioning runs and drift proposals" }
             @if runs.is_empty() {
-                p class="empty" { "No run awaits an approval." }
+                p class="empty" { "No run waits for your approval." }
             } @else {
                 ul class="approvals" {
                     @for r in &runs {
