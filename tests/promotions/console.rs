@@ -13,6 +13,7 @@
 use super::*;
 use fantoccini::{Client, ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
 /// One browser at a time in this test binary.
@@ -29,6 +30,10 @@ struct Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
+        // chromedriver and the Chromium it started share a process group of their own:
+        // stopping the group leaves no browser behind, even after a failed test.
+        let group = format!("-{}", self.driver.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }
@@ -43,6 +48,7 @@ impl Browser {
             .port();
         let driver = Command::new("chromedriver")
             .arg(format!("--port={port}"))
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -188,7 +194,7 @@ async fn people_see_the_path_and_a_reviewer_approves_from_the_promotion_page() {
     let d = with_the_path(Backend::Sqlite, 1).await;
     let promotion = awaiting_production_approval(&d).await;
     let base = d.s.base.clone();
-    let browser = Browser::start().await;
+    let mut browser = Browser::start().await;
     let c = browser.c();
 
     // The requester: the board, and the promotion without a way to approve it.
@@ -313,6 +319,8 @@ async fn people_see_the_path_and_a_reviewer_approves_from_the_promotion_page() {
         .unwrap();
     assert_eq!(same_page, json!(true), "the page was reloaded");
     browser.no_dialog().await;
+    // Ends the session, and with it the browser.
+    browser.client.take().unwrap().close().await.unwrap();
 }
 
 /// A session as a browser would hold it: the sign-in form's cookie and token, then the
