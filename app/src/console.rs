@@ -47,6 +47,7 @@ pub fn routes(key: session::ConsoleKey) -> Router<AppState> {
         .route("/console/board", get(board::fragment))
         .route("/promotions/{id}", get(promotion::page))
         .route("/promotions/{id}/decide", post(promotion::decide))
+        .route("/promotions/{id}/plan-log", get(promotion::plan_log))
         .route("/runs/{id}", get(runs::page))
         .route("/runs/{id}/decide", post(runs::decide))
         .route("/drift", get(drift::page))

@@ -276,6 +276,20 @@ async fn people_see_the_path_and_a_reviewer_approves_from_the_promotion_page() {
         .await
         .unwrap();
     browser.screenshot("console-promotion.png").await;
+    // The plan log is one link away (readable with the delivery read scope alone).
+    let back = c.current_url().await.unwrap();
+    c.find(Locator::LinkText("the plan log"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    browser.wait_for_text("The plan log").await;
+    c.goto(back.as_str()).await.unwrap();
+    c.wait()
+        .for_element(Locator::Css("form.decide"))
+        .await
+        .unwrap();
     let reason = c.find(Locator::Id("reason")).await.unwrap();
     reason.click().await.unwrap();
     reason.send_keys("CAB approved").await.unwrap();

@@ -95,6 +95,32 @@ pub async fn decide(
     }
 }
 
+/// `GET /promotions/{id}/plan-log`: the log of the plan the approval covers, as text.
+#[tracing::instrument(skip_all, fields(tenant = %viewer.caller.tenant, promotion = %id))]
+pub async fn plan_log(
+    viewer: Viewer,
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Response {
+    let log = match promotion_id(&id) {
+        Ok(id) => use_cases::approval_plan_log(&state, &viewer.caller, id).await,
+        Err(e) => Err(e),
+    };
+    match log {
+        Ok(log) => layout::page(
+            &viewer,
+            "Plan log",
+            html! {
+                h1 { "The plan log" }
+                p { a href={ "/promotions/" (id) } { "Back to the promotion" } }
+                pre class="log" { (log) }
+            },
+        )
+        .into_response(),
+        Err(error) => layout::error_page(error).await,
+    }
+}
+
 /// Whether the viewer may decide this promotion's approval now: a Reviewer or
 /// PlatformAdmin who is not the requester (people compared as people), while it is pending.
 fn may_decide(viewer: &Viewer, view: &PromotionView) -> bool {
@@ -213,7 +239,7 @@ fn approval(viewer: &Viewer, view: &PromotionView) -> Markup {
                 (layout::plan_table(&plan.resources))
                 p {
                     "Planned by run " a href={ "/runs/" (plan.provisioning_run_id) } { (short(&plan.provisioning_run_id.to_string())) }
-                    " (its log: " code { (plan.log) } ")"
+                    " · " a href={ "/promotions/" (view.promotion_id) "/plan-log" } { "the plan log" }
                 }
             }
             @if let Some(decision) = &view.approval_decision {

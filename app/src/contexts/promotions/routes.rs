@@ -163,25 +163,9 @@ pub async fn approval_plan_log(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> Result<Response, ApiError> {
-    caller.require_scope(READ)?;
     let id = promotion_id(&raw)?;
-    let view = views::get_promotion(state.db(), &caller.tenant, id)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
-    let approval = view
-        .approval
-        .as_ref()
-        .ok_or_else(|| ApiError::NotFound(format!("promotion {id} has no approval with a plan")))?;
-    let reference = format!("artifacts:runs/{}/plan.log", approval.provisioning_run_id);
-    let bytes =
-        state.artifacts().get(&reference).await.map_err(|_| {
-            ApiError::NotFound(format!("the plan of promotion {id} has no log yet"))
-        })?;
-    Ok((
-        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-        String::from_utf8_lossy(&bytes).into_owned(),
-    )
-        .into_response())
+    let log = use_cases::approval_plan_log(&state, &caller, id).await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], log).into_response())
 }
 
 /// `POST /factory/delivery/promotions/{promotionId}/approval`: a Reviewer or PlatformAdmin

@@ -618,6 +618,30 @@ pub async fn promotion(
     with_approval_plan(state, caller, view).await
 }
 
+/// The log of the plan the promotion's approval covers, for those who decide it
+/// (`factory.delivery.read`, which does not reach the run itself).
+#[tracing::instrument(skip_all, fields(tenant = %caller.tenant, promotion = %id))]
+pub async fn approval_plan_log(
+    state: &AppState,
+    caller: &Caller,
+    id: PromotionId,
+) -> Result<String, ApiError> {
+    caller.require_scope(READ)?;
+    let view = views::get_promotion(state.db(), &caller.tenant, id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no promotion {id}")))?;
+    let approval = view
+        .approval
+        .as_ref()
+        .ok_or_else(|| ApiError::NotFound(format!("promotion {id} has no approval with a plan")))?;
+    let reference = format!("artifacts:runs/{}/plan.log", approval.provisioning_run_id);
+    let bytes =
+        state.artifacts().get(&reference).await.map_err(|_| {
+            ApiError::NotFound(format!("the plan of promotion {id} has no log yet"))
+        })?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// One event of a promotion's history, for its timeline.
 #[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
